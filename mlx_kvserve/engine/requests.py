@@ -1,0 +1,89 @@
+"""What travels between the event loop and the engine thread: a request in, events out.
+
+Events cross threads through `loop.call_soon_threadsafe`, so the event loop never blocks on the
+engine and the engine never touches asyncio objects directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """New completion text (already checked against stop strings)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request finished; carries the usage figures for the response."""
+
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """The request failed inside the engine; the message is safe to show to the client."""
+
+    message: str
+
+
+Event = TextChunk | Done | EngineError
+
+
+@dataclass
+class GenerationRequest:
+    """One completion request as the engine sees it: token ids in, events out."""
+
+    prompt_tokens: list[int]
+    params: SamplingParams
+    kind: str = "chat"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)  # for time-to-first-token
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _events: asyncio.Queue[Event] | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Attach the event loop that will consume this request's events."""
+        self._loop = loop
+        self._events = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:
+        """Called on the engine thread: hand an event to the event loop."""
+        if self._loop is None or self._events is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
+            self.cancelled.set()
+
+    async def next_event(self, timeout: float | None = None) -> Event | None:
+        """Next event, or None if `timeout` seconds pass first (used for SSE keep-alives)."""
+        assert self._events is not None, "bind() the request before waiting on it"
+        try:
+            return await asyncio.wait_for(self._events.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def cancel(self) -> None:
+        self.cancelled.set()

@@ -1,0 +1,131 @@
+"""The engine thread: loads the model, then serves queued requests one at a time.
+
+MLX arrays and streams belong to the thread that made them, so this thread creates and touches
+every MLX object; the event loop only enqueues requests and receives events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from mlx_kvserve.engine.generate import run_request
+from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+
+log = logging.getLogger("mlx_kvserve.engine")
+
+_STOP = object()
+
+
+class EngineNotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+class EngineBusy(Exception):
+    """The request queue is full."""
+
+
+class Engine:
+    def __init__(
+        self,
+        loader: Callable[[], tuple[Any, Any]],
+        *,
+        prefill_step: int = 512,
+        max_queue: int = 16,
+    ) -> None:
+        """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does."""
+        self._loader = loader
+        self.prefill_step = prefill_step
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._current: GenerationRequest | None = None
+        self._stopping = threading.Event()
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.context_length: int | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue a request for the engine thread; raises instead of waiting when it cannot."""
+        if self._stopping.is_set() or not self.ready.is_set():
+            raise EngineNotReady(self.load_error or "the model is still loading")
+        try:
+            self._queue.put_nowait(req)
+        except queue.Full:
+            raise EngineBusy from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new work, fail queued requests, cancel the running one, join the thread."""
+        self._stopping.set()
+        while True:
+            try:
+                pending = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(pending, GenerationRequest):
+                pending.emit(EngineError("the server is shutting down"))
+        current = self._current
+        if current is not None:
+            current.cancel()
+        with contextlib.suppress(queue.Full):  # drained just above
+            self._queue.put_nowait(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.model, self.tokenizer = self._loader()
+            self.context_length = _context_length(self.model)
+        except Exception as exc:  # a broken model must not kill the server silently
+            self.load_error = f"model failed to load: {exc}"
+            log.error("%s\n%s", self.load_error, traceback.format_exc())
+            return
+        self.ready.set()
+        log.info("model ready (context %s tokens)", self.context_length)
+        while True:
+            item = self._queue.get()
+            if item is _STOP or self._stopping.is_set():
+                if isinstance(item, GenerationRequest):
+                    item.emit(EngineError("the server is shutting down"))
+                    continue
+                return
+            self._serve(item)
+
+    def _serve(self, req: GenerationRequest) -> None:
+        self._current = req
+        try:
+            if req.cancelled.is_set():
+                req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
+                return
+            timings = run_request(self.model, self.tokenizer, req, self.prefill_step)
+            log.info(timings.log_line(req))
+        except Exception:
+            log.error("request %s failed:\n%s", req.request_id, traceback.format_exc())
+            req.emit(EngineError("internal error while generating; see the server log"))
+        finally:
+            self._current = None
+
+
+def _context_length(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+__all__ = ["Done", "Engine", "EngineBusy", "EngineNotReady"]
