@@ -1,0 +1,114 @@
+"""The Starlette application: routes, auth, and errors in the OpenAI shape."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlx_kvserve import __version__
+from mlx_kvserve.api.auth import BearerAuth
+from mlx_kvserve.api.completions import chat_completions, completions
+from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.config import Settings
+from mlx_kvserve.engine import Engine
+
+log = logging.getLogger("mlx_kvserve.api")
+
+
+async def health(request: Request) -> Response:
+    state = request.app.state
+    engine: Engine = state.engine
+    if not engine.ready.is_set():
+        status = "error" if engine.load_error else "loading"
+        body = {"status": status, "model": state.model_id, "version": __version__}
+        if engine.load_error:
+            body["error"] = engine.load_error
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
+    return JSONResponse(
+        {"status": "ok", "model": state.model_id, "version": __version__, "queued": engine.queued}
+    )
+
+
+def _model_card(request: Request) -> dict:
+    state = request.app.state
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "mlx-kvserve",
+    }
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def get_model(request: Request) -> Response:
+    wanted = request.path_params["model_id"]
+    if wanted != request.app.state.model_id:
+        raise APIError(404, f"The model '{wanted}' does not exist.", code="model_not_found")
+    return JSONResponse(_model_card(request))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"Unknown path: {request.url.path}", 405: "Method not allowed."}.get(
+        exc.status_code, str(exc.detail)
+    )
+    return APIError(exc.status_code, message, headers=exc.headers).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return APIError(
+        500, "Internal server error; see the server log.", code="internal_error"
+    ).response()
+
+
+def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
+    """Build the app; the engine thread starts with the app and stops with it."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            log.info("shutting down: stopping the engine")
+            engine.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.model_id = model_id
+    app.state.started = int(time.time())
+    return app

@@ -1,0 +1,119 @@
+"""Request bodies, validated with pydantic so that every wrong field gets a precise 400.
+
+Strict types: a string where a number belongs is an error, as with the OpenAI API. Unknown fields
+are ignored, because clients send many optional OpenAI parameters we do not need.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mlx_kvserve.api.errors import APIError
+
+MAX_STOPS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str:
+        return value[0] if isinstance(value, list) else value
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(model: type[_Body], data: Any) -> Any:
+    """Validate `data` into `model`, or raise a 400 naming the first offending parameter."""
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = _describe(exc)
+        raise APIError(400, message, param=param or None, code="invalid_value") from None
+
+
+def _describe(exc: ValidationError) -> tuple[str, str]:
+    """Pick the most useful error: union branches produce several, prefer a missing field."""
+    errors = exc.errors(include_url=False)
+    first = next((e for e in errors if e["type"] == "missing"), errors[0])
+    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) if loc else None
+    if first["type"] == "missing":
+        return f"Missing required parameter: '{param}'.", param or ""
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    return f"Invalid value for '{param}': {first['msg']} (got {shown[:80]}).", param or ""
+
+
+def _is_union_tag(part: Any) -> bool:
+    text = str(part)
+    return text in {
+        "str",
+        "int",
+        "float",
+        "bool",
+        "list[str]",
+        "list[TextPart]",
+        "none",
+    } or text.startswith(("list[", "function-", "constrained-"))
