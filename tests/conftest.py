@@ -1,0 +1,112 @@
+"""Test harness: real `mlx-kvserve serve` processes on ephemeral loopback ports.
+
+Every server uses the real embedded default model. It is fetched and converted once into the data
+directory (MLX_KVSERVE_DATA_DIR if set, else the per-user default) and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT = 900.0  # first run downloads and converts the model; a guard, not a benchmark
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess with its log captured to a file."""
+
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"server-{self.port}.log"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.setdefault("MLX_KVSERVE_CONFIG", str(workdir / "no-config.toml"))
+        cmd = [sys.executable, "-m", "mlx_kvserve", "serve", "--port", str(self.port), *args]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, needle: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            if needle in text:
+                return text
+            time.sleep(0.05)
+        raise AssertionError(f"{needle!r} not in server log:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def server(session_dir: Path) -> Iterator[ServerProcess]:
+    """The shared default server: embedded model, no API key."""
+    proc = ServerProcess(session_dir).wait_ready()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator:
+    """Start extra servers with their own flags; all are stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def _start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(tmp_path, *args, env=env)
+        started.append(proc)
+        return proc.wait_ready()
+
+    yield _start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
