@@ -1,0 +1,400 @@
+"""Disk tier: one directory per model fingerprint, one file per entry, no index file.
+
+Crash safety (DESIGN invariant 6):
+
+* Writes go to `.tmp.<key>.<pid>.<n>` in the same directory, are fsync'd (F_FULLFSYNC on macOS,
+  where plain fsync does not flush the drive cache), renamed to `<key>.kvc`, and the directory
+  is fsync'd. A kill at any instant leaves either no file or a complete one; start-up sweeps the
+  temporary leftovers.
+* The rename happens under `fs_lock` after re-checking the job's `cancelled` flag, and deletes
+  take the same lock, so an entry evicted while its write is in flight can never reappear.
+* `RUNNING` is the run marker: created at open, removed at clean close. Finding it at open means
+  the last run died; its entries are flagged suspect (in their slots, fsync'd) before the new
+  marker replaces it.
+* `lock` carries an exclusive, non-blocking `flock`: one writer process per directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_kvserve.cache import codec
+from mlx_kvserve.cache.codec import HostArray, Slot
+from mlx_kvserve.cache.entry import DELTA, KEY_RE, SNAPSHOT, entry_key
+from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
+
+SUFFIX = ".kvc"
+TMP_PREFIX = ".tmp."
+LOCK_NAME = "lock"
+MARKER_NAME = "RUNNING"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+@dataclass
+class ScannedEntry:
+    key: str
+    header: dict[str, Any]
+    tokens: np.ndarray
+    slot: Slot | None
+    file_bytes: int
+
+
+def _fsync_file(fd: int) -> None:
+    if sys.platform == "darwin" and hasattr(fcntl, "F_FULLFSYNC"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.write(fd, view)
+        if written <= 0:  # pragma: no cover - os.write raises instead
+            raise OSError(errno.EIO, "short write")
+        view = view[written:]
+
+
+def validate_header(
+    header: dict[str, Any], key: str, fingerprint: str, file_bytes: int, payload_offset: int
+) -> np.ndarray:
+    """Check a parsed header against its file name, model, and size; returns its tokens."""
+    if header.get("format") != codec.FORMAT_VERSION:
+        raise EntryFormatError(f"header format {header.get('format')!r}")
+    if header.get("fingerprint") != fingerprint:
+        raise EntryFormatError(f"fingerprint {header.get('fingerprint')!r} is another model's")
+    if header.get("key") != key:
+        raise EntryFormatError("header key does not match the file name")
+    try:
+        tokens = codec.decode_tokens(header["tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EntryFormatError(f"bad token ids: {exc}") from None
+    if header.get("n_tokens") != tokens.shape[0] or tokens.shape[0] == 0:
+        raise EntryFormatError(
+            f"header claims {header.get('n_tokens')} tokens, holds {tokens.shape[0]}"
+        )
+    if entry_key(fingerprint, tokens) != key:
+        raise EntryFormatError("token ids do not hash to the file name")
+    kind = header.get("kind")
+    parent = header.get("parent")
+    parent_len = header.get("parent_len")
+    if kind not in (DELTA, SNAPSHOT) or not isinstance(parent_len, int):
+        raise EntryFormatError(f"bad kind/parent_len {kind!r}/{parent_len!r}")
+    if parent is None:
+        if parent_len != 0:
+            raise EntryFormatError("parent_len without a parent")
+    elif (
+        kind != DELTA
+        or not isinstance(parent, str)
+        or not 0 < parent_len < tokens.shape[0]
+        or entry_key(fingerprint, tokens[:parent_len]) != parent
+    ):
+        raise EntryFormatError("parent does not match the entry's token prefix")
+    meta = header.get("meta")
+    if not isinstance(meta, dict):
+        raise EntryFormatError("header meta is not an object")
+    if kind == SNAPSHOT:
+        layers = meta.get("layers")
+        if not isinstance(layers, list) or not all(
+            isinstance(x, dict) and isinstance(x.get("class"), str) for x in layers
+        ):
+            raise EntryFormatError("snapshot header lacks per-layer classes")
+    probe = header.get("probe")
+    if probe is not None and not (
+        isinstance(probe, dict)
+        and isinstance(probe.get("position"), int)
+        and isinstance(probe.get("ids"), list)
+        and isinstance(probe.get("logprobs"), list)
+    ):
+        raise EntryFormatError("malformed probe")
+    if not isinstance(header.get("reason", ""), str) or not isinstance(
+        header.get("created", 0.0), (int, float)
+    ):
+        raise EntryFormatError("malformed reason/created")
+    specs = codec.check_array_specs(header)
+    if kind == DELTA:
+        span = tokens.shape[0] - parent_len
+        for spec in specs:
+            shape = spec["shape"]
+            if len(shape) != 4 or shape[2] != span:
+                raise EntryFormatError(f"{spec['name']}: shape {shape} does not hold {span} tokens")
+    if file_bytes != payload_offset + header["payload_bytes"]:
+        raise EntryFormatError(
+            f"file is {file_bytes} bytes, header implies {payload_offset + header['payload_bytes']}"
+        )
+    return tokens
+
+
+class DiskTier:
+    """Files of one model fingerprint under `root/<fingerprint>/`."""
+
+    def __init__(
+        self, root: Path, fingerprint: str, log: logging.Logger, *, read_only: bool = False
+    ) -> None:
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.dir = self.root / fingerprint
+        self.log = log
+        self.read_only = read_only
+        self.fs_lock = threading.Lock()
+        self._lock_fd: int | None = None
+        self._tmp_counter = itertools.count()
+        if read_only:
+            return
+        for path in (self.root, self.dir):
+            path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            os.chmod(path, DIR_MODE)
+        self._acquire_lock()
+
+    # -- process-level guards ------------------------------------------------------------------
+    def _acquire_lock(self) -> None:
+        path = self.dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f" (pid {holder})" if holder else ""
+                raise CacheLockedError(
+                    f"prompt cache directory {self.dir} is in use by another process{who}; "
+                    "stop it or give this server its own --cache-dir"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def read_marker(self) -> dict[str, Any] | None:
+        """The previous run's marker if it did not end cleanly, else None."""
+        path = self.dir / MARKER_NAME
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def write_marker(self, run_id: str) -> None:
+        body = json.dumps({"run_id": run_id, "pid": os.getpid(), "started": time.time()})
+        self._atomic_small_write(self.dir / MARKER_NAME, body.encode())
+
+    def remove_marker(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / MARKER_NAME).unlink()
+        with contextlib.suppress(OSError):
+            fsync_dir(self.dir)
+
+    def _atomic_small_write(self, path: Path, data: bytes) -> None:
+        tmp = self.dir / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            _write_all(fd, data)
+            _fsync_file(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(self.dir)
+
+    # -- scanning ------------------------------------------------------------------------------
+    def sweep_temp(self) -> int:
+        """Delete temporary leftovers of interrupted writes."""
+        count = 0
+        for path in self.dir.iterdir():
+            if path.name.startswith(TMP_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    count += 1
+        return count
+
+    def entry_files(self) -> Iterator[Path]:
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            if path.name.endswith(SUFFIX) and not path.name.startswith("."):
+                yield path
+
+    def read_head(self, path: Path) -> tuple[dict[str, Any], Slot | None, int, int]:
+        """(header, slot, payload offset, file size), validated except for the payload."""
+        key = path.name[: -len(SUFFIX)]
+        if not KEY_RE.match(key):
+            raise EntryFormatError("file name is not an entry key")
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(codec.PREFIX_SIZE)
+            header_len, digest, slot = codec.parse_prefix(raw)
+            body = f.read(header_len)
+        if len(body) != header_len:
+            raise EntryFormatError("file truncated inside its header")
+        header = codec.parse_header(body, digest)
+        offset = codec.payload_start(header_len)
+        return header, slot, offset, size
+
+    def scan(self) -> tuple[list[ScannedEntry], list[tuple[str, str]]]:
+        """Headers of every entry file; damaged or foreign files are reported, not returned."""
+        good: list[ScannedEntry] = []
+        bad: list[tuple[str, str]] = []
+        for path in self.entry_files():
+            key = path.name[: -len(SUFFIX)]
+            try:
+                header, slot, offset, size = self.read_head(path)
+                tokens = validate_header(header, key, self.fingerprint, size, offset)
+            except (EntryFormatError, OSError, ValueError) as exc:
+                bad.append((key, str(exc)))
+                continue
+            good.append(ScannedEntry(key, header, tokens, slot, size))
+        return good, bad
+
+    # -- entries -------------------------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        return self.dir / f"{key}{SUFFIX}"
+
+    def read_entry(self, key: str) -> tuple[dict[str, Any], list[HostArray]]:
+        """Read and fully verify one entry: header checks and payload checksum."""
+        path = self.path(key)
+        try:
+            with path.open("rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise EntryFormatError("file is missing") from None
+        header_len, digest, _ = codec.parse_prefix(data[: codec.PREFIX_SIZE])
+        body = data[codec.PREFIX_SIZE : codec.PREFIX_SIZE + header_len]
+        if len(body) != header_len:
+            raise EntryFormatError("file truncated inside its header")
+        header = codec.parse_header(body, digest)
+        offset = codec.payload_start(header_len)
+        validate_header(header, key, self.fingerprint, len(data), offset)
+        arrays = codec.decode_payload(memoryview(data)[offset:], header)
+        return header, arrays
+
+    def write_entry(self, key: str, head: bytes, arrays: tuple[HostArray, ...], job: Any) -> int:
+        """Durably write one entry unless `job.cancelled` is set by the time it is complete.
+
+        Returns the file size, or 0 if the write was cancelled.
+        """
+        tmp = self.dir / f"{TMP_PREFIX}{key}.{os.getpid()}.{next(self._tmp_counter)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            try:
+                _write_all(fd, head)
+                for arr in arrays:
+                    if arr.nbytes:
+                        _write_all(fd, codec.byte_view(arr.data))
+                _fsync_file(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            with self.fs_lock:
+                if job.cancelled:
+                    tmp.unlink()
+                    return 0
+                os.replace(tmp, self.path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        fsync_dir(self.dir)
+        return size
+
+    def delete(self, key: str, *, durable: bool = False) -> bool:
+        """Remove an entry file (under fs_lock, so no in-flight rename can resurrect it)."""
+        if self.read_only:
+            return False
+        with self.fs_lock:
+            try:
+                self.path(key).unlink()
+            except FileNotFoundError:
+                return False
+        if durable:
+            with contextlib.suppress(OSError):
+                fsync_dir(self.dir)
+        return True
+
+    def write_slot(self, key: str, slot: Slot, *, durable: bool = False) -> None:
+        """Rewrite an entry's mutable slot in place (never creates the file)."""
+        if self.read_only:
+            return
+        try:
+            fd = os.open(self.path(key), os.O_WRONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.pwrite(fd, slot.pack(), codec.SLOT_OFFSET)
+            if durable:
+                _fsync_file(fd)
+        finally:
+            os.close(fd)
+
+    def free_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.dir if self.dir.exists() else self.root).free
+        except OSError:
+            return 0
+
+
+def model_directories(root: Path) -> list[dict[str, Any]]:
+    """Per-fingerprint sub-directories of a cache root with their size (for `cache ls`).
+
+    Directories of other fingerprints (an older model, mlx version or cache format) are never
+    read by a running server and never counted against its budget: offer them for deletion.
+    """
+    out: list[dict[str, Any]] = []
+    root = Path(root)
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if not d.is_dir():
+            continue
+        files = [p for p in d.iterdir() if p.name.endswith(SUFFIX)]
+        size = 0
+        for p in files:
+            with contextlib.suppress(OSError):
+                size += p.stat().st_size
+        out.append(
+            {
+                "fingerprint": d.name,
+                "entries": len(files),
+                "bytes": size,
+                "run_marker": (d / MARKER_NAME).exists(),  # running now, or died
+            }
+        )
+    return out

@@ -1,0 +1,310 @@
+"""mlx-lm cache objects <-> host arrays. ENGINE THREAD ONLY: every function here touches MLX.
+
+Two shapes of stored state:
+
+* **delta** (every layer a plain `KVCache`): arrays `k.<layer>` / `v.<layer>` holding positions
+  [start, end) of each layer's keys/values, sliced out of the padded buffer (KVCache grows in
+  steps of 256, and `state` returns the padding too). Restore concatenates a chain and slices.
+* **snapshot** (anything else: RotatingKVCache, ArraysCache/SSM, QuantizedKVCache, mixed): each
+  layer's class name plus its `state` tree, with arrays replaced by references into the payload.
+  Padded KV buffers are sliced to their real length first; everything else is stored as is.
+
+Dtypes are kept exactly; bfloat16 travels as its uint16 bit pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
+
+_MX_DTYPES: dict[str, Any] = {
+    name: (mx.bool_ if name == "bool" else getattr(mx, name)) for name in DTYPES
+}
+_MX_NAMES = {v: k for k, v in _MX_DTYPES.items()}
+
+
+class StateError(ValueError):
+    """Stored state does not fit the caches it is being restored into."""
+
+
+def dtype_name(dtype: Any) -> str:
+    try:
+        return _MX_NAMES[dtype]
+    except KeyError:
+        raise StateError(f"unsupported dtype {dtype}") from None
+
+
+def to_host(name: str, arr: mx.array) -> HostArray:
+    """Copy an MLX array into host memory (owned by numpy, independent of MLX buffers)."""
+    dname = dtype_name(arr.dtype)
+    src = arr.view(mx.uint16) if dname == "bfloat16" else arr
+    data = np.array(src, copy=True)
+    if data.dtype != DTYPES[dname]:
+        data = data.astype(DTYPES[dname])
+    return HostArray(name, dname, tuple(int(d) for d in arr.shape), data)
+
+
+def to_mx(h: HostArray) -> mx.array:
+    data = np.asarray(h.data).reshape(h.shape)
+    arr = mx.array(data)
+    if h.dtype == "bfloat16":
+        arr = arr.view(mx.bfloat16)
+    elif arr.dtype != _MX_DTYPES[h.dtype]:
+        raise StateError(f"{h.name}: decoded as {arr.dtype}, expected {h.dtype}")
+    return arr
+
+
+def cache_offsets(caches: Sequence[Any]) -> list[int]:
+    """Integer `offset`s the layers report (sub-caches of CacheList included)."""
+    out: list[int] = []
+    for c in caches:
+        subs = getattr(c, "caches", None)
+        if isinstance(subs, (list, tuple)):
+            out.extend(cache_offsets(subs))
+            continue
+        off = getattr(c, "offset", None)
+        if isinstance(off, int) and not isinstance(off, bool):
+            out.append(off)
+    return out
+
+
+def is_sliceable(caches: Sequence[Any]) -> bool:
+    """Deltas need every layer to be a plain KVCache (position-sliceable, trimmable)."""
+    return bool(caches) and all(type(c) is KVCache for c in caches)
+
+
+# -- deltas ---------------------------------------------------------------------------------
+def extract_delta(caches: Sequence[Any], start: int, end: int) -> list[HostArray]:
+    """Positions [start, end) of every layer, as host arrays `k.<i>` / `v.<i>`."""
+    arrays = []
+    for i, c in enumerate(caches):
+        if c.keys is None or c.offset < end:
+            raise StateError(f"layer {i} holds {c.offset} tokens, need {end}")
+        arrays.append(to_host(f"k.{i}", c.keys[..., start:end, :]))
+        arrays.append(to_host(f"v.{i}", c.values[..., start:end, :]))
+    return arrays
+
+
+def delta_layout(arrays: Sequence[HostArray]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {a.name: (a.dtype, a.shape) for a in arrays}
+
+
+def compatible_delta(
+    a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]
+) -> bool:
+    """Same arrays, dtypes, and shapes apart from the sequence axis."""
+    if a.keys() != b.keys():
+        return False
+    for name, (dt, shape) in a.items():
+        dt2, shape2 = b[name]
+        if dt != dt2 or len(shape) != 4 or len(shape2) != 4:
+            return False
+        if shape[:2] != shape2[:2] or shape[3] != shape2[3]:
+            return False
+    return True
+
+
+def restore_delta(
+    caches: Sequence[Any],
+    links: Sequence[tuple[int, int, Sequence[HostArray]]],
+    usable: int,
+    *,
+    dtype: str | None = None,
+    check_finite: bool = True,
+) -> None:
+    """Fill empty KVCaches from chain links [(start, end, arrays)], keeping `usable` positions."""
+    if not is_sliceable(caches):
+        raise StateError("delta entries restore only into plain KVCache layers")
+    n_layers = len(caches)
+    pos = 0
+    per_layer: list[tuple[list[mx.array], list[mx.array]]] = [([], []) for _ in range(n_layers)]
+    ref: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    for start, end, arrays in links:
+        if start != pos:
+            raise StateError(f"chain gap: link starts at {start}, expected {pos}")
+        by_name = {a.name: a for a in arrays}
+        if set(by_name) != {f"{kv}.{i}" for i in range(n_layers) for kv in "kv"}:
+            raise StateError(f"stored layers do not match the model's {n_layers} layers")
+        layout = delta_layout(arrays)
+        for name, (dt, shape) in layout.items():
+            if len(shape) != 4 or shape[2] != end - start:
+                raise StateError(f"{name}: shape {shape} does not hold {end - start} positions")
+            if dtype is not None and dt != dtype:
+                raise StateError(f"{name}: dtype {dt}, model uses {dtype}")
+        if ref is not None and not compatible_delta(ref, layout):
+            raise StateError("chain links disagree on dtype or shape")
+        ref = layout
+        for i in range(n_layers):
+            per_layer[i][0].append(to_mx(by_name[f"k.{i}"]))
+            per_layer[i][1].append(to_mx(by_name[f"v.{i}"]))
+        pos = end
+    if pos < usable:
+        raise StateError(f"chain holds {pos} positions, need {usable}")
+    outs = []
+    for ks, vs in per_layer:
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        outs.append((k[..., :usable, :], v[..., :usable, :]))
+    flat = [x for kv in outs for x in kv]
+    mx.eval(*flat)
+    if check_finite:
+        _assert_finite(flat)
+    for c, (k, v) in zip(caches, outs, strict=True):
+        c.state = (k, v, usable)
+
+
+# -- snapshots ------------------------------------------------------------------------------
+def _layer_state(c: Any) -> Any:
+    """A layer's `state` with padded KV buffers cut to their real length."""
+    name = type(c).__name__
+    off = getattr(c, "offset", None)
+    if name == "KVCache" and c.keys is not None:
+        return (c.keys[..., :off, :], c.values[..., :off, :], off)
+    if name == "QuantizedKVCache" and c.keys is not None:
+        cut = tuple(x[..., :off, :] for x in c.keys), tuple(x[..., :off, :] for x in c.values)
+        return (*cut, off, c.group_size, c.bits)
+    if name == "RotatingKVCache" and c.keys is not None and c.offset == c._idx:
+        # Not wrapped yet: positions beyond _idx are unused buffer.
+        idx = c._idx
+        return (c.keys[..., :idx, :], c.values[..., :idx, :], off, c.keep, c.max_size, idx)
+    if name == "CacheList":
+        return [(_layer_state(sub), type(sub).__name__) for sub in c.caches]
+    return c.state
+
+
+def _encode_tree(obj: Any, arrays: list[HostArray], layer: int) -> Any:
+    if isinstance(obj, mx.array):
+        arrays.append(to_host(f"s.{layer}.{len(arrays)}", obj))
+        return {"a": len(arrays) - 1}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {"t": [_encode_tree(x, arrays, layer) for x in obj]}
+    if isinstance(obj, list):
+        return {"l": [_encode_tree(x, arrays, layer) for x in obj]}
+    raise StateError(f"cannot serialise cache state element of type {type(obj).__name__}")
+
+
+def _decode_tree(obj: Any, arrays: Sequence[mx.array]) -> Any:
+    if isinstance(obj, dict):
+        if "a" in obj:
+            idx = obj["a"]
+            if not isinstance(idx, int) or not 0 <= idx < len(arrays):
+                raise StateError(f"bad array reference {idx!r}")
+            return arrays[idx]
+        if "t" in obj:
+            return tuple(_decode_tree(x, arrays) for x in obj["t"])
+        if "l" in obj:
+            return [_decode_tree(x, arrays) for x in obj["l"]]
+        raise StateError("bad state tree node")
+    return obj
+
+
+def extract_snapshot(caches: Sequence[Any]) -> tuple[dict[str, Any], list[HostArray]]:
+    """Whole state of every layer: (meta for the header, arrays)."""
+    arrays: list[HostArray] = []
+    layers = []
+    for i, c in enumerate(caches):
+        layers.append(
+            {"class": type(c).__name__, "state": _encode_tree(_layer_state(c), arrays, i)}
+        )
+    return {"layers": layers}, arrays
+
+
+def restore_snapshot(
+    caches: Sequence[Any],
+    meta: dict[str, Any],
+    arrays: Sequence[HostArray],
+    n_tokens: int,
+    *,
+    check_finite: bool = True,
+) -> None:
+    """Set each fresh layer's state from a snapshot; classes and geometry must match."""
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or len(layers) != len(caches):
+        raise StateError(f"snapshot has {len(layers or [])} layers, model has {len(caches)}")
+    mx_arrays = [to_mx(a) for a in arrays]
+    if mx_arrays:
+        mx.eval(*mx_arrays)
+    if check_finite:
+        pairs = zip(mx_arrays, arrays, strict=True)
+        _assert_finite([a for a, h in pairs if h.dtype in FLOAT_DTYPES])
+    states = []
+    for i, (c, layer) in enumerate(zip(caches, layers, strict=True)):
+        cls = type(c).__name__
+        if layer.get("class") != cls:
+            raise StateError(f"layer {i}: stored {layer.get('class')}, model uses {cls}")
+        state = _decode_tree(layer.get("state"), mx_arrays)
+        _check_geometry(c, state, i)
+        states.append(state)
+    for c, state in zip(caches, states, strict=True):
+        c.state = state
+    offsets = cache_offsets(caches)
+    if any(off != n_tokens for off in offsets):
+        raise StateError(f"restored offsets {sorted(set(offsets))} != {n_tokens} tokens")
+
+
+def _check_geometry(c: Any, state: Any, i: int) -> None:
+    name = type(c).__name__
+    if name == "RotatingKVCache":
+        if not isinstance(state, tuple) or len(state) != 6:
+            raise StateError(f"layer {i}: malformed RotatingKVCache state")
+        if (state[3], state[4]) != (c.keep, c.max_size):
+            raise StateError(f"layer {i}: window {state[3:5]} != model's {(c.keep, c.max_size)}")
+    elif name == "ArraysCache":
+        if not isinstance(state, tuple) or len(state) != 3 or len(state[0]) != len(c.cache):
+            raise StateError(f"layer {i}: malformed ArraysCache state")
+    elif name == "KVCache" and (not isinstance(state, tuple) or len(state) != 3):
+        raise StateError(f"layer {i}: malformed KVCache state")
+
+
+def _assert_finite(arrays: Sequence[mx.array]) -> None:
+    floats = [a for a in arrays if mx.issubdtype(a.dtype, mx.floating)]
+    if not floats:
+        return
+    flags = mx.stack([mx.all(mx.isfinite(a)) for a in floats])
+    if not bool(mx.all(flags).item()):
+        raise StateError("stored state contains NaN or Inf")
+
+
+# -- behaviour probe ------------------------------------------------------------------------
+def make_probe(logits: Any, position: int, k: int = 8) -> dict[str, Any]:
+    """Top-k log-probabilities of one logits row, stored to re-check behaviour after restore."""
+    row = mx.array(logits) if not isinstance(logits, mx.array) else logits
+    row = row.reshape(-1, row.shape[-1])[-1].astype(mx.float32)
+    logprobs = row - mx.logsumexp(row)
+    k = min(k, row.shape[0])
+    ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+    vals = logprobs[ids]
+    order = mx.argsort(-vals)
+    ids, vals = ids[order], vals[order]
+    return {"position": int(position), "ids": ids.tolist(), "logprobs": vals.tolist()}
+
+
+def probe_matches(probe: dict[str, Any], logits: Any, *, atol: float = 0.5) -> bool:
+    """True if `logits` (the row for probe["position"]) behaves like the stored probe.
+
+    Cache-on and cache-off prefills chunk differently, so bit equality is not expected: the
+    check is that the output is finite, its top token is among the stored top-k, and every stored
+    top-k log-probability agrees within `atol` nats. Garbage state fails all three.
+    """
+    row = np.asarray(
+        (logits if isinstance(logits, mx.array) else mx.array(logits)).astype(mx.float32)
+    ).reshape(-1, np.shape(logits)[-1])[-1]
+    if not np.all(np.isfinite(row)):
+        return False
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    ids = [int(i) for i in probe.get("ids", [])]
+    if not ids or max(ids) >= row.shape[0]:
+        return False
+    if int(np.argmax(row)) not in ids:
+        return False
+    stored = np.asarray(probe.get("logprobs", []), dtype=np.float64)
+    return bool(np.all(np.abs(logprobs[ids] - stored) <= atol))

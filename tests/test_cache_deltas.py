@@ -1,0 +1,139 @@
+"""Delta chains: O(N) bytes for a growing conversation, bit-exact restores, restart."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlx_kvserve.cache import PromptCache
+from mlx_kvserve.cache.testing import fill_kv, kv_arrays, make_kv
+
+MiB = 1 << 20
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+TOKENS = list(range(5000, 7000))
+
+
+def open_cache(path, **kw):
+    kw.setdefault("disk_budget", 256 * MiB)
+    kw.setdefault("ram_budget", 256 * MiB)
+    return PromptCache(path, "model-a", **kw)
+
+
+def restore(pc, prompt, layers=2):
+    m = pc.lookup(prompt)
+    fresh = [KVCache() for _ in range(layers)]
+    if m.hit:
+        pc.restore(m, fresh, tokens=prompt)
+    return m, fresh
+
+
+def assert_same(got, want):
+    for a, b in zip(kv_arrays(got), kv_arrays(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b)
+
+
+def run_conversation(pc, turns, *, dtype=mx.float32, user=150, reply=50, chunk=64):
+    """Emulate the engine: lookup, restore, prefill the rest, checkpoint at the message
+    boundary, 'generate', checkpoint after generation."""
+    n = 0
+    for _ in range(turns):
+        prompt_len = n + user
+        m, caches = restore(pc, TOKENS[:prompt_len])
+        start = m.usable
+        assert start == max(0, n)  # turn k prefills only what it added
+        fill_kv(caches, start, prompt_len, dtype=dtype, chunk=chunk)
+        assert pc.checkpoint(TOKENS[:prompt_len], caches, "message") is not None
+        fill_kv(caches, prompt_len, prompt_len + reply, dtype=dtype, chunk=1)
+        n = prompt_len + reply
+        assert pc.checkpoint(TOKENS[:n], caches, "generation") is not None
+    return n
+
+
+def kv_bytes(n, layers=2, heads=2, head_dim=8, itemsize=4):
+    return 2 * layers * heads * head_dim * n * itemsize
+
+
+def test_growing_chain_writes_linear_bytes(tmp_path):
+    pc = open_cache(tmp_path)
+    n = run_conversation(pc, turns=5)
+    pc.flush()
+    s = pc.stats()
+    final = kv_bytes(n)
+    # Each position is written once; headers (token ids, specs) are the only overhead.
+    assert final <= s["bytes_written"] <= 2 * final
+    # Whole snapshots would have written the sum of every checkpoint's length.
+    lengths = [150, 200, 350, 400, 550, 600, 750, 800, 950, 1000]
+    assert s["bytes_written"] < sum(kv_bytes(x) for x in lengths) / 3
+    assert s["disk_bytes"] == s["bytes_written"]
+    # Every checkpoint is still reachable and the final one restores bit-exactly.
+    m, caches = restore(pc, TOKENS[: n + 1])
+    assert m.usable == n
+    assert_same(caches, make_kv(n))
+    pc.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_chain_restore_is_bit_exact(tmp_path, dtype):
+    pc = open_cache(tmp_path)
+    n = run_conversation(pc, turns=4, dtype=dtype)
+    want = make_kv(n, dtype=dtype)
+    for usable in (1, 149, 150, 151, 399, 400, n):
+        m, caches = restore(pc, TOKENS[: usable + 1])
+        assert m.usable == usable
+        assert caches[0].keys.dtype == dtype
+        assert_same(caches, [fill_kv([KVCache(), KVCache()], 0, usable, dtype=dtype)][0])
+    pc.close()
+    # After a restart the chain is rebuilt from file headers and restores identically.
+    pc = open_cache(tmp_path)
+    m, caches = restore(pc, TOKENS[: n + 10])
+    assert m.usable == n and m.source == "disk"
+    assert_same(caches, want)
+    # ... and a second hit is served from RAM.
+    assert pc.lookup(TOKENS[: n + 10]).source == "ram"
+    pc.close()
+
+
+def test_restored_cache_keeps_working(tmp_path):
+    """A restored KVCache must accept further updates exactly like a never-cached one."""
+    pc = open_cache(tmp_path)
+    pc.checkpoint(TOKENS[:300], make_kv(300), "message")
+    pc.close()
+    pc = open_cache(tmp_path)
+    _, caches = restore(pc, TOKENS[:500])
+    fill_kv(caches, 300, 500, chunk=7)
+    assert_same(caches, make_kv(500))
+    pc.close()
+
+
+def test_shared_system_prompt_stored_once(tmp_path):
+    pc = open_cache(tmp_path)
+    system = TOKENS[:400]
+    anchor = pc.checkpoint(system, make_kv(400), "system", anchor=True)
+    conv_a = system + list(range(10, 60))
+    conv_b = system + list(range(100, 180))
+    for conv in (conv_a, conv_b):
+        m, caches = restore(pc, conv)
+        assert m.usable == 400
+        fill_kv(caches, 400, len(conv), seed=0)
+        pc.checkpoint(conv, caches, "message")
+    pc.flush()
+    infos = {e.key: e for e in pc.entries()}
+    assert infos[anchor].children == 2
+    children = [e for e in infos.values() if e.parent == anchor]
+    assert sorted(e.n_tokens - e.parent_len for e in children) == [50, 80]
+    assert pc.stats()["tokens"] == 400 + 50 + 80
+    pc.close()
+
+
+def test_history_edit_reuses_the_common_prefix(tmp_path):
+    pc = open_cache(tmp_path)
+    run_conversation(pc, turns=3)
+    # The agent summarises: keep 320 tokens, then new content.
+    edited = TOKENS[:320] + list(range(9, 99))
+    m, caches = restore(pc, edited)
+    assert m.usable == 320
+    assert_same(caches, make_kv(320))
+    pc.close()
