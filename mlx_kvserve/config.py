@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +51,60 @@ class Settings:
         default=10.0, metadata={"help": "Seconds in-flight requests get to finish on SIGTERM."}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Prompt-cache directory (default: the per-user cache directory)."},
+    )
+    no_cache: bool = field(
+        default=False,
+        metadata={"help": "Disable the whole prompt cache (RAM, disk and live reuse)."},
+    )
+    cache_budget: str | None = field(
+        default=None,
+        metadata={
+            "help": "Disk budget per model, e.g. 20GiB (default: min(20 GiB, 25%% of free space))."
+        },
+    )
+    cache_ram_budget: str = field(
+        default="2GiB", metadata={"help": "RAM budget for cached KV copies, e.g. 512MiB."}
+    )
+    checkpoint_interval: int = field(
+        default=2048,
+        metadata={"help": "Checkpoint every N tokens of a long prefill (0 = only at boundaries)."},
+    )
 
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KIB": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '1073741824', '512MiB', '20GB' or '1.5 GiB'."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 20GiB or a byte count)")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _coerce(name: str, raw: Any) -> Any:
@@ -99,4 +150,12 @@ def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Set
             values[name] = _coerce(name, env_value)
         elif name in file_values:
             values[name] = _coerce(name, file_values[name])
-    return Settings(**values)
+    settings = Settings(**values)
+    for name in ("cache_budget", "cache_ram_budget"):
+        value = getattr(settings, name)
+        if value is not None:
+            try:
+                parse_size(value)
+            except ValueError as exc:
+                raise ValueError(f"setting '{name}': {exc}") from None
+    return settings

@@ -36,6 +36,8 @@ class ServerProcess:
         self.log_path = workdir / f"server-{self.port}.log"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.setdefault("MLX_KVSERVE_CONFIG", str(workdir / "no-config.toml"))
+        # Each server gets its own prompt-cache directory unless a test shares one on purpose.
+        self.env.setdefault("MLX_KVSERVE_CACHE_DIR", str(workdir / f"cache-{self.port}"))
         cmd = [sys.executable, "-m", "mlx_kvserve", "serve", "--port", str(self.port), *args]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
@@ -106,7 +108,19 @@ def start_server(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def openai_client(server: ServerProcess):
+def nocache_server(session_dir: Path) -> Iterator[ServerProcess]:
+    """A server with the whole prompt cache off: the reference for 'same answers'."""
+    proc = ServerProcess(session_dir, "--no-cache").wait_ready()
+    yield proc
+    proc.stop()
+
+
+def client_for(server: ServerProcess):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def openai_client(server: ServerProcess):
+    return client_for(server)

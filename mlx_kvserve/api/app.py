@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -36,6 +37,22 @@ async def health(request: Request) -> Response:
     return JSONResponse(
         {"status": "ok", "model": state.model_id, "version": __version__, "queued": engine.queued}
     )
+
+
+async def cache_stats(request: Request) -> Response:
+    """Prompt-cache counters and entries (the server's own view, including hit rate)."""
+    cache = request.app.state.engine.prompt_cache
+    if cache is None:
+        return JSONResponse({"enabled": False})
+
+    def snapshot() -> dict:
+        return {
+            "enabled": True,
+            **cache.stats(),
+            "entries_list": [e.as_dict() for e in cache.entries()],
+        }
+
+    return JSONResponse(await run_in_threadpool(snapshot))
 
 
 def _model_card(request: Request) -> dict:
@@ -95,6 +112,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/cache", cache_stats, methods=["GET"]),
             Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

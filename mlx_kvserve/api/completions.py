@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.prompts import chat_prompt, text_prompt
 from mlx_kvserve.api.responses import Shape
 from mlx_kvserve.api.schemas import ChatCompletionRequest, CompletionRequest, parse
 from mlx_kvserve.api.streaming import collect, sse_events
@@ -23,26 +24,6 @@ from mlx_kvserve.engine import (
 )
 
 RETRY_AFTER_SECONDS = "2"
-
-
-def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # template errors are the request's fault (e.g. role order)
-        raise APIError(
-            400, f"The chat template rejected the messages: {exc}", param="messages"
-        ) from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _text_prompt(tokenizer: Any, body: CompletionRequest) -> list[int]:
-    if not body.prompt:
-        raise APIError(400, "Invalid value for 'prompt': it is empty.", param="prompt")
-    return list(tokenizer.encode(body.prompt))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -66,12 +47,13 @@ async def _complete(request: Request, schema: type, kind: str) -> Response:
         )
     if not engine.ready.is_set():
         raise _unavailable(engine.load_error or "The model is still loading; retry shortly.")
-    build = _chat_prompt if kind == "chat" else _text_prompt
-    prompt = await run_in_threadpool(build, engine.tokenizer, body)
+    build = chat_prompt if kind == "chat" else text_prompt
+    prompt, boundaries = await run_in_threadpool(build, engine.tokenizer, body)
     req = GenerationRequest(
         prompt_tokens=prompt,
         params=_sampling(body, len(prompt), engine.context_length),
         kind=kind,
+        boundaries=boundaries,
     )
     req.bind(asyncio.get_running_loop())
     try:

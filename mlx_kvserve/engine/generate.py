@@ -1,8 +1,19 @@
 """Prefill and decode for one request, on the engine thread.
 
-Prefill runs in chunks of `prefill_step` tokens and checks for cancellation between chunks; decode
-checks after every token. Only the last prompt token's logits are computed: earlier chunks evaluate
-just the KV state, so MLX's lazy graph never runs the vocabulary projection for them.
+Prefill starts after whatever prefix `PromptStates` could reuse and runs in chunks of
+`prefill_step` tokens, checking for cancellation between chunks; decode checks after every
+token. Earlier chunks evaluate only the KV state, so MLX's lazy graph never runs the vocabulary
+projection for them (except at a checkpoint, whose last logits row is kept as a behaviour probe).
+
+Checkpoints (why these boundaries):
+- "anchor": the end of the system prompt, shared by every conversation that uses it;
+- "message": the end of the conversation before its newest message, so an edited or retried
+  last message, or a branch, restarts from there;
+- "interval": every `checkpoint_interval` tokens of a long prefill, so a disconnect or crash
+  midway loses at most one interval of work;
+- "generation": prompt plus completion after the answer, which the next turn resends;
+- "partial": whatever was prefilled when the client went away.
+With delta storage each checkpoint writes only the tokens it adds beyond its parent.
 """
 
 from __future__ import annotations
@@ -10,12 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_kvserve.engine import faults
+from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, TextChunk
 from mlx_kvserve.engine.stops import StopMatcher
 
@@ -32,11 +44,13 @@ class Timings:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cache_source: str = "cold"
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     ttft_seconds: float = 0.0
     finish_reason: str = ""
+    retried: bool = False
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens
@@ -48,26 +62,72 @@ class Timings:
         )
         return (
             f"{req.kind} id={req.request_id} prompt_tokens={self.prompt_tokens} "
-            f"cached_tokens={self.cached_tokens} completion_tokens={self.completion_tokens} "
-            f"ttft={self.ttft_seconds:.3f}s prefill={prefill_tps:.1f} tok/s "
-            f"decode={decode_tps:.1f} tok/s finish={self.finish_reason}"
+            f"cached_tokens={self.cached_tokens} cache={self.cache_source} "
+            f"completion_tokens={self.completion_tokens} ttft={self.ttft_seconds:.3f}s "
+            f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
+            f"finish={self.finish_reason}" + (" retried=cold" if self.retried else "")
         )
 
 
+@dataclass
+class Live:
+    """The KV caches being filled and the exact tokens they hold."""
+
+    caches: list
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoints:
+    """When to checkpoint during prefill, and the callback that stores one."""
+
+    boundaries: dict[int, str]
+    interval: int
+    store: Callable[..., None]  # store(live, last_logits, reason=...)
+
+    def reason_at(self, position: int) -> str | None:
+        if position in self.boundaries:
+            return self.boundaries[position]
+        if self.interval and position % self.interval == 0:
+            return "interval"
+        return None
+
+    def cuts(self, start: int, end: int, step: int) -> list[int]:
+        """Chunk ends between start and end: every step, and at every checkpoint position."""
+        points = set(range(start + step, end, step)) | {end}
+        points |= {p for p in self.boundaries if start < p < end}
+        if self.interval:
+            first = (start // self.interval + 1) * self.interval
+            points |= set(range(first, end, self.interval))
+        return sorted(points)
+
+
 def prefill(
-    model, cache: list, tokens: list[int], step: int, check: Callable[[], None]
+    model,
+    live: Live,
+    prompt: list[int],
+    step: int,
+    checkpoints: Checkpoints,
+    check: Callable[[], None],
 ) -> mx.array:
-    """Run `tokens` through the model into `cache`; return the last position's logits."""
-    if not tokens:
-        raise ValueError("prefill needs at least one token")
-    body, last = tokens[:-1], tokens[-1:]
-    for start in range(0, len(body), step):
+    """Feed prompt[len(live.tokens):] into the caches; return the last position's logits."""
+    start, end = len(live.tokens), len(prompt) - 1
+    previous = start
+    for cut in checkpoints.cuts(start, end, step) if end > start else []:
         check()
-        model(mx.array(body[start : start + step])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        out = model(mx.array(prompt[previous:cut])[None], cache=live.caches)
+        reason = checkpoints.reason_at(cut)
+        last = out[:, -1, :] if reason else None
+        mx.eval([c.state for c in live.caches] + ([last] if reason else []))
+        live.tokens.extend(prompt[previous:cut])
+        previous = cut
+        if reason:
+            checkpoints.store(live, last, reason=reason)
     check()
-    logits = model(mx.array(last)[None], cache=cache)[:, -1, :]
+    faults.maybe_fail("prefill")
+    logits = model(mx.array(prompt[-1:])[None], cache=live.caches)[:, -1, :]
     mx.eval(logits)
+    live.tokens.append(prompt[-1])
     return logits
 
 
@@ -78,8 +138,8 @@ def _sample(sampler, logits: mx.array) -> int:
     return int(token.item())
 
 
-def _decode(model, tokenizer, logits, cache, req, sampler, timings, check) -> str:
-    """Sample until EOS, a stop string or max_tokens; return the finish reason."""
+def _decode(model, tokenizer, logits, live: Live, req, sampler, timings, check) -> tuple:
+    """Sample until EOS, a stop string or max_tokens; return (finish reason, last logits)."""
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
     stops = StopMatcher(req.params.stop)
@@ -101,48 +161,112 @@ def _decode(model, tokenizer, logits, cache, req, sampler, timings, check) -> st
             req.emit(TextChunk(text))
         if hit:
             timings.decode_seconds = time.perf_counter() - started
-            return "stop"
+            return "stop", logits
         if timings.completion_tokens < req.params.max_tokens:
-            logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+            logits = model(mx.array([[token]]), cache=live.caches)[:, -1, :]
+            live.tokens.append(token)
     detok.finalize()
     text, hit = stops.feed(detok.last_segment)
     text += "" if hit else stops.flush()
     if text:
         req.emit(TextChunk(text))
     timings.decode_seconds = time.perf_counter() - started
-    return "stop" if hit else finish
+    return ("stop" if hit else finish), logits
 
 
-def run_request(model, tokenizer, req: GenerationRequest, prefill_step: int) -> Timings:
-    """Generate for `req`, emitting TextChunk events and a final Done event."""
-    params = req.params
-    timings = Timings(prompt_tokens=len(req.prompt_tokens))
+class Generator:
+    """Runs requests on the engine thread with the model, tokenizer and prompt states."""
 
-    def check() -> None:
-        if req.cancelled.is_set():
-            raise Cancelled
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        states: PromptStates,
+        *,
+        prefill_step: int = 512,
+        checkpoint_interval: int = 2048,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.states = states
+        self.prefill_step = prefill_step
+        self.checkpoint_interval = checkpoint_interval
 
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-    cache = make_prompt_cache(model)
-
-    t0 = time.perf_counter()
-    try:
-        logits = prefill(model, cache, req.prompt_tokens, prefill_step, check)
-        timings.prefill_seconds = time.perf_counter() - t0
-        timings.finish_reason = _decode(
-            model, tokenizer, logits, cache, req, sampler, timings, check
+    def run(self, req: GenerationRequest) -> Timings:
+        """Generate for `req`, emitting TextChunk events and a final Done event."""
+        timings = Timings(prompt_tokens=len(req.prompt_tokens))
+        finished: tuple[Live, mx.array] | None = None
+        try:
+            try:
+                finished = self._attempt(req, timings, self.states.acquire(req.prompt_tokens))
+            except RestoredStateFailed as failure:
+                self.states.evict(failure.start, failure.problem)
+                log.warning(
+                    "request %s: reused KV state (%s) failed: %s; retrying from a cold prefill",
+                    req.request_id,
+                    failure.start.source,
+                    failure.problem,
+                )
+                timings = Timings(prompt_tokens=len(req.prompt_tokens), retried=True)
+                finished = self._attempt(req, timings, self.states.cold())
+        except Cancelled:
+            timings.finish_reason = "cancelled"
+        req.emit(
+            Done(
+                finish_reason=timings.finish_reason,
+                prompt_tokens=timings.prompt_tokens,
+                completion_tokens=timings.completion_tokens,
+                cached_tokens=timings.cached_tokens,
+            )
         )
-    except Cancelled:
-        timings.finish_reason = "cancelled"
-        timings.prefill_seconds = timings.prefill_seconds or time.perf_counter() - t0
-    req.emit(
-        Done(
-            finish_reason=timings.finish_reason,
-            prompt_tokens=timings.prompt_tokens,
-            completion_tokens=timings.completion_tokens,
-            cached_tokens=timings.cached_tokens,
+        if finished is not None:  # after Done, so the client never waits for a checkpoint
+            self._save(*finished, reason="generation")
+        return timings
+
+    def _attempt(
+        self, req: GenerationRequest, timings: Timings, start: Start
+    ) -> tuple[Live, mx.array]:
+        """One try at the request from `start`; returns the live state and its last logits."""
+        params = req.params
+        prompt = req.prompt_tokens
+        live = Live(start.caches, list(start.tokens))
+        timings.cached_tokens, timings.cache_source = start.usable, start.source
+
+        def check() -> None:
+            if req.cancelled.is_set():
+                self._save(live, None, reason="partial")
+                raise Cancelled
+
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
+        checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, self._save)
+        t0 = time.perf_counter()
+        try:
+            if start.usable:
+                faults.maybe_fail("prefill_after_restore")
+            logits = prefill(self.model, live, prompt, self.prefill_step, checkpoints, check)
+            if start.usable and not bool(mx.all(mx.isfinite(logits)).item()):
+                raise RestoredStateFailed(start, "non-finite logits after restoring")
+        except (Cancelled, RestoredStateFailed):
+            raise
+        except Exception as exc:
+            if start.usable:
+                raise RestoredStateFailed(start, f"prefill failed: {exc!r}") from exc
+            raise
+        finally:
+            timings.prefill_seconds = time.perf_counter() - t0
+        finish, last_logits = _decode(
+            self.model, self.tokenizer, logits, live, req, sampler, timings, check
         )
-    )
-    return timings
+        timings.finish_reason = finish
+        return live, last_logits
+
+    def _save(self, live: Live, last_logits: mx.array | None, *, reason: str) -> None:
+        """Checkpoint the live caches (if the cache is on) and keep them as the live state."""
+        cache = self.states.cache
+        if cache is not None and live.tokens:
+            anchor = reason == "anchor"
+            cache.checkpoint(live.tokens, live.caches, reason, anchor=anchor, probe=last_logits)
+        if reason in {"generation", "partial"}:
+            self.states.keep(live.tokens, live.caches)

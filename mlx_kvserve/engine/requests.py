@@ -56,6 +56,8 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     kind: str = "chat"
+    # Prompt positions worth a checkpoint: {token count: "anchor" | "message"} (see api.prompts)
+    boundaries: dict[int, str] = field(default_factory=dict)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)  # for time-to-first-token

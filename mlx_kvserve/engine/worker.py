@@ -14,7 +14,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.engine.generate import run_request
+from mlx_kvserve.engine.generate import Generator
+from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -35,12 +36,24 @@ class Engine:
         self,
         loader: Callable[[], tuple[Any, Any]],
         *,
+        prompt_cache: Any = None,
+        cache_enabled: bool = True,
         prefill_step: int = 512,
+        checkpoint_interval: int = 2048,
         max_queue: int = 16,
     ) -> None:
-        """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does."""
+        """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
+
+        `prompt_cache` (a PromptCache or None) is used from the engine thread only and closed
+        (pending writes flushed) when the engine stops; `cache_enabled=False` also disables
+        reuse of the previous request's live KV state, for cache-off comparisons.
+        """
         self._loader = loader
+        self.prompt_cache = prompt_cache
+        self.cache_enabled = cache_enabled
         self.prefill_step = prefill_step
+        self.checkpoint_interval = checkpoint_interval
+        self.generator: Generator | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._current: GenerationRequest | None = None
@@ -84,11 +97,21 @@ class Engine:
             self._queue.put_nowait(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.prompt_cache is not None and not self._thread.is_alive():
+            self.prompt_cache.close()  # flush pending checkpoint writes, mark a clean exit
 
     def _run(self) -> None:
         try:
             self.model, self.tokenizer = self._loader()
             self.context_length = _context_length(self.model)
+            states = PromptStates(self.model, self.prompt_cache, enabled=self.cache_enabled)
+            self.generator = Generator(
+                self.model,
+                self.tokenizer,
+                states,
+                prefill_step=self.prefill_step,
+                checkpoint_interval=self.checkpoint_interval,
+            )
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
@@ -110,7 +133,8 @@ class Engine:
             if req.cancelled.is_set():
                 req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
                 return
-            timings = run_request(self.model, self.tokenizer, req, self.prefill_step)
+            assert self.generator is not None
+            timings = self.generator.run(req)
             log.info(timings.log_line(req))
         except Exception:
             log.error("request %s failed:\n%s", req.request_id, traceback.format_exc())

@@ -1,0 +1,106 @@
+"""`mlx-kvserve serve`: prepare BLAS, the model and the prompt cache, then run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mlx_kvserve import paths
+from mlx_kvserve.config import Settings, parse_size
+
+log = logging.getLogger("mlx_kvserve")
+
+
+def cache_root(settings: Settings) -> Path:
+    """--cache-dir / MLX_KVSERVE_CACHE_DIR / config, else the per-user cache directory."""
+    if settings.cache_dir:
+        return paths.ensure_private(Path(settings.cache_dir).expanduser())
+    return paths.cache_dir()
+
+
+def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
+    """The model's PromptCache, or None with --no-cache. Raises CacheLockedError if in use."""
+    if settings.no_cache:
+        return None
+    from mlx_kvserve.cache import PromptCache
+    from mlx_kvserve.models.fingerprint import fingerprint_model
+
+    budget = parse_size(settings.cache_budget) if settings.cache_budget else None
+    cache = PromptCache(
+        cache_root(settings),
+        fingerprint_model(model_dir, model_id),
+        disk_budget=budget,
+        ram_budget=parse_size(settings.cache_ram_budget),
+    )
+    stats = cache.stats()
+    log.info(
+        "prompt cache: %s entries, %s tokens, %.1f MiB on disk (budget %.1f GiB), index rebuilt in "
+        "%.3f s%s",
+        stats.get("entries"),
+        stats.get("tokens"),
+        stats.get("disk_bytes", 0) / 2**20,
+        cache.disk_budget / 2**30,
+        cache.rebuild_seconds,
+        "; the last run ended uncleanly: its entries are verified at first use"
+        if cache.unclean_start
+        else "",
+    )
+    return cache
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit code."""
+    from mlx_kvserve.blas import preload_optimised_blas
+
+    blas = preload_optimised_blas()  # must precede the first `import mlx`
+    if blas:
+        log.info("BLAS: %s", blas)
+
+    import uvicorn
+    from mlx_lm import load as mlx_load
+
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.cache import CacheLockedError
+    from mlx_kvserve.engine import Engine
+    from mlx_kvserve.models.resolve import local_model_dir, resolve_model
+
+    try:
+        model_id, model_ref = resolve_model(settings.model, paths.data_dir(), progress=True)
+        model_dir = local_model_dir(model_ref)
+    except (ValueError, RuntimeError, OSError) as exc:
+        log.error("cannot prepare the model: %s", exc)
+        return 2
+    try:
+        prompt_cache = open_prompt_cache(settings, model_dir, model_id)
+    except CacheLockedError as exc:
+        log.error("%s", exc)
+        return 2
+
+    engine = Engine(
+        lambda: mlx_load(str(model_dir)),
+        prompt_cache=prompt_cache,
+        cache_enabled=not settings.no_cache,
+        prefill_step=settings.prefill_step,
+        checkpoint_interval=settings.checkpoint_interval,
+        max_queue=settings.max_queue,
+    )
+    app = create_app(settings, engine, model_id)
+    if settings.host not in {"127.0.0.1", "localhost", "::1"} and not settings.api_key:
+        log.warning(
+            "listening on %s without an API key: anyone who can reach it can use it", settings.host
+        )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_grace,
+        log_config=None,
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if prompt_cache is not None:
+            prompt_cache.close()
+    return 0
