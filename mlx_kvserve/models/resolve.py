@@ -1,0 +1,57 @@
+"""Turn the user's ``--model`` value into (model id for the API, what to pass to mlx_lm.load)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .default_model import MODEL_ID, ensure_default_model
+
+# Hugging Face repo ids: "org/name", each part letters, digits, '-', '_', '.'.
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
+_DEFAULT_NAMES = {"default", MODEL_ID.lower()}
+
+
+def resolve_model(spec: str | None, data_dir: Path, *, progress: bool) -> tuple[str, str]:
+    """Return ``(model_id, path_or_repo)`` for ``spec``.
+
+    None / ``"default"`` (or the default's id) -> the embedded default model, converted on first
+    use; an existing directory with ``config.json`` -> that directory (id = its folder name);
+    an ``org/name`` string that is not a local path -> a Hugging Face repo id, passed through
+    unchanged (downloading is mlx_lm's business). Anything else raises ValueError.
+    """
+    if spec is None or spec.strip().lower() in _DEFAULT_NAMES:
+        return MODEL_ID, str(ensure_default_model(Path(data_dir), progress=progress))
+
+    spec = spec.strip()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model directory {spec!r} has no config.json (expected an mlx-lm / Hugging Face "
+                "model folder)"
+            )
+        path = path.resolve()
+        return path.name, str(path)
+    if path.exists():
+        raise ValueError(f"model {spec!r} is a file; pass the model's directory instead")
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") != 1
+    if not looks_like_path and _HF_REPO.match(spec) and ".." not in spec:
+        return spec, spec
+    raise ValueError(
+        f"model {spec!r} is neither an existing model directory nor a Hugging Face repo id "
+        "of the form 'org/name' (or 'default' for the built-in SmolLM2-135M-Instruct)"
+    )
+
+
+def local_model_dir(model_ref: str) -> Path:
+    """The local directory for a ``resolve_model`` result, downloading a hub repo if needed.
+
+    Imports mlx_lm (and so MLX) only for a hub repo id: call after the BLAS preload.
+    """
+    path = Path(model_ref).expanduser()
+    if path.is_dir():
+        return path
+    from mlx_lm.utils import _download  # the same fetch (and cache) mlx_lm.load would use
+
+    return Path(_download(model_ref))
