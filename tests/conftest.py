@@ -18,6 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlx_kvserve.blas import preload_optimised_blas
+
+preload_optimised_blas()  # before any test module imports mlx: in-process tests run fast too
+
 STARTUP_TIMEOUT = 900.0  # first run downloads and converts the model; a guard, not a benchmark
 
 

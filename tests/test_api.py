@@ -110,7 +110,9 @@ def test_text_completion_stream_and_not(openai_client):
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 8
     Completion.model_validate(full.model_dump())
-    streamed = "".join(c.choices[0].text for c in openai_client.completions.create(**kwargs, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in openai_client.completions.create(**kwargs, stream=True)
+    )
     assert streamed == full.choices[0].text
 
 

@@ -143,7 +143,7 @@ def test_truncated_request_does_not_hang_server(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"messages\""
+            b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"messages"'
         )
     resp = post(server, CHAT, json={"messages": OK_MESSAGES, "max_tokens": 1})
     assert resp.status_code == 200

@@ -18,9 +18,7 @@ def _log_lines(server, kind: str) -> list[dict[str, str]]:
 
 def test_disconnect_mid_stream_stops_generation(server):
     body = {**COUNTING, "max_tokens": 4000, "stream": True}
-    with httpx.stream(
-        "POST", server.base_url + "/v1/completions", json=body, timeout=60
-    ) as resp:
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         received = 0
         for line in resp.iter_lines():
@@ -46,7 +44,9 @@ def test_full_queue_answers_503_with_retry_after(start_server):
     results: list[int] = []
 
     def hold_engine() -> None:
-        with httpx.stream("POST", srv.base_url + "/v1/completions", json=long_body, timeout=120) as r:
+        with httpx.stream(
+            "POST", srv.base_url + "/v1/completions", json=long_body, timeout=120
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     started.set()
@@ -72,7 +72,9 @@ def test_full_queue_answers_503_with_retry_after(start_server):
     results.extend(statuses)
     assert 503 in results, (results, srv.log())
     # Once the load is gone the server answers normally again.
-    ok = httpx.post(srv.base_url + "/v1/completions", json={**COUNTING, "max_tokens": 2}, timeout=60)
+    ok = httpx.post(
+        srv.base_url + "/v1/completions", json={**COUNTING, "max_tokens": 2}, timeout=60
+    )
     assert ok.status_code == 200
 
 
