@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from mlx_kvserve.api.errors import APIError
 
@@ -22,11 +22,14 @@ async def read_json(request: Request, limit: int) -> Any:
             raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "The client disconnected before sending the whole body.") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(

@@ -33,6 +33,19 @@ class Message(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Name the unsupported part type instead of pydantic's union-branch noise."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(
+                        f"unsupported content part type {kind!r}; only 'text' parts are supported"
+                    )
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -25,7 +25,11 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _interrupted(done: Done | EngineError) -> dict[str, Any]:
-    message = done.message if isinstance(done, EngineError) else "generation was cancelled"
+    message = (
+        done.message
+        if isinstance(done, EngineError)
+        else "generation was cancelled: the server is shutting down"
+    )
     return APIError(503 if isinstance(done, Done) else 500, message).body()
 
 

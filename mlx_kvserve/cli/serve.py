@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 from mlx_kvserve import paths
@@ -48,6 +49,24 @@ def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
     return cache
 
 
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn.Server that tells the engine to drain as soon as shutdown begins."""
+
+        def __init__(self, config, engine, grace: float) -> None:
+            super().__init__(config)
+            self.engine, self.grace = engine, grace
+
+        async def shutdown(self, sockets=None) -> None:
+            log.info("shutting down: in-flight requests get %.0f s to finish", self.grace)
+            self.engine.drain(self.grace)
+            await super().shutdown(sockets)
+
+    return DrainingServer
+
+
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit code."""
     from mlx_kvserve.blas import preload_optimised_blas
@@ -58,6 +77,9 @@ def serve(settings: Settings) -> int:
 
     import uvicorn
     from mlx_lm import load as mlx_load
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # we check context length ourselves, with a clear 400
 
     from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import CacheLockedError
@@ -85,6 +107,7 @@ def serve(settings: Settings) -> int:
         max_queue=settings.max_queue,
     )
     app = create_app(settings, engine, model_id)
+    DrainingServer = _draining_server_class()
     if settings.host not in {"127.0.0.1", "localhost", "::1"} and not settings.api_key:
         log.warning(
             "listening on %s without an API key: anyone who can reach it can use it", settings.host
@@ -95,11 +118,16 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_grace,
+        # The engine ends in-flight streams after shutdown_grace; this is only a backstop.
+        timeout_graceful_shutdown=settings.shutdown_grace + 5,
         log_config=None,
     )
+    # uvicorn handles SIGINT/SIGTERM while it runs (graceful shutdown), then re-raises the signal
+    # into the handlers it found. Finding no-op handlers there lets a graceful stop exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.Server(config).run()
+        DrainingServer(config, engine, settings.shutdown_grace).run()
     finally:
         if prompt_cache is not None:
             prompt_cache.close()

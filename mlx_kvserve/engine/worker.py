@@ -58,6 +58,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._current: GenerationRequest | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.model: Any = None
@@ -73,16 +74,27 @@ class Engine:
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request for the engine thread; raises instead of waiting when it cannot."""
-        if self._stopping.is_set() or not self.ready.is_set():
+        if self._draining.is_set() or self._stopping.is_set():
+            raise EngineNotReady("the server is shutting down")
+        if not self.ready.is_set():
             raise EngineNotReady(self.load_error or "the model is still loading")
         try:
             self._queue.put_nowait(req)
         except queue.Full:
             raise EngineBusy from None
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail queued requests, cancel the running one, join the thread."""
-        self._stopping.set()
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: refuse new work now; after `grace` seconds cancel what remains.
+
+        Cancelled streams end with an error event and `[DONE]`, so their connections close and
+        the HTTP server can finish shutting down without tearing down live tasks.
+        """
+        self._draining.set()
+        timer = threading.Timer(grace, self._cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def _cancel_all(self) -> None:
         while True:
             try:
                 pending = self._queue.get_nowait()
@@ -93,6 +105,11 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancel()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new work, fail queued requests, cancel the running one, join the thread."""
+        self._stopping.set()
+        self._cancel_all()
         with contextlib.suppress(queue.Full):  # drained just above
             self._queue.put_nowait(_STOP)
         if self._thread.is_alive():
