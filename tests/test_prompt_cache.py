@@ -210,3 +210,48 @@ def test_second_server_on_same_cache_dir_refuses(cache_server, tmp_path):
     assert proc.proc.wait(120) == 2
     proc.stop()
     assert "in use by another process" in proc.log()
+
+
+LONG_TEXT = " ".join(
+    f"Record {i}: sensor {i % 7} read {i * 37 % 101} units at minute {i * 13 % 60}."
+    for i in range(40)
+)
+
+
+def test_interval_checkpoints_during_long_prefill(start_server, tmp_path):
+    srv = start_server(
+        "--prefill-step", "64", "--checkpoint-interval", "128",
+        env={"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")},
+    )  # fmt: skip
+    body = {"prompt": LONG_TEXT, "max_tokens": 1, "temperature": 0}
+    first = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=300).json()
+    assert first["usage"]["prompt_tokens"] > 512
+    entries = httpx.get(srv.base_url + "/v1/cache").json()["entries_list"]
+    interval = sorted(e["n_tokens"] for e in entries if e["reason"] == "interval")
+    assert interval and all(n % 128 == 0 for n in interval)
+    # A longer prompt sharing the text reuses the stored chain.
+    longer = {**body, "prompt": LONG_TEXT + " Summary:"}
+    second = httpx.post(srv.base_url + "/v1/completions", json=longer, timeout=300).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= max(interval)
+
+
+def test_prefill_progress_survives_a_disconnect(start_server, tmp_path):
+    srv = start_server(
+        "--prefill-step", "32", "--checkpoint-interval", "64", "--keepalive-seconds", "0.05",
+        env={"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")},
+    )  # fmt: skip
+    body = {"prompt": LONG_TEXT, "max_tokens": 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=300) as r:
+        keepalives = 0
+        for line in r.iter_lines():
+            keepalives += line.startswith(": keep-alive")
+            if keepalives >= 20 or line.startswith("data: "):
+                break  # leave mid-prefill (about one second in)
+    srv.wait_for_log("finish=")
+    again = httpx.post(
+        srv.base_url + "/v1/completions", json={**body, "stream": False}, timeout=300
+    ).json()
+    usage = again["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    reasons = {e["reason"] for e in httpx.get(srv.base_url + "/v1/cache").json()["entries_list"]}
+    assert reasons & {"interval", "partial", "generation"}
