@@ -93,8 +93,12 @@ class Checkpoints:
         return None
 
     def cuts(self, start: int, end: int, step: int) -> list[int]:
-        """Chunk ends between start and end: every step, and at every checkpoint position."""
-        points = set(range(start + step, end, step)) | {end}
+        """Chunk ends in (start, end]: multiples of step, and every checkpoint position.
+
+        Aligning chunks to absolute multiples of `step` makes a prefill that resumes from a
+        cached prefix compute the same chunks as a cold one after its first, shorter chunk.
+        """
+        points = set(range((start // step + 1) * step, end, step)) | {end}
         points |= {p for p in self.boundaries if start < p < end}
         if self.interval:
             first = (start // self.interval + 1) * self.interval

@@ -126,18 +126,28 @@ class PromptStates:
             return self.cold()
         start = Start(caches, prompt[: target.usable], match.source or "disk", match)
         if suspect:
-            if not self._behaves(prompt, start, target):
+            verdict = self._behaves(prompt, start, target)
+            if verdict is False:
                 self.cache.evict(
                     match.key, "behaviour check failed after an unclean shutdown", whole_chain=True
                 )
                 return self.cold()
-            self.cache.mark_verified(match.key)
+            if verdict:
+                self.cache.mark_verified(match.key)
+            # None: this prompt stops before the probe's position, so nothing was compared;
+            # the entry stays suspect and is checked at a use that reaches its probe.
         return start
 
-    def _behaves(self, prompt: list[int], start: Start, target: Match) -> bool:
-        """Prefill the probe position of a suspect entry again and compare with its logits."""
-        if target.probe is None or target.usable >= start.match.usable:
-            return True  # nothing to compare: the cache's checksums were the check
+    def _behaves(self, prompt: list[int], start: Start, target: Match) -> bool | None:
+        """Prefill the probe position of a suspect entry again and compare with its logits.
+
+        True: it matched (or the entry has no probe: its checksum, verified on load, was the
+        check). False: it did not. None: the probe's position is not inside this restore.
+        """
+        if target.probe is None:
+            return True
+        if target.usable >= start.match.usable:
+            return None
         pos = target.usable
         row = self.model(mx.array(prompt[pos : pos + 1])[None], cache=start.caches)[:, -1, :]
         mx.eval(row)
