@@ -78,6 +78,14 @@ async def get_model(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    log.info(
+        "%s %s -> %d %s: %s",
+        request.method,
+        request.url.path,
+        exc.status,
+        exc.code or "-",
+        exc.message,
+    )
     return exc.response()
 
 
