@@ -83,6 +83,14 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
+def _fault(point: str) -> None:
+    """Test-only fault point (see engine.faults); does nothing unless MLX_KVSERVE_FAULTS is set."""
+    if os.environ.get("MLX_KVSERVE_FAULTS"):
+        from mlx_kvserve.engine import faults  # imported late: the engine imports this package
+
+        faults.maybe_fail(point)
+
+
 def validate_header(
     header: dict[str, Any], key: str, fingerprint: str, file_bytes: int, payload_offset: int
 ) -> np.ndarray:
@@ -316,7 +324,10 @@ class DiskTier:
         try:
             try:
                 _write_all(fd, head)
-                for arr in arrays:
+                _fault("disk_write_enospc")
+                for i, arr in enumerate(arrays):
+                    if i == len(arrays) // 2:
+                        _fault("disk_write_kill")  # a crash with half the payload written
                     if arr.nbytes:
                         _write_all(fd, codec.byte_view(arr.data))
                 _fsync_file(fd)

@@ -7,7 +7,10 @@ store drains on the engine thread (the writer never touches the index).
 
 A failing disk (ENOSPC, EIO, a read-only remount) is logged once; later jobs are still
 attempted, so writes resume by themselves when space returns, and the first success after a
-failure is logged too.
+failure is logged too. A delta whose parent's write failed is not written either: it was queued
+while that write was still in flight, and on disk it would be an orphan that start-up deletes
+(with everything later chained on it). The store then keeps it in RAM only, and its next
+checkpoints chain to entries that are on disk.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Writer:
         self.log = log
         self.stats = WriterStats()
         self.completed: deque[WriteResult] = deque()
+        self._unwritten: set[str] = set()  # keys whose write failed (writer thread only)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcache-writer", daemon=True)
         self._thread.start()
@@ -112,19 +116,26 @@ class Writer:
     def _write(self, job: WriteJob) -> WriteResult:
         if job.cancelled:
             return WriteResult(job, False, error="cancelled")
+        if job.header.get("parent") in self._unwritten:
+            self._unwritten.add(job.key)
+            self.log.debug("prompt-cache write of %s skipped: parent not written", job.key[:16])
+            return WriteResult(job, False, error="parent entry was not written")
         try:
             digest = codec.payload_digest(job.arrays)
             header = dict(job.header, payload_sha256=digest)
             head = codec.pack_head(header, job.slot)
             size = self.disk.write_entry(job.key, head, job.arrays, job)
         except OSError as exc:
+            self._unwritten.add(job.key)
             self._failed(job, exc)
             return WriteResult(job, False, error=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a bug or bad data: never let it kill the writer
+            self._unwritten.add(job.key)
             self.log.exception("prompt-cache write of %s failed", job.key[:16])
             return WriteResult(job, False, error=f"{type(exc).__name__}: {exc}")
         if size == 0:
             return WriteResult(job, False, error="cancelled")
+        self._unwritten.discard(job.key)
         if self.stats.failing:
             self.stats.failing = False
             self.log.info("prompt-cache disk writes resumed")
