@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Kill-and-restart soak of the persistent prompt cache, against real server processes.
+
+    python scripts/soak.py                         # 100 kill/restart cycles, then the rebuild
+    python scripts/soak.py --iterations 20 --seed 1 --budget 6MiB
+    python scripts/soak.py --rebuild-only          # only the index rebuild timing
+
+A `--no-cache` server answers the workload once (a few conversations sharing one system prompt,
+greedy, 8 tokens per answer): those are the reference outputs. Then `KillLoop` (from
+tests/test_crash_safety.py) starts a cache server with a small disk budget, sends requests,
+SIGKILLs it at a seeded random moment (right after an answer, mid-stream, mid-request, halfway
+through writing an entry file, or idle), restarts it on the same cache directory and goes on,
+`--iterations` times; a final clean run sends the interrupted request and the whole workload.
+
+Printed: kills, requests, failed requests, wrong outputs (differing from the no-cache answer),
+entries recovered at restarts, entries evicted (for failure, and for the budget), temporary files
+found after restarts. Exit status 1 if any request failed, any answer was wrong, or any restart
+check (unclean-shutdown log line, temporary files, disk budget) did not hold.
+
+The rebuild timing writes 1,000 entries (100 conversations x 10 chained deltas, 30 layers like
+the default model but tiny heads so the directory stays ~200 MB) and times PromptCache's start-up
+(scan the headers, validate, rebuild the token index), median of three opens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--iterations", type=int, default=100, help="kill/restart cycles (100)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (0)")
+    p.add_argument("--budget", default="6MiB", help="disk budget of the cache server (6MiB)")
+    p.add_argument("--workdir", type=Path, help="keep logs and the cache here (default: temp)")
+    p.add_argument("--rebuild-entries", type=int, default=1000, help="entries to rebuild (1000)")
+    p.add_argument("--rebuild-only", action="store_true", help="only time the index rebuild")
+    p.add_argument("--no-rebuild", action="store_true", help="skip the index rebuild timing")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-cycle progress lines")
+    return p.parse_args(argv)
+
+
+def soak(args: argparse.Namespace, workdir: Path) -> int:
+    from mlx_kvserve.config import parse_size
+    from tests.conftest import ServerProcess
+    from tests.test_crash_safety import KillLoop, build_workload
+
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(f"[{time.monotonic() - started:8.1f}s] {message}", flush=True)
+
+    reference = ServerProcess(workdir, "--no-cache").wait_ready()
+    try:
+        workload = build_workload(reference.base_url)
+    finally:
+        reference.stop()
+    log(f"reference answers: {sum(len(t) for t in workload)} requests")
+    loop = KillLoop(workdir, workload, seed=args.seed, budget=parse_size(args.budget), log=log)
+    report = loop.run(args.iterations, final_pass=True)
+    print(f"\nsoak: {args.iterations} iterations, seed {args.seed}, budget {args.budget}")
+    print("\n".join(report.lines()))
+    print(f"wall time:                      {time.monotonic() - started:.0f} s")
+    for problem in report.problems:
+        print("PROBLEM:", problem)
+    return 1 if report.problems or report.failed_requests or report.wrong_outputs else 0
+
+
+def rebuild_timing(n_entries: int, workdir: Path) -> dict[str, float]:
+    """1,000 chained delta entries with the default model's layer count; time the start-up."""
+    import numpy as np
+
+    from mlx_kvserve.cache import PromptCache
+    from mlx_kvserve.cache.testing import make_kv
+
+    directory = workdir / "rebuild"
+    fingerprint = "rebuild-bench"
+    turns, turn_tokens, layers = 10, 100, 30
+    conversations = -(-n_entries // turns)
+    rng = np.random.default_rng(0)
+    cache = PromptCache(directory, fingerprint, disk_budget=1 << 40, ram_budget=0)
+    made = 0
+    for _ in range(conversations):
+        tokens = rng.integers(0, 49_000, size=turns * turn_tokens).tolist()
+        for t in range(1, turns + 1):
+            if made == n_entries:
+                break
+            n = t * turn_tokens
+            caches = make_kv(n, layers=layers, heads=1, head_dim=8)
+            cache.checkpoint(tokens[:n], caches, "message")
+            made += 1
+        cache.flush()
+    cache.close()
+    seconds = []
+    entries = 0
+    for _ in range(3):
+        reopened = PromptCache(directory, fingerprint, disk_budget=1 << 40, ram_budget=0)
+        seconds.append(reopened.rebuild_seconds)
+        entries = len(reopened.entries())
+        reopened.close()
+    size = sum(p.stat().st_size for p in (directory / fingerprint).glob("*.kvc"))
+    return {
+        "entries": entries,
+        "rebuild_seconds": statistics.median(seconds),
+        "bytes": size,
+        "longest_tokens": turns * turn_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the server the loop is running is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from mlx_kvserve.blas import preload_optimised_blas
+
+    preload_optimised_blas()  # before mlx is imported (the rebuild timing builds KV arrays)
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if (workdir / "kv").exists():
+            print(f"{workdir / 'kv'} exists: give an empty --workdir", file=sys.stderr)
+            return 2
+        if not args.rebuild_only:
+            status = soak(args, workdir)
+        if not args.no_rebuild:
+            result = rebuild_timing(args.rebuild_entries, Path(tmp))
+            print(
+                f"\nindex rebuild: {result['entries']} entries "
+                f"({result['bytes'] / 2**20:.0f} MiB, chains up to {result['longest_tokens']} "
+                f"tokens) in {result['rebuild_seconds'] * 1000:.0f} ms (median of 3 start-ups)"
+            )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
