@@ -141,8 +141,12 @@ def preload_optimised_blas() -> str | None:
         )
         return None
     try:
-        # OpenBLAS reads its thread count once, when it is loaded.
-        threads = os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_cpu_count()))
+        # OpenBLAS reads its thread count once, when it is loaded. Half the cores: its worker
+        # threads spin while they wait, and with every core taken, any other busy process (a
+        # second server, a client, a test run) slowed prefill 5-7x on a 2-core machine, while
+        # one thread there is within 5% of two when the machine is otherwise idle.
+        default_threads = max(1, _cpu_count() // 2)
+        threads = os.environ.setdefault("OPENBLAS_NUM_THREADS", str(default_threads))
         target, version = _prepare(data_dir())
         lib = ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
         lib.cblas_sgemm  # noqa: B018 - fail here, not inside MLX, if the symbol is missing
