@@ -74,7 +74,7 @@ def set_blas_threads(n: int | None) -> None:
 
 
 def blas_threads() -> str:
-    return os.environ.get("OPENBLAS_NUM_THREADS", f"server default ({os.cpu_count()})")
+    return os.environ.get("OPENBLAS_NUM_THREADS", "the servers' default")
 
 
 def load_average() -> str:
@@ -98,6 +98,7 @@ class Server:
     _log_offset: int = 0
     _pending_lines: list[dict] = field(default_factory=list)
     starts: int = 0
+    blas: str = ""
 
     @property
     def model_name(self) -> str:
@@ -118,7 +119,8 @@ class Server:
         argv = ["mlx_lm", "server", "--model", str(model_dir()), "--port", str(self.port)]
         argv += self.extra
         launcher = (
-            "from mlx_kvserve.blas import preload_optimised_blas; preload_optimised_blas(); "
+            "from mlx_kvserve.blas import preload_optimised_blas; "
+            "print('BLAS:', preload_optimised_blas() or 'reference', flush=True); "
             f"import runpy, sys; sys.argv = {argv!r}; "
             "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)"
         )
@@ -150,6 +152,7 @@ class Server:
                 raise RuntimeError(f"{self.kind} server exited early; see its log:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    self.blas = self._blas_line()
                     return self
             time.sleep(0.2)
         self.stop()
@@ -174,6 +177,14 @@ class Server:
     def restart(self) -> Server:
         self.stop()
         return self.start()
+
+    def _blas_line(self) -> str:
+        """What the server reported about its BLAS (thread count included)."""
+        with open(self.log_path, "rb") as f:  # type: ignore[arg-type]
+            f.seek(self._log_offset)
+            text = f.read().decode(errors="replace")
+        found = re.findall(r"BLAS: (.+)", text)
+        return found[-1].strip() if found else "unknown"
 
     def tail(self, n: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -160,7 +160,10 @@ def run_kvserve(args, rows: list[Row], work: Path, client) -> dict:
     """Cache server: first sight, RAM hits, then disk hits after restarts."""
     cache_dir = work / "cache"
     server = bc.Server("kvserve", work, cache_dir=cache_dir, extra=_step(args)).start()
-    print(f"mlx-kvserve (cache in a fresh temp dir), load {bc.load_average()}", flush=True)
+    print(
+        f"mlx-kvserve (cache in a fresh temp dir); BLAS: {server.blas}; load {bc.load_average()}",
+        flush=True,
+    )
     _warm(client, server)
     for row in rows:
         s = _sample(client, server, row.conversation, args.max_tokens)
@@ -193,7 +196,7 @@ def run_kvserve(args, rows: list[Row], work: Path, client) -> dict:
 def run_cold(args, rows: list[Row], work: Path, client) -> None:
     """--no-cache server: every follow-up pays its full prefill."""
     server = bc.Server("kvserve", work, no_cache=True, extra=_step(args)).start()
-    print(f"mlx-kvserve --no-cache, load {bc.load_average()}", flush=True)
+    print(f"mlx-kvserve --no-cache; BLAS: {server.blas}; load {bc.load_average()}", flush=True)
     _warm(client, server)
     for k in range(args.cold_repeats):
         for row in rows:
@@ -207,7 +210,7 @@ def run_cold(args, rows: list[Row], work: Path, client) -> None:
 def run_mlx_lm(args, rows: list[Row], work: Path, client) -> None:
     extra = ["--prefill-step-size", str(args.prefill_step)]
     server = bc.Server("mlx_lm", work, extra=extra).start()
-    print(f"mlx_lm.server, load {bc.load_average()}", flush=True)
+    print(f"mlx_lm.server; BLAS: {server.blas}; load {bc.load_average()}", flush=True)
     _warm(client, server)
     for row in rows:
         s = _sample(client, server, row.conversation, args.max_tokens)

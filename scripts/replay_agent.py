@@ -178,6 +178,7 @@ def replay(args, work: Path, client, tok: bc.Tokens) -> tuple[list[Turn], bc.Ser
     }
     history: list[dict] = [task]
     server = bc.Server("kvserve", work, cache_dir=work / "cache").start()
+    print(f"mlx-kvserve (cache in a fresh temp dir); BLAS: {server.blas}")
     _warm(client, server)
     written_before = 0  # bytes_written by earlier server processes (the counter restarts)
     turns: list[Turn] = []
@@ -216,7 +217,10 @@ def cold_replay(args, turns: list[Turn], work: Path, client) -> None:
     if not todo:
         return
     server = bc.Server("kvserve", work, no_cache=True).start()
-    print(f"\nthe same requests on a --no-cache server (turns {sorted(t.n for t in todo)})")
+    print(
+        f"\nthe same requests on a --no-cache server (turns {sorted(t.n for t in todo)}); "
+        f"BLAS: {server.blas}"
+    )
     _warm(client, server)
     for t in todo:
         t.cold = bc.chat(client, server, t.messages, max_tokens=args.max_tokens)
