@@ -137,3 +137,31 @@ def test_history_edit_reuses_the_common_prefix(tmp_path):
     assert m.usable == 320
     assert_same(caches, make_kv(320))
     pc.close()
+
+
+def test_checkpoint_of_a_prefix_cut_from_longer_kv(tmp_path):
+    """The engine folds a prompt's tail into one pass and checkpoints boundaries inside it
+    afterwards: a prefix checkpoint of longer KV must equal one taken at that length."""
+    live = make_kv(300)
+    with open_cache(tmp_path) as pc:
+        assert pc.checkpoint(TOKENS[:120], live, "anchor", anchor=True)
+        assert pc.checkpoint(TOKENS[:250], live, "message")
+        assert pc.checkpoint(TOKENS[:300], live, "generation")
+        pc.flush()
+    with open_cache(tmp_path) as pc:
+        for n in (120, 250, 300):
+            m, got = restore(pc, TOKENS[: n + 1])
+            assert m.usable == n and m.key is not None
+            assert_same(got, make_kv(n))
+        # The chain stores each position once: parent 0..120, then 120..250, then 250..300.
+        assert sum(e.n_tokens - e.parent_len for e in pc.entries()) == 300
+
+
+def test_prefix_checkpoint_refused_for_longer_or_shorter_snapshot_state(tmp_path):
+    from mlx_kvserve.cache.testing import make_rotating
+
+    caches = make_rotating(40, max_size=16)
+    with open_cache(tmp_path) as pc:
+        assert pc.checkpoint(TOKENS[:30], caches, "message") is None
+        assert pc.stats()["refused"] == 1
+        assert pc.checkpoint(TOKENS[:40], caches, "message") is not None

@@ -268,8 +268,10 @@ class PromptCache:
             links = self._links(entry, usable)
             for link in links:
                 self._pin(link.key)
+            started, from_disk = time.perf_counter(), self._counters["restores_from_disk"]
             try:
                 loaded = [self._load_link(link, fresh_caches, dtype_str, key) for link in links]
+                loaded_at = time.perf_counter()
                 try:
                     if entry.kind == DELTA:
                         state.restore_delta(
@@ -301,6 +303,16 @@ class PromptCache:
                 link.last_used = now
                 self._persist_slot(link)
             self._counters["restores"] += 1
+            if self.log.isEnabledFor(logging.DEBUG):
+                done = time.perf_counter()
+                self.log.debug(
+                    "restored %d tokens from %d link(s), %d from disk: load %.3fs, build %.3fs",
+                    usable,
+                    len(links),
+                    self._counters["restores_from_disk"] - from_disk,
+                    loaded_at - started,
+                    done - loaded_at,
+                )
             return fresh_caches
 
     def checkpoint(
@@ -312,7 +324,10 @@ class PromptCache:
         anchor: bool = False,
         probe: Any = None,
     ) -> str | None:
-        """Store the live caches' state for exactly `tokens`; returns the new key or None.
+        """Store the live caches' state for `tokens`; returns the new key or None.
+
+        The caches hold exactly `tokens`, or (plain KVCache layers only) more positions of which
+        `tokens` are the first.
 
         None means refused (length mismatch, oversize, a key that failed before, read-only)
         or duplicate (already stored; an `anchor` flag is still applied). `probe` is the
@@ -331,7 +346,10 @@ class PromptCache:
             if n == 0 or not caches:
                 return None
             offsets = state.cache_offsets(caches)
-            if any(off != n for off in offsets):
+            # Sliceable caches can be checkpointed at any prefix of what they hold (a delta is
+            # cut from them); other states only as the whole.
+            prefix_ok = state.is_sliceable(caches)
+            if any(off != n and not (prefix_ok and off > n) for off in offsets):
                 self._counters["refused"] += 1
                 self.log.warning(
                     "prompt-cache checkpoint refused: caches hold %s tokens, key has %d",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, TextChunk
@@ -83,7 +84,7 @@ class Checkpoints:
 
     boundaries: dict[int, str]
     interval: int
-    store: Callable[..., None]  # store(live, last_logits, reason=...)
+    store: Callable[..., None]  # store(live, last_logits, reason=..., length=None)
 
     def reason_at(self, position: int) -> str | None:
         if position in self.boundaries:
@@ -106,6 +107,33 @@ class Checkpoints:
         return sorted(points)
 
 
+# A prompt's last few tokens (usually the newest message of a conversation whose earlier turns
+# came from a cache) run as one forward pass, even where a checkpoint boundary lies among them:
+# each pass streams all the weights, so on a memory-bound machine splitting 14 tokens at a
+# message boundary and again before the last token costs three passes instead of one. Their
+# checkpoints are cut from the longer KV afterwards (positions never see later tokens) with the
+# probe taken from their own logits row. Computing logits for every row is what limits the fold
+# to small tails: the vocabulary projection of TAIL_FOLD rows costs less than one extra pass.
+TAIL_FOLD = 64
+
+
+def plan_chunks(
+    start: int, end: int, step: int, checkpoints: Checkpoints, *, foldable: bool
+) -> tuple[list[tuple[int, int]], int]:
+    """Prefill of prompt positions [start, end): (early chunks, first position of the last pass).
+
+    Early chunks end at multiples of `step` and at checkpoint positions. The last pass covers
+    the final token, and folds in the chunks before it while it stays within TAIL_FOLD tokens;
+    checkpoint positions are folded only if the caches can be cut to a prefix (`foldable`).
+    """
+    bounds = [start, *(checkpoints.cuts(start, end - 1, step) if end - 1 > start else [])]
+    while len(bounds) > 1 and end - bounds[-2] <= TAIL_FOLD:
+        if not foldable and checkpoints.reason_at(bounds[-1]) is not None:
+            break
+        bounds.pop()
+    return list(zip(bounds[:-1], bounds[1:], strict=True)), bounds[-1]
+
+
 def prefill(
     model,
     live: Live,
@@ -115,24 +143,30 @@ def prefill(
     check: Callable[[], None],
 ) -> mx.array:
     """Feed prompt[len(live.tokens):] into the caches; return the last position's logits."""
-    start, end = len(live.tokens), len(prompt) - 1
-    previous = start
-    for cut in checkpoints.cuts(start, end, step) if end > start else []:
+    start, end = len(live.tokens), len(prompt)
+    chunks, last_from = plan_chunks(
+        start, end, step, checkpoints, foldable=is_sliceable(live.caches)
+    )
+    for lo, hi in chunks:
         check()
-        out = model(mx.array(prompt[previous:cut])[None], cache=live.caches)
-        reason = checkpoints.reason_at(cut)
+        out = model(mx.array(prompt[lo:hi])[None], cache=live.caches)
+        reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
         mx.eval([c.state for c in live.caches] + ([last] if reason else []))
-        live.tokens.extend(prompt[previous:cut])
-        previous = cut
+        live.tokens.extend(prompt[lo:hi])
         if reason:
             checkpoints.store(live, last, reason=reason)
     check()
     faults.maybe_fail("prefill")
-    logits = model(mx.array(prompt[-1:])[None], cache=live.caches)[:, -1, :]
-    mx.eval(logits)
-    live.tokens.append(prompt[-1])
-    return logits
+    out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
+    mx.eval(out)
+    live.tokens.extend(prompt[last_from:end])
+    for position in range(last_from + 1, end):  # checkpoints folded into the last pass
+        reason = checkpoints.reason_at(position)
+        if reason:
+            row = out[:, position - last_from - 1, :]
+            checkpoints.store(live, row, reason=reason, length=position)
+    return out[:, -1, :]
 
 
 def _sample(sampler, logits: mx.array) -> int:
@@ -266,11 +300,15 @@ class Generator:
         timings.finish_reason = finish
         return live, last_logits
 
-    def _save(self, live: Live, last_logits: mx.array | None, *, reason: str) -> None:
-        """Checkpoint the live caches (if the cache is on) and keep them as the live state."""
+    def _save(
+        self, live: Live, last_logits: mx.array | None, *, reason: str, length: int | None = None
+    ) -> None:
+        """Checkpoint the first `length` (default: all) live tokens if the cache is on; after a
+        generation or a disconnect, keep the live caches as the live state."""
         cache = self.states.cache
-        if cache is not None and live.tokens:
+        tokens = live.tokens if length is None else live.tokens[:length]
+        if cache is not None and tokens:
             anchor = reason == "anchor"
-            cache.checkpoint(live.tokens, live.caches, reason, anchor=anchor, probe=last_logits)
+            cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
         if reason in {"generation", "partial"}:
             self.states.keep(live.tokens, live.caches)
