@@ -146,17 +146,29 @@ def restore_delta(
         pos = end
     if pos < usable:
         raise StateError(f"chain holds {pos} positions, need {usable}")
+    # One concatenate per layer that also leaves KVCache's usual free room after `usable`:
+    # without it, the first prefill step after a restore would copy the whole KV once more
+    # to grow the buffer. Positions past `usable` are unused capacity, as after a trim.
+    room = _padded_length(usable, getattr(caches[0], "step", 256)) - pos
     outs = []
     for ks, vs in per_layer:
+        if room > 0:
+            ks = [*ks, mx.zeros((*ks[0].shape[:2], room, ks[0].shape[3]), ks[0].dtype)]
+            vs = [*vs, mx.zeros((*vs[0].shape[:2], room, vs[0].shape[3]), vs[0].dtype)]
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        outs.append((k[..., :usable, :], v[..., :usable, :]))
+        outs.append((k, v))
     flat = [x for kv in outs for x in kv]
     mx.eval(*flat)
     if check_finite:
-        _assert_finite(flat)
+        _assert_finite([x[..., :usable, :] for x in flat])
     for c, (k, v) in zip(caches, outs, strict=True):
         c.state = (k, v, usable)
+
+
+def _padded_length(usable: int, step: int) -> int:
+    """KVCache grows its buffers in multiples of `step`; leave at least one free position."""
+    return (usable // step + 1) * step
 
 
 # -- snapshots ------------------------------------------------------------------------------
