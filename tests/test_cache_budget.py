@@ -151,7 +151,8 @@ def test_ram_tier_lru_falls_back_to_disk(tmp_path):
     assert s["ram_entries"] == 2 and s["ram_bytes"] <= 2 * ENTRY + KiB
     assert pc.lookup(prompt(1) + [0]).source == "disk"
     assert pc.lookup(prompt(3) + [0]).source == "ram"
-    hit(pc, prompt(1))  # promoted back into RAM ...
+    hit(pc, prompt(1))  # promoted back into RAM by the writer thread ...
+    pc.flush()
     assert pc.lookup(prompt(1) + [0]).source == "ram"
     assert pc.lookup(prompt(2) + [0]).source == "disk"  # ... pushing out the LRU one
     pc.close()

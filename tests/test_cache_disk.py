@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -471,6 +472,7 @@ def test_hot_hit_never_reads_disk(tmp_path, monkeypatch):
         raise AssertionError("disk read on a RAM hit")
 
     monkeypatch.setattr(DiskTier, "read_entry", boom)
+    monkeypatch.setattr(DiskTier, "read_entry_into", boom)
     m, _ = restore(pc, T[:101])
     assert m.source == "ram" and m.usable == 100
     pc.close()
@@ -579,4 +581,32 @@ def test_evict_whole_chain(tmp_path):
     assert sorted(pc.evict(keys[1], "nan logits", whole_chain=True)) == sorted(keys)
     assert {e.key for e in pc.entries()} == {other}
     assert pc.evict("f" * 64, "unknown") == []
+    pc.close()
+
+
+def test_disk_restore_reads_into_the_caches_and_promotes_off_the_hot_path(tmp_path, monkeypatch):
+    """A chain read from disk lands in the model's buffers directly (no whole-file read on the
+    restore path); the writer thread then reads it back into RAM for the next hit."""
+    build_chain(tmp_path)
+    pc = open_cache(tmp_path)
+    calls = []
+    real = DiskTier.read_entry
+
+    def counted(self, key):
+        calls.append(threading.current_thread().name)
+        return real(self, key)
+
+    monkeypatch.setattr(DiskTier, "read_entry", counted)
+    n = max(e.n_tokens for e in pc.entries())
+    m = pc.lookup(T[: n + 1])
+    caches = [KVCache(), KVCache()]
+    pc.restore(m, caches, tokens=T[: n + 1])
+    assert m.source == "disk" and m.usable == n
+    assert all(name == "kvcache-writer" for name in calls)  # never on the restore path
+    for a, b in zip(kv_arrays(caches), kv_arrays(make_kv(n)), strict=True):
+        assert np.array_equal(a, b)
+    assert caches[0].keys.shape[2] > n  # room to grow without another copy
+    pc.flush()
+    assert pc.lookup(T[: n + 1]).source == "ram"
+    assert len(calls) == len(pc.entries())  # each link read back once
     pc.close()

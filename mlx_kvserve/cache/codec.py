@@ -117,6 +117,16 @@ class Slot:
         return cls(hits, last_used, flags)
 
 
+def host_finite(a: HostArray) -> bool:
+    """False if a float array holds NaN or Inf (bfloat16 is checked on its bit pattern)."""
+    if a.dtype not in FLOAT_DTYPES or a.nbytes == 0:
+        return True
+    data = np.asarray(a.data)
+    if a.dtype == "bfloat16":
+        return not bool(np.any((data & 0x7F80) == 0x7F80))
+    return bool(np.all(np.isfinite(data)))
+
+
 def encode_tokens(tokens: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(tokens, dtype="<u4").tobytes()).decode()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -27,7 +28,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,28 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         if written <= 0:  # pragma: no cover - os.write raises instead
             raise OSError(errno.EIO, "short write")
         view = view[written:]
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    """Up to `n` bytes (fewer only at the end of the file) from an unbuffered file."""
+    parts, got = [], 0
+    while got < n:
+        part = f.read(n - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _read_into(f: Any, view: memoryview) -> None:
+    """Fill `view` from the file's current position; a short file is a format error."""
+    done = 0
+    while done < view.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise EntryFormatError("file truncated")
+        done += got
 
 
 def _fault(point: str) -> None:
@@ -313,6 +336,43 @@ class DiskTier:
         validate_header(header, key, self.fingerprint, len(data), offset)
         arrays = codec.decode_payload(memoryview(data)[offset:], header)
         return header, arrays
+
+    def read_entry_into(
+        self, key: str, target: Callable[[dict[str, Any]], list[memoryview]]
+    ) -> dict[str, Any]:
+        """Read one entry's arrays straight into caller-owned buffers, verifying everything.
+
+        `target(spec)` returns, for each array spec in file order, writable byte views whose
+        lengths add up to the array's size; the file's bytes land there without an intermediate
+        copy, and the payload checksum is computed over them. Returns the header. If this
+        raises, the buffers hold partial data and must be discarded.
+        """
+        try:
+            f = self.path(key).open("rb", buffering=0)
+        except FileNotFoundError:
+            raise EntryFormatError("file is missing") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            header_len, digest, _ = codec.parse_prefix(_read_upto(f, codec.PREFIX_SIZE))
+            body = _read_upto(f, header_len)
+            if len(body) != header_len:
+                raise EntryFormatError("file truncated inside its header")
+            header = codec.parse_header(body, digest)
+            offset = codec.payload_start(header_len)
+            validate_header(header, key, self.fingerprint, size, offset)
+            specs = codec.check_array_specs(header)
+            f.seek(offset)
+            hasher = hashlib.sha256()
+            for spec in specs:
+                views = target(spec)
+                if sum(v.nbytes for v in views) != spec["nbytes"]:
+                    raise EntryFormatError(f"array {spec['name']}: buffer size mismatch")
+                for view in views:
+                    _read_into(f, view)
+                    hasher.update(view)
+        if hasher.hexdigest() != header.get("payload_sha256"):
+            raise EntryFormatError("payload checksum mismatch")
+        return header
 
     def write_entry(self, key: str, head: bytes, arrays: tuple[HostArray, ...], job: Any) -> int:
         """Durably write one entry unless `job.cancelled` is set by the time it is complete.

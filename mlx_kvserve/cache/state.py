@@ -4,7 +4,7 @@ Two shapes of stored state:
 
 * **delta** (every layer a plain `KVCache`): arrays `k.<layer>` / `v.<layer>` holding positions
   [start, end) of each layer's keys/values, sliced out of the padded buffer (KVCache grows in
-  steps of 256, and `state` returns the padding too). Restore concatenates a chain and slices.
+  steps of 256, and `state` returns the padding too). Restore copies a chain into one buffer.
 * **snapshot** (anything else: RotatingKVCache, ArraysCache/SSM, QuantizedKVCache, mixed): each
   layer's class name plus its `state` tree, with arrays replaced by references into the payload.
   Padded KV buffers are sliced to their real length first; everything else is stored as is.
@@ -14,14 +14,14 @@ Dtypes are kept exactly; bfloat16 travels as its uint16 bit pattern.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
+from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray, host_finite
 
 _MX_DTYPES: dict[str, Any] = {
     name: (mx.bool_ if name == "bool" else getattr(mx, name)) for name in DTYPES
@@ -119,51 +119,149 @@ def restore_delta(
     check_finite: bool = True,
 ) -> None:
     """Fill empty KVCaches from chain links [(start, end, arrays)], keeping `usable` positions."""
-    if not is_sliceable(caches):
-        raise StateError("delta entries restore only into plain KVCache layers")
-    n_layers = len(caches)
+    if not links:
+        raise StateError("no chain links to restore")
     pos = 0
-    per_layer: list[tuple[list[mx.array], list[mx.array]]] = [([], []) for _ in range(n_layers)]
-    ref: dict[str, tuple[str, tuple[int, ...]]] | None = None
-    for start, end, arrays in links:
+    for start, end, _ in links:
         if start != pos:
             raise StateError(f"chain gap: link starts at {start}, expected {pos}")
-        by_name = {a.name: a for a in arrays}
-        if set(by_name) != {f"{kv}.{i}" for i in range(n_layers) for kv in "kv"}:
-            raise StateError(f"stored layers do not match the model's {n_layers} layers")
-        layout = delta_layout(arrays)
+        pos = end
+    builder = DeltaBuilder(caches, delta_layout(links[0][2]), pos, usable, dtype=dtype)
+    for start, end, arrays in links:
+        builder.put(start, end, arrays)
+        if check_finite:
+            builder.check_finite(start, end)
+    builder.finish()
+
+
+class DeltaBuilder:
+    """Empty KVCaches filled link by link, straight into their final buffers.
+
+    Each layer's keys and values get one buffer of `capacity` positions: the chain's positions
+    plus KVCache's usual free room after `usable` (without it, the first prefill step would copy
+    everything again to grow the buffer). Links are copied, or read from their file, directly
+    into it through a NumPy view of the MLX buffer (MLX documents such views as shared and
+    writable). One allocation and one copy per restore: on small machines page faults on fresh
+    memory, not arithmetic, dominate restore time. Positions past `usable` are unused capacity,
+    as after a trim.
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[Any],
+        layout: dict[str, tuple[str, tuple[int, ...]]],
+        positions: int,
+        usable: int,
+        *,
+        dtype: str | None = None,
+    ) -> None:
+        if not is_sliceable(caches):
+            raise StateError("delta entries restore only into plain KVCache layers")
+        names = {f"{kv}.{i}" for i in range(len(caches)) for kv in "kv"}
+        if set(layout) != names:
+            raise StateError(f"stored layers do not match the model's {len(caches)} layers")
+        if not 0 < usable <= positions:
+            raise StateError(f"chain holds {positions} positions, need {usable}")
+        self.caches = caches
+        self.layout = layout
+        self.usable = usable
+        self.capacity = max(positions, _padded_length(usable, getattr(caches[0], "step", 256)))
+        self._filled = dict.fromkeys(layout, 0)
+        self._mx: dict[str, mx.array | None] = {}
+        self._host: dict[str, np.ndarray] = {}
         for name, (dt, shape) in layout.items():
-            if len(shape) != 4 or shape[2] != end - start:
-                raise StateError(f"{name}: shape {shape} does not hold {end - start} positions")
+            if len(shape) != 4:
+                raise StateError(f"{name}: shape {shape} is not (batch, heads, positions, dim)")
             if dtype is not None and dt != dtype:
                 raise StateError(f"{name}: dtype {dt}, model uses {dtype}")
-        if ref is not None and not compatible_delta(ref, layout):
-            raise StateError("chain links disagree on dtype or shape")
-        ref = layout
-        for i in range(n_layers):
-            per_layer[i][0].append(to_mx(by_name[f"k.{i}"]))
-            per_layer[i][1].append(to_mx(by_name[f"v.{i}"]))
-        pos = end
-    if pos < usable:
-        raise StateError(f"chain holds {pos} positions, need {usable}")
-    # One concatenate per layer that also leaves KVCache's usual free room after `usable`:
-    # without it, the first prefill step after a restore would copy the whole KV once more
-    # to grow the buffer. Positions past `usable` are unused capacity, as after a trim.
-    room = _padded_length(usable, getattr(caches[0], "step", 256)) - pos
-    outs = []
-    for ks, vs in per_layer:
-        if room > 0:
-            ks = [*ks, mx.zeros((*ks[0].shape[:2], room, ks[0].shape[3]), ks[0].dtype)]
-            vs = [*vs, mx.zeros((*vs[0].shape[:2], room, vs[0].shape[3]), vs[0].dtype)]
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        outs.append((k, v))
-    flat = [x for kv in outs for x in kv]
-    mx.eval(*flat)
-    if check_finite:
-        _assert_finite([x[..., :usable, :] for x in flat])
-    for c, (k, v) in zip(caches, outs, strict=True):
-        c.state = (k, v, usable)
+            storage = mx.uint16 if dt == "bfloat16" else _MX_DTYPES[dt]
+            self._mx[name] = mx.zeros((shape[0], shape[1], self.capacity, shape[3]), storage)
+        mx.eval([b for b in self._mx.values() if b is not None])
+        for name, buf in list(self._mx.items()):
+            assert buf is not None
+            view = _writable_view(buf)
+            if view is None:  # not a plain buffer (not seen with MLX 0.32): fill a host copy
+                view = np.zeros(tuple(buf.shape), DTYPES[layout[name][0]])
+                self._mx[name] = None
+            self._host[name] = view
+
+    def slot(self, name: str, dtype: str, shape: Sequence[int], start: int) -> np.ndarray:
+        """The buffer region for array `name` (dtype, shape) of a link starting at `start`."""
+        want = self.layout.get(name)
+        if want is None:
+            raise StateError(f"unexpected array {name}")
+        if dtype != want[0]:
+            raise StateError(f"{name}: dtype {dtype}, the chain uses {want[0]}")
+        shape = tuple(int(d) for d in shape)
+        if len(shape) != 4 or shape[:2] != tuple(want[1][:2]) or shape[3] != want[1][3]:
+            raise StateError(f"{name}: shape {shape} differs from the chain's {want[1]}")
+        end = start + shape[2]
+        if start != self._filled[name] or end > self.capacity:
+            raise StateError(f"{name}: link at {start} does not continue the chain")
+        self._filled[name] = end
+        return self._host[name][:, :, start:end, :]
+
+    def put(self, start: int, end: int, arrays: Sequence[HostArray]) -> None:
+        """Copy one link's host arrays (positions [start, end)) into place."""
+        if {a.name for a in arrays} != set(self.layout):
+            raise StateError(f"stored layers do not match the model's {len(self.caches)} layers")
+        for a in arrays:
+            _check_span(a.name, a.shape, start, end)
+            region = self.slot(a.name, a.dtype, a.shape, start)
+            region[...] = np.asarray(a.data).reshape(a.shape)
+
+    def read_targets(self, start: int, end: int) -> Callable[[dict[str, Any]], list[memoryview]]:
+        """For `DiskTier.read_entry_into`: per array spec, the byte views to read it into."""
+
+        def target(spec: dict[str, Any]) -> list[memoryview]:
+            shape = tuple(int(d) for d in spec["shape"])
+            _check_span(str(spec["name"]), shape, start, end)
+            region = self.slot(str(spec["name"]), str(spec["dtype"]), shape, start)
+            # Per (batch, head), the positions x dim block is contiguous, as in the file.
+            return [
+                memoryview(region[b, h]).cast("B") for b in range(shape[0]) for h in range(shape[1])
+            ]
+
+        return target
+
+    def check_finite(self, start: int, end: int) -> None:
+        """Raise if any float value of positions [start, end) is NaN or Inf."""
+        for name, (dt, _) in self.layout.items():
+            region = self._host[name][:, :, start:end, :]
+            if not host_finite(HostArray(name, dt, region.shape, region)):
+                raise StateError(f"{name} contains NaN or Inf")
+
+    def finish(self) -> None:
+        """Hand the buffers to the caches, each holding `usable` positions."""
+        for name, filled in self._filled.items():
+            if filled < self.usable:
+                raise StateError(f"{name}: chain holds {filled} positions, need {self.usable}")
+        out: dict[str, mx.array] = {}
+        for name, (dt, _) in self.layout.items():
+            buf = self._mx[name]
+            if buf is None:
+                buf = mx.array(self._host[name])
+            out[name] = buf.view(mx.bfloat16) if dt == "bfloat16" else buf
+        self._host.clear()  # no NumPy view may outlive the hand-over
+        mx.eval(list(out.values()))
+        for i, c in enumerate(self.caches):
+            c.state = (out[f"k.{i}"], out[f"v.{i}"], self.usable)
+
+
+def _check_span(name: str, shape: Sequence[int], start: int, end: int) -> None:
+    if len(shape) != 4 or shape[2] != end - start:
+        raise StateError(f"{name}: shape {tuple(shape)} does not hold {end - start} positions")
+
+
+def _writable_view(arr: mx.array) -> np.ndarray | None:
+    """A NumPy view sharing `arr`'s memory, or None if MLX did not hand out a plain buffer."""
+    try:
+        view = np.array(arr, copy=False)
+    except (TypeError, ValueError):
+        return None
+    if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(arr.shape):
+        return view
+    return None
 
 
 def _padded_length(usable: int, step: int) -> int:

@@ -106,7 +106,7 @@ from mlx_kvserve.cache.errors import CacheError, CacheRestoreError, EntryFormatE
 from mlx_kvserve.cache.fingerprint import layout_versions
 from mlx_kvserve.cache.index import TokenIndex
 from mlx_kvserve.cache.ram import RamTier
-from mlx_kvserve.cache.writer import WriteJob, Writer
+from mlx_kvserve.cache.writer import LoadResult, WriteJob, Writer
 
 GiB = 1 << 30
 DEFAULT_DISK_CAP = 20 * GiB
@@ -268,32 +268,12 @@ class PromptCache:
             links = self._links(entry, usable)
             for link in links:
                 self._pin(link.key)
-            started, from_disk = time.perf_counter(), self._counters["restores_from_disk"]
+            started = time.perf_counter()
             try:
-                loaded = [self._load_link(link, fresh_caches, dtype_str, key) for link in links]
-                loaded_at = time.perf_counter()
-                try:
-                    if entry.kind == DELTA:
-                        state.restore_delta(
-                            fresh_caches,
-                            [(link.parent_len, link.n_tokens, arrays) for link, arrays in loaded],
-                            usable,
-                            dtype=dtype_str,
-                            check_finite=False,
-                        )
-                    else:
-                        state.restore_snapshot(
-                            fresh_caches,
-                            entry.meta,
-                            loaded[0][1],
-                            entry.n_tokens,
-                            check_finite=False,
-                        )
-                except Exception as exc:
-                    # Not attributable to one link: blame the chain root, so evicting it
-                    # removes every entry that could reproduce the failure.
-                    self._counters["restore_errors"] += 1
-                    raise CacheRestoreError(links[0].key, str(exc), match_key=key) from None
+                if entry.kind == DELTA:
+                    from_disk = self._restore_chain(links, fresh_caches, usable, dtype_str, key)
+                else:
+                    from_disk = self._restore_snapshot(entry, fresh_caches, dtype_str, key)
             finally:
                 for link in links:
                     self._unpin(link.key)
@@ -303,16 +283,14 @@ class PromptCache:
                 link.last_used = now
                 self._persist_slot(link)
             self._counters["restores"] += 1
-            if self.log.isEnabledFor(logging.DEBUG):
-                done = time.perf_counter()
-                self.log.debug(
-                    "restored %d tokens from %d link(s), %d from disk: load %.3fs, build %.3fs",
-                    usable,
-                    len(links),
-                    self._counters["restores_from_disk"] - from_disk,
-                    loaded_at - started,
-                    done - loaded_at,
-                )
+            self.log.debug(
+                "restored %d tokens from %d link(s), %d read from disk, in %.3f s",
+                usable,
+                len(links),
+                len(from_disk),
+                time.perf_counter() - started,
+            )
+            self._promote(from_disk)
             return fresh_caches
 
     def checkpoint(
@@ -926,42 +904,109 @@ class PromptCache:
         chain.reverse()
         return [link for link in chain if link.parent_len < usable] or chain[:1]
 
-    def _load_link(
-        self, link: Entry, caches: list, dtype: str | None, match_key: str
-    ) -> tuple[Entry, tuple[HostArray, ...]]:
-        """A link's payload from RAM, the pending write, or disk (verified there)."""
-        arrays = self._ram.get(link.key)
-        if arrays is None and link.key in self._pending:
-            arrays = self._pending[link.key].arrays
-        from_disk = arrays is None
+    def _restore_chain(
+        self, links: list[Entry], caches: list, usable: int, dtype: str | None, match_key: str
+    ) -> list[Entry]:
+        """Delta links root..leaf into `caches`; returns the links that were read from disk.
+
+        RAM copies are copied into place; disk links are read straight into the caches'
+        buffers (see `state.DeltaBuilder`) and verified there, then promoted to RAM by the
+        writer thread, off the hot path.
+        """
         try:
-            if from_disk:
+            if self._live_layout is not None and not state.compatible_delta(
+                self._live_layout, links[0].layout
+            ):
+                raise state.StateError("dtype or geometry differs from this model's live KV")
+            builder = state.DeltaBuilder(
+                caches, links[0].layout, links[-1].n_tokens, usable, dtype=dtype
+            )
+        except Exception as exc:
+            raise self._restore_error(links[0].key, exc, match_key) from None
+        from_disk = []
+        for link in links:
+            start, end = link.parent_len, link.n_tokens
+            arrays = self._payload_in_ram(link)
+            try:
+                if arrays is not None:
+                    self._check_fits(link, arrays, caches, dtype)
+                    builder.put(start, end, arrays)
+                    continue
                 if self.disk is None or link.disk != DISK_WRITTEN:
                     raise EntryFormatError("payload is neither in RAM nor on disk")
-                header, loaded = self.disk.read_entry(link.key)
-                self._check_loaded(link, header, loaded)
+                header = self.disk.read_entry_into(link.key, builder.read_targets(start, end))
+                self._check_header(link, header)
+                builder.check_finite(start, end)
+            except Exception as exc:  # a bad stored entry, whatever the symptom
+                raise self._restore_error(link.key, exc, match_key) from None
+            from_disk.append(link)
+        try:
+            builder.finish()
+        except Exception as exc:
+            # Not attributable to one link: blame the chain root, so evicting it removes
+            # every entry that could reproduce the failure.
+            raise self._restore_error(links[0].key, exc, match_key) from None
+        self._counters["restores_from_disk"] += len(from_disk)
+        return from_disk
+
+    def _restore_snapshot(
+        self, entry: Entry, caches: list, dtype: str | None, match_key: str
+    ) -> list[Entry]:
+        """A whole-state entry into `caches`; returns [entry] if it was read from disk."""
+        arrays = self._payload_in_ram(entry)
+        from_disk = arrays is None
+        try:
+            if arrays is None:
+                if self.disk is None or entry.disk != DISK_WRITTEN:
+                    raise EntryFormatError("payload is neither in RAM nor on disk")
+                header, loaded = self.disk.read_entry(entry.key)
+                self._check_loaded(entry, header, loaded)
                 arrays = tuple(loaded)
-            assert arrays is not None
-            self._check_fits(link, arrays, caches, dtype)
-        except Exception as exc:  # a bad stored entry, whatever the symptom
-            self._counters["restore_errors"] += 1
-            problem = (
-                str(exc) if isinstance(exc, (EntryFormatError, state.StateError)) else repr(exc)
-            )
-            raise CacheRestoreError(link.key, problem, match_key=match_key) from None
-        if from_disk:
-            self._counters["restores_from_disk"] += 1
-            size = sum(a.nbytes for a in arrays)
-            if size <= self._ram.budget:
-                # Views into the file's bytes: verified once, then served from RAM.
-                self._ram.put(link.key, arrays)
-                self._enforce_ram_budget({link.key})
-        return link, arrays
+            self._check_fits(entry, arrays, caches, dtype)
+        except Exception as exc:
+            raise self._restore_error(entry.key, exc, match_key) from None
+        try:
+            state.restore_snapshot(caches, entry.meta, arrays, entry.n_tokens, check_finite=False)
+        except Exception as exc:
+            raise self._restore_error(entry.key, exc, match_key) from None
+        if not from_disk:
+            return []
+        self._counters["restores_from_disk"] += 1
+        if sum(a.nbytes for a in arrays) <= self._ram.budget:
+            self._ram.put(entry.key, arrays)  # views of the verified file bytes
+            self._enforce_ram_budget({entry.key})
+        return [entry]
+
+    def _payload_in_ram(self, entry: Entry) -> tuple[HostArray, ...] | None:
+        arrays = self._ram.get(entry.key)
+        if arrays is None and entry.key in self._pending:
+            arrays = self._pending[entry.key].arrays
+        return arrays
+
+    def _restore_error(self, key: str, exc: Exception, match_key: str) -> CacheRestoreError:
+        self._counters["restore_errors"] += 1
+        problem = str(exc) if isinstance(exc, (EntryFormatError, state.StateError)) else repr(exc)
+        return CacheRestoreError(key, problem, match_key=match_key)
+
+    def _promote(self, links: list[Entry]) -> None:
+        """Have the writer thread read disk-restored links back into the RAM tier."""
+        if self._writer is None:
+            return
+        for link in links:
+            if link.key not in self._ram and link.payload_bytes <= self._ram.budget:
+                self._writer.submit_load(link.key)
 
     def _check_loaded(
         self, entry: Entry, header: dict[str, Any], arrays: Sequence[HostArray]
     ) -> None:
-        """A file read from disk must still be the entry the index knows, with finite values."""
+        """A file read from disk must still be the indexed entry, with finite values."""
+        self._check_header(entry, header)
+        for a in arrays:
+            if not codec.host_finite(a):
+                raise EntryFormatError(f"{a.name} contains NaN or Inf")
+
+    def _check_header(self, entry: Entry, header: dict[str, Any]) -> None:
+        """A file read from disk must still be the entry the index knows."""
         if entry.digest and header.get("payload_sha256") != entry.digest:
             raise EntryFormatError("file content changed since it was indexed")
         if (
@@ -970,9 +1015,6 @@ class PromptCache:
             or header.get("parent_len") != entry.parent_len
         ):
             raise EntryFormatError("header no longer matches the indexed entry")
-        for a in arrays:
-            if not _finite(a):
-                raise EntryFormatError(f"{a.name} contains NaN or Inf")
 
     def _check_fits(
         self, link: Entry, arrays: Sequence[HostArray], caches: list, dtype: str | None
@@ -1021,6 +1063,20 @@ class PromptCache:
             return
         self._writer.submit_slot(entry.key, self._slot(entry), durable=durable)
 
+    def _promoted(self, result: LoadResult) -> None:
+        """Put a payload the writer read back (see `_promote`) into the RAM tier."""
+        entry = self._entries.get(result.key)
+        if (
+            result.arrays is None
+            or entry is None
+            or entry.disk != DISK_WRITTEN
+            or result.key in self._ram
+            or (entry.digest is not None and result.digest != entry.digest)
+        ):
+            return
+        self._ram.put(result.key, result.arrays)
+        self._enforce_ram_budget({result.key})
+
     def _pin(self, key: str) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1
 
@@ -1038,6 +1094,9 @@ class PromptCache:
         completed = self._writer.completed
         while completed:
             result = completed.popleft()
+            if isinstance(result, LoadResult):
+                self._promoted(result)
+                continue
             job = result.job
             if self._pending.get(job.key) is job:
                 del self._pending[job.key]
@@ -1056,15 +1115,6 @@ class PromptCache:
                 if entry.key not in self._ram:
                     # Its bytes lived only in the failed job: the entry cannot be served.
                     self._remove_tree(entry.key)
-
-
-def _finite(a: HostArray) -> bool:
-    if a.dtype not in codec.FLOAT_DTYPES or a.nbytes == 0:
-        return True
-    data = np.asarray(a.data)
-    if a.dtype == "bfloat16":
-        return not bool(np.any((data & 0x7F80) == 0x7F80))
-    return bool(np.all(np.isfinite(data)))
 
 
 __all__ = ["PromptCache", "CacheError", "default_disk_budget"]

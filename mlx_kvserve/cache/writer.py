@@ -1,5 +1,8 @@
 """The disk writer thread: bytes and file I/O only, never an MLX call.
 
+It writes entries, rewrites their slots, and reads back entries that a restore took from disk,
+so that the RAM tier gets its copy without the restore paying for a second one.
+
 The engine thread turns arrays into host bytes and enqueues a `WriteJob`; this thread hashes
 the payload, finishes the header, and writes the file durably. Jobs run in FIFO order, so a delta
 is always renamed into place after its parent. Results go back through `completed`, which the
@@ -46,6 +49,21 @@ class WriteResult:
     error: str = ""
 
 
+@dataclass
+class LoadResult:
+    """A payload read back from disk for the RAM tier (arrays None if the read failed)."""
+
+    key: str
+    digest: str = ""
+    arrays: tuple[HostArray, ...] | None = None
+    error: str = ""
+
+
+@dataclass(eq=False)
+class _LoadJob:
+    key: str
+
+
 @dataclass(eq=False)
 class _SlotJob:
     key: str
@@ -72,7 +90,7 @@ class Writer:
         self.disk = disk
         self.log = log
         self.stats = WriterStats()
-        self.completed: deque[WriteResult] = deque()
+        self.completed: deque[WriteResult | LoadResult] = deque()
         self._unwritten: set[str] = set()  # keys whose write failed (writer thread only)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcache-writer", daemon=True)
@@ -83,6 +101,10 @@ class Writer:
 
     def submit_slot(self, key: str, slot: Slot, *, durable: bool = False) -> None:
         self._queue.put(_SlotJob(key, Slot(slot.hits, slot.last_used, slot.flags), durable))
+
+    def submit_load(self, key: str) -> None:
+        """Read an entry's payload (fully verified) and report it as a `LoadResult`."""
+        self._queue.put(_LoadJob(key))
 
     def pending(self) -> int:
         return self._queue.unfinished_tasks
@@ -106,6 +128,8 @@ class Writer:
                     return
                 if isinstance(item, _SlotJob):
                     self._write_slot(item)
+                elif isinstance(item, _LoadJob):
+                    self.completed.append(self._load(item))
                 else:
                     self.completed.append(self._write(item))
             except Exception:  # pragma: no cover - keep the thread alive no matter what
@@ -142,6 +166,14 @@ class Writer:
         self.stats.bytes_written += size
         self.stats.files_written += 1
         return WriteResult(job, True, size, digest)
+
+    def _load(self, job: _LoadJob) -> LoadResult:
+        try:
+            header, arrays = self.disk.read_entry(job.key)
+        except Exception as exc:  # evicted meanwhile, or damaged: the next restore will tell
+            self.log.debug("prompt-cache read-back of %s failed: %s", job.key[:16], exc)
+            return LoadResult(job.key, error=str(exc))
+        return LoadResult(job.key, str(header.get("payload_sha256", "")), tuple(arrays))
 
     def _failed(self, job: WriteJob, exc: OSError) -> None:
         self.stats.write_errors += 1
