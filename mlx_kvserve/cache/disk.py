@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.entry import DELTA, KEY_RE, SNAPSHOT, entry_key
 from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
+from mlx_kvserve.durable import fsync_fd, fsync_path
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
@@ -55,24 +55,6 @@ class ScannedEntry:
     tokens: np.ndarray
     slot: Slot | None
     file_bytes: int
-
-
-def _fsync_file(fd: int) -> None:
-    if sys.platform == "darwin" and hasattr(fcntl, "F_FULLFSYNC"):
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -253,18 +235,18 @@ class DiskTier:
         with contextlib.suppress(FileNotFoundError):
             (self.dir / MARKER_NAME).unlink()
         with contextlib.suppress(OSError):
-            fsync_dir(self.dir)
+            fsync_path(self.dir)
 
     def _atomic_small_write(self, path: Path, data: bytes) -> None:
         tmp = self.dir / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             _write_all(fd, data)
-            _fsync_file(fd)
+            fsync_fd(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        fsync_dir(self.dir)
+        fsync_path(self.dir)
 
     # -- scanning ------------------------------------------------------------------------------
     def sweep_temp(self) -> int:
@@ -390,7 +372,7 @@ class DiskTier:
                         _fault("disk_write_kill")  # a crash with half the payload written
                     if arr.nbytes:
                         _write_all(fd, codec.byte_view(arr.data))
-                _fsync_file(fd)
+                fsync_fd(fd)
                 size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
@@ -403,7 +385,7 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        fsync_dir(self.dir)
+        fsync_path(self.dir)
         return size
 
     def delete(self, key: str, *, durable: bool = False) -> bool:
@@ -417,7 +399,7 @@ class DiskTier:
                 return False
         if durable:
             with contextlib.suppress(OSError):
-                fsync_dir(self.dir)
+                fsync_path(self.dir)
         return True
 
     def write_slot(self, key: str, slot: Slot, *, durable: bool = False) -> None:
@@ -431,7 +413,7 @@ class DiskTier:
         try:
             os.pwrite(fd, slot.pack(), codec.SLOT_OFFSET)
             if durable:
-                _fsync_file(fd)
+                fsync_fd(fd)
         finally:
             os.close(fd)
 

@@ -24,8 +24,9 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..durable import fsync_path
 from ..paths import ensure_private
-from .manifest import fsync_path, sha256_file, verify_manifest, write_manifest
+from .manifest import sha256_file, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..durable import fsync_fd, fsync_path
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 _CHUNK = 4 << 20
@@ -49,15 +51,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path (directories: makes renames inside them durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _listed_files(model_dir: Path) -> list[str]:
     return sorted(
         str(p.relative_to(model_dir))
@@ -84,7 +77,7 @@ def write_manifest(model_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
-            os.fsync(f.fileno())
+            fsync_fd(f.fileno())
         os.replace(tmp, model_dir / MANIFEST_NAME)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
