@@ -610,3 +610,38 @@ def test_disk_restore_reads_into_the_caches_and_promotes_off_the_hot_path(tmp_pa
     assert pc.lookup(T[: n + 1]).source == "ram"
     assert len(calls) == len(pc.entries())  # each link read back once
     pc.close()
+
+
+def test_failed_behaviour_check_evicts_from_the_first_suspect_link(tmp_path):
+    """Only what the dead run wrote can be blamed: a verified shared anchor and the other
+    conversations chained on it survive."""
+    pc = open_cache(tmp_path)
+    anchor = pc.checkpoint(T[:20], make_kv(20), "anchor", anchor=True)
+    other = T[:20] + list(range(9000, 9020))
+    sibling = pc.checkpoint(other, make_kv(40), "message")
+    pc.close()
+    crash_child(tmp_path, 3)  # writes T[:20] (already stored), T[:40], T[:60], then dies
+    pc = open_cache(tmp_path)
+    infos = {e.n_tokens if e.key != sibling else -1: e for e in pc.entries()}
+    assert not infos[20].suspect and infos[40].suspect and infos[60].suspect
+    removed = pc.evict(infos[60].key, "behaviour check failed", first_suspect=True)
+    assert set(removed) == {infos[40].key, infos[60].key}
+    assert {e.key for e in pc.entries()} == {anchor, sibling}
+    assert pc.lookup(other + [1]).usable == 40  # the other conversation still hits
+    pc.close()
+
+
+def test_suspect_entry_short_of_its_probe_falls_back_to_a_checkable_link(tmp_path):
+    """Resending the same prompt restores all but its last token, which cannot reach a
+    suspect entry's probe: lookup offers the longest chain link whose probe it reaches, and
+    counts the request once."""
+    crash_child(tmp_path, 3)  # T[:20] <- T[:40] <- T[:60], all suspect
+    pc = open_cache(tmp_path)
+    m = pc.lookup(T[:60])
+    assert m.suspect and m.usable == 40 and m.entry_tokens == 40
+    assert m.probe["position"] == 39 and m.for_probe().usable == 39
+    stats = pc.stats()
+    assert (stats["hits"], stats["misses"], stats["cached_tokens"]) == (1, 0, 40)
+    # A longer prompt reaches the deepest entry's probe and uses it.
+    assert pc.lookup(T[:61]).usable == 60
+    pc.close()

@@ -832,15 +832,42 @@ def test_entries_of_a_killed_run_are_verified_at_first_use(start_server, tmp_pat
     stats = cache_stats(server)
     assert stats["suspect"] == 1 and stats["failure_evictions"] == 0
     assert {e["key"]: e["suspect"] for e in stats["entries_list"]}[gen_a]
-    # The tampered one passes every checksum, but not the probe: evicted, answered cold.
+    # The tampered one passes every checksum, but not the probe: evicted from its first
+    # suspect link (itself); the longest verified prefix left (the shared system prompt, and
+    # the chat-template tokens conversation b has in common) serves the request instead.
     body = chat(server.base_url, a[1].as_messages())
     assert body["choices"][0]["message"]["content"] == a[1].reference
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert entries[0]["n_tokens"] <= cached < entries[1]["n_tokens"]
     lines = log_lines(server, "behaviour check failed after an unclean shutdown")
-    assert len(lines) == 1 and anchor[:16] in lines[0]  # evicted from the chain's root
+    assert len(lines) == 1 and gen_a[:16] in lines[0]
     assert not (fingerprint_dir(root) / f"{gen_a}.kvc").exists()
     stats = cache_stats(server)
-    assert stats["suspect"] == 0 and gen_a not in {e["key"] for e in stats["entries_list"]}
+    kept = {e["key"] for e in stats["entries_list"]}
+    assert stats["suspect"] == 0 and gen_a not in kept and {anchor, gen_b} <= kept
+
+
+def test_damaged_conversation_falls_back_to_its_system_prompt(start_server, tmp_path, workload):
+    """A link that fails to load costs only itself: the request goes on from the longest
+    prefix left (the system-prompt anchor), not from a cold prefill."""
+    root = tmp_path / "kv"
+    a = workload[0]
+    first = start_server(env=cache_env(root))
+    assert answer(first.base_url, a[0].as_messages()) == a[0].reference
+    entries = wait_for_writes(first)["entries_list"]
+    assert first.stop() == 0
+    assert [e["reason"] for e in entries] == ["anchor", "generation"]
+    anchor, gen = entries
+    _flip_payload_bits(fingerprint_dir(root) / f"{gen['key']}.kvc")
+
+    server = start_server(env=cache_env(root))
+    body = chat(server.base_url, a[1].as_messages())
+    assert body["choices"][0]["message"]["content"] == a[1].reference
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == anchor["n_tokens"]
+    lines = log_lines(server, "payload checksum mismatch")
+    assert len(lines) == 1 and gen["key"][:16] in lines[0]
+    kept = {e["key"] for e in wait_for_writes(server)["entries_list"]}
+    assert anchor["key"] in kept and gen["key"] not in kept
 
 
 def test_no_orphan_written_after_a_failed_parent_write(tmp_path, monkeypatch):

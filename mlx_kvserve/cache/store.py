@@ -212,6 +212,17 @@ class PromptCache:
             usable, key = best
             entry = self._entries[key]
             links = self._links(entry, usable)
+            if any(link.suspect for link in links) and not _reaches_probe(entry, usable):
+                # An unverified state is never used unchecked: when the prompt stops before
+                # the entry's probe (e.g. the same prompt sent again), fall back to the
+                # deepest link of its chain that ends inside the prompt, whose own probe the
+                # restore does reach; the positions after it are prefilled instead.
+                inside = [link for link in links[:-1] if link.n_tokens <= usable]
+                if not inside:
+                    self._counters["misses"] += 1
+                    return MISS
+                entry, usable = inside[-1], inside[-1].n_tokens
+                key, links = entry.key, links[: len(inside)]
             in_ram = all(link.key in self._ram or link.key in self._pending for link in links)
             self._counters["hits"] += 1
             self._counters["cached_tokens"] += usable
@@ -361,20 +372,27 @@ class PromptCache:
                     self._remove_tree(key)
                 return None
 
-    def evict(self, key: str, reason: str, *, whole_chain: bool = False) -> list[str]:
+    def evict(
+        self, key: str, reason: str, *, whole_chain: bool = False, first_suspect: bool = False
+    ) -> list[str]:
         """Remove `key` and every entry depending on it, from RAM and disk; one log line.
 
         Meant for failures: the key is also barred from being stored again by this process, so
         a state that failed cannot be served twice. `whole_chain=True` evicts from the root of
         `key`'s chain instead: use it when a failure shows up only after restoring (e.g. NaN
         logits during prefill), since any restored link may be the bad one.
+        `first_suspect=True` evicts from the shallowest suspect link of the chain: a failed
+        behaviour check after an unclean shutdown can only blame what the dead run wrote, and
+        the verified links before it (a shared system prompt) stay for other conversations.
         """
         with self._lock:
             self._drain()
             target = key
             entry = self._entries.get(key)
-            if whole_chain and entry is not None:
-                target = self._links(entry, entry.n_tokens)[0].key
+            if entry is not None and (whole_chain or first_suspect):
+                chain = self._links(entry, entry.n_tokens)
+                suspects = [link for link in chain if link.suspect] if first_suspect else []
+                target = (suspects or chain)[0].key
             self._failed.add(target)
             removed = self._remove_tree(target, durable=True)
             if not removed and self.disk is not None and self.disk.delete(target, durable=True):
@@ -1115,6 +1133,18 @@ class PromptCache:
                 if entry.key not in self._ram:
                     # Its bytes lived only in the failed job: the entry cannot be served.
                     self._remove_tree(entry.key)
+
+
+def _reaches_probe(entry: Entry, usable: int) -> bool:
+    """Does restoring `usable` tokens of `entry` reach its probe (or is there none to reach)?
+
+    Only a delta can be cut back to re-prefill its probe position; for a snapshot or an entry
+    without a probe, the payload checksum verified on load is the check.
+    """
+    if entry.probe is None or entry.kind != DELTA:
+        return True
+    position = int(entry.probe.get("position", -1))
+    return position <= 0 or position < usable
 
 
 __all__ = ["PromptCache", "CacheError", "default_disk_budget"]

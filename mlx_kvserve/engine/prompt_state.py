@@ -6,16 +6,18 @@ that the common "next turn of the same conversation" needs no copy at all. The p
 new prompt (trimmable caches) or used only as an exact prefix (rotating / SSM caches), and both
 always leave at least one prompt token to prefill, because the last token's logits are needed.
 
-A checkpoint that fails to restore is evicted here and the request continues cold; one that
+A checkpoint that fails to restore is evicted here and the request continues from the longest
+prefix the cache still holds (typically the shared system prompt), or cold; one that
 restores but fails later (prefill error, non-finite logits) raises `RestoredStateFailed` to the
 caller, which evicts it and retries once from a cold prefill. No checkpoint can fail twice: the
 cache refuses to store or serve an evicted key again.
 
 Entries written by a run that died are suspect until a restore re-prefills their last position
 and the logits match the probe stored with them. A use that stops short of a suspect entry's
-probe (the same prompt sent again, which restores all but its last token) cannot check it, so it
-restores only the longest link of the entry's chain that it can check, e.g. the conversation up
-to its newest message, and prefills the rest: an unverified state is never used.
+probe (the same prompt sent again, which restores all but its last token) cannot check it, so
+the cache's lookup offers only the longest link of the entry's chain that it can check, e.g. the
+conversation up to its newest message, and the rest is prefilled: an unverified state is never
+used.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, PromptCache, probe_matches
-from mlx_kvserve.cache.entry import DELTA
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -121,14 +122,8 @@ class PromptStates:
             trim_prompt_cache(live.caches, live.usable - usable)
         return Start(live.caches, prompt[:usable], "live")
 
-    def _restore(self, prompt: list[int], match: Match) -> Start:
+    def _restore(self, prompt: list[int], match: Match, *, again: bool = True) -> Start:
         assert self.cache is not None and match.key is not None
-        if match.suspect and not _checkable(match):
-            # The prompt stops before the entry's probe, so this use could not check its
-            # behaviour: restore only the longest link of its chain that can be checked.
-            match = self._checkable_link(prompt, match)
-            if not match.hit:
-                return self.cold()
         suspect = match.suspect
         target = match.for_probe() if suspect else match
         caches = self.fresh()
@@ -136,35 +131,28 @@ class PromptStates:
             self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
         except CacheRestoreError as err:
             self.cache.evict(err.key, err.problem)
-            return self.cold()
+            return self._after_eviction(prompt, again)
         start = Start(caches, prompt[: target.usable], match.source or "disk", match)
         if suspect:
             if not self._behaves(prompt, start, target):
                 self.cache.evict(
-                    match.key, "behaviour check failed after an unclean shutdown", whole_chain=True
+                    match.key,
+                    "behaviour check failed after an unclean shutdown",
+                    first_suspect=True,
                 )
-                return self.cold()
+                return self._after_eviction(prompt, again)
             self.cache.mark_verified(match.key)
         return start
 
-    def _checkable_link(self, prompt: list[int], match: Match) -> Match:
-        """The deepest link of `match`'s chain that ends inside it, as its own match (or MISS).
-
-        Its probe lies inside the restore (or it was verified already); the positions between
-        it and `match.usable` are prefilled instead of taken from the unverified entry.
-        """
+    def _after_eviction(self, prompt: list[int], again: bool) -> Start:
+        """The longest prefix the cache still has once the failed part is gone (one more try:
+        e.g. the shared system prompt before a damaged conversation), else a cold start."""
         assert self.cache is not None
-        infos = {info.key: info for info in self.cache.entries()}
-        key = infos[match.key].parent if match.key in infos else None
-        while key is not None and key in infos:
-            link = infos[key]
-            if link.n_tokens <= match.usable:
-                found = self.cache.lookup(prompt[: link.n_tokens + 1])
-                if found.key == link.key and (not found.suspect or _checkable(found)):
-                    return found
-                return MISS
-            key = link.parent
-        return MISS
+        if again:
+            match = self.cache.lookup(prompt)
+            if match.hit:
+                return self._restore(prompt, match, again=False)
+        return self.cold()
 
     def _behaves(self, prompt: list[int], start: Start, target: Match) -> bool:
         """Prefill the probe position of a suspect entry again and compare with its logits."""
@@ -175,18 +163,6 @@ class PromptStates:
         mx.eval(row)
         start.tokens = prompt[: pos + 1]
         return bool(probe_matches(target.probe, row))
-
-
-def _checkable(match: Match) -> bool:
-    """Does restoring `match` reach its probe (or is its checksum the only check it has)?
-
-    Only a delta can be cut back to re-prefill its probe position; for a snapshot or an entry
-    without a probe, the payload checksum verified on load is the check.
-    """
-    if match.probe is None or match.kind != DELTA:
-        return True
-    position = int(match.probe.get("position", -1))
-    return position <= 0 or position < match.usable
 
 
 def _kv_dtype(model) -> mx.Dtype:
