@@ -120,11 +120,13 @@ def _prepare(folder_root: Path) -> tuple[Path, str]:
     return target, version
 
 
-def preload_optimised_blas() -> str | None:
+def preload_optimised_blas(threads: int = 0) -> str | None:
     """Load OpenBLAS globally so that a later ``import mlx.core`` uses it for matmuls.
 
-    Returns a short description of what was loaded, or None if nothing was (non-Linux, disabled
-    with ``MLX_KVSERVE_BLAS=off``, MLX already imported, or any failure). Never raises.
+    `threads` > 0 sets its thread count; 0 keeps ``OPENBLAS_NUM_THREADS`` if the environment
+    has it, else half the cores. Returns a short description of what was loaded, or None if
+    nothing was (non-Linux, disabled with ``MLX_KVSERVE_BLAS=off``, MLX already imported, or any
+    failure). Never raises.
     """
     global _loaded
     if _loaded is not None:
@@ -145,8 +147,9 @@ def preload_optimised_blas() -> str | None:
         # threads spin while they wait, and with every core taken, any other busy process (a
         # second server, a client, a test run) slowed prefill 5-7x on a 2-core machine, while
         # one thread there is within 5% of two when the machine is otherwise idle.
-        default_threads = max(1, _cpu_count() // 2)
-        threads = os.environ.setdefault("OPENBLAS_NUM_THREADS", str(default_threads))
+        if threads > 0:
+            os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+        count = os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, _cpu_count() // 2)))
         target, version = _prepare(data_dir())
         lib = ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
         lib.cblas_sgemm  # noqa: B018 - fail here, not inside MLX, if the symbol is missing
@@ -156,7 +159,7 @@ def preload_optimised_blas() -> str | None:
             core = (lib.openblas_get_corename() or b"").decode(errors="replace").strip()
         except AttributeError:
             pass
-        desc = f"OpenBLAS {version} ({core + ', ' if core else ''}{threads} threads)"
+        desc = f"OpenBLAS {version} ({core + ', ' if core else ''}{count} threads)"
     except Exception as exc:  # noqa: BLE001 - best effort by design
         log.warning("prefill will be slow: could not load an optimised BLAS (%s)", exc)
         return None

@@ -72,6 +72,13 @@ class Settings:
         default=2048,
         metadata={"help": "Checkpoint every N tokens of a long prefill (0 = only at boundaries)."},
     )
+    blas_threads: int = field(
+        default=0,
+        metadata={
+            "help": "OpenBLAS threads on the Linux CPU backend (0 = half the cores: idle "
+            "OpenBLAS workers spin, so taking every core slows everything else down)."
+        },
+    )
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -151,6 +158,8 @@ def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Set
         elif name in file_values:
             values[name] = _coerce(name, file_values[name])
     settings = Settings(**values)
+    if settings.blas_threads < 0:
+        raise ValueError(f"setting 'blas_threads': {settings.blas_threads} is negative")
     for name in ("cache_budget", "cache_ram_budget"):
         value = getattr(settings, name)
         if value is not None:

@@ -55,3 +55,17 @@ def test_bad_values_are_reported(tmp_path, monkeypatch):
     cfg.write_text("prot = 1\n")
     with pytest.raises(ValueError, match="prot"):
         load_settings({}, cfg)
+
+
+def test_negative_blas_threads_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_KVSERVE_BLAS_THREADS", "-1")
+    with pytest.raises(ValueError, match="blas_threads"):
+        load_settings({}, tmp_path / "missing.toml")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux-only")
+@pytest.mark.parametrize(("args", "env", "want"), [(["--blas-threads", "2"], "1", 2), ([], "1", 1)])
+def test_blas_threads_setting_reaches_openblas(start_server, args, env, want):
+    """--blas-threads wins over OPENBLAS_NUM_THREADS; without it the environment is kept."""
+    server = start_server(*args, env={"OPENBLAS_NUM_THREADS": env})
+    assert f", {want} threads)" in server.log()

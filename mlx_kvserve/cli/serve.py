@@ -71,7 +71,7 @@ def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit code."""
     from mlx_kvserve.blas import preload_optimised_blas
 
-    blas = preload_optimised_blas()  # must precede the first `import mlx`
+    blas = preload_optimised_blas(settings.blas_threads)  # must precede the first `import mlx`
     if blas:
         log.info("BLAS: %s", blas)
 
