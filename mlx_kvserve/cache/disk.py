@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -66,19 +66,17 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _read_upto(f: Any, n: int) -> bytes:
-    """Up to `n` bytes (fewer only at the end of the file) from an unbuffered file."""
-    parts, got = [], 0
-    while got < n:
-        part = f.read(n - got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
+def _read_head(f: BinaryIO) -> tuple[dict[str, Any], Slot | None, int, int]:
+    """(header, slot, payload offset, file size) of an open entry file, payload unchecked."""
+    size = os.fstat(f.fileno()).st_size
+    header_len, digest, slot = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
+    body = f.read(header_len)
+    if len(body) != header_len:
+        raise EntryFormatError("file truncated inside its header")
+    return codec.parse_header(body, digest), slot, codec.payload_start(header_len), size
 
 
-def _read_into(f: Any, view: memoryview) -> None:
+def _read_into(f: BinaryIO, view: memoryview) -> None:
     """Fill `view` from the file's current position; a short file is a format error."""
     done = 0
     while done < view.nbytes:
@@ -272,15 +270,7 @@ class DiskTier:
         if not KEY_RE.match(key):
             raise EntryFormatError("file name is not an entry key")
         with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(codec.PREFIX_SIZE)
-            header_len, digest, slot = codec.parse_prefix(raw)
-            body = f.read(header_len)
-        if len(body) != header_len:
-            raise EntryFormatError("file truncated inside its header")
-        header = codec.parse_header(body, digest)
-        offset = codec.payload_start(header_len)
-        return header, slot, offset, size
+            return _read_head(f)
 
     def scan(self) -> tuple[list[ScannedEntry], list[tuple[str, str]]]:
         """Headers of every entry file; damaged or foreign files are reported, not returned."""
@@ -301,23 +291,24 @@ class DiskTier:
     def path(self, key: str) -> Path:
         return self.dir / f"{key}{SUFFIX}"
 
-    def read_entry(self, key: str) -> tuple[dict[str, Any], list[HostArray]]:
-        """Read and fully verify one entry: header checks and payload checksum."""
-        path = self.path(key)
+    @contextlib.contextmanager
+    def _open_entry(self, key: str) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
+        """An entry's file, positioned at its payload, with its fully validated header."""
         try:
-            with path.open("rb") as f:
-                data = f.read()
+            f = self.path(key).open("rb")
         except FileNotFoundError:
             raise EntryFormatError("file is missing") from None
-        header_len, digest, _ = codec.parse_prefix(data[: codec.PREFIX_SIZE])
-        body = data[codec.PREFIX_SIZE : codec.PREFIX_SIZE + header_len]
-        if len(body) != header_len:
-            raise EntryFormatError("file truncated inside its header")
-        header = codec.parse_header(body, digest)
-        offset = codec.payload_start(header_len)
-        validate_header(header, key, self.fingerprint, len(data), offset)
-        arrays = codec.decode_payload(memoryview(data)[offset:], header)
-        return header, arrays
+        with f:
+            header, _, offset, size = _read_head(f)
+            validate_header(header, key, self.fingerprint, size, offset)
+            f.seek(offset)
+            yield f, header
+
+    def read_entry(self, key: str) -> tuple[dict[str, Any], list[HostArray]]:
+        """Read and fully verify one entry: header checks and payload checksum."""
+        with self._open_entry(key) as (f, header):
+            payload = f.read()
+        return header, codec.decode_payload(memoryview(payload), header)
 
     def read_entry_into(
         self, key: str, target: Callable[[dict[str, Any]], list[memoryview]]
@@ -329,23 +320,9 @@ class DiskTier:
         copy, and the payload checksum is computed over them. Returns the header. If this
         raises, the buffers hold partial data and must be discarded.
         """
-        try:
-            f = self.path(key).open("rb", buffering=0)
-        except FileNotFoundError:
-            raise EntryFormatError("file is missing") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            header_len, digest, _ = codec.parse_prefix(_read_upto(f, codec.PREFIX_SIZE))
-            body = _read_upto(f, header_len)
-            if len(body) != header_len:
-                raise EntryFormatError("file truncated inside its header")
-            header = codec.parse_header(body, digest)
-            offset = codec.payload_start(header_len)
-            validate_header(header, key, self.fingerprint, size, offset)
-            specs = codec.check_array_specs(header)
-            f.seek(offset)
-            hasher = hashlib.sha256()
-            for spec in specs:
+        hasher = hashlib.sha256()
+        with self._open_entry(key) as (f, header):
+            for spec in codec.check_array_specs(header):
                 views = target(spec)
                 if sum(v.nbytes for v in views) != spec["nbytes"]:
                     raise EntryFormatError(f"array {spec['name']}: buffer size mismatch")

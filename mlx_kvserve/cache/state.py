@@ -110,30 +110,6 @@ def compatible_delta(
     return True
 
 
-def restore_delta(
-    caches: Sequence[Any],
-    links: Sequence[tuple[int, int, Sequence[HostArray]]],
-    usable: int,
-    *,
-    dtype: str | None = None,
-    check_finite: bool = True,
-) -> None:
-    """Fill empty KVCaches from chain links [(start, end, arrays)], keeping `usable` positions."""
-    if not links:
-        raise StateError("no chain links to restore")
-    pos = 0
-    for start, end, _ in links:
-        if start != pos:
-            raise StateError(f"chain gap: link starts at {start}, expected {pos}")
-        pos = end
-    builder = DeltaBuilder(caches, delta_layout(links[0][2]), pos, usable, dtype=dtype)
-    for start, end, arrays in links:
-        builder.put(start, end, arrays)
-        if check_finite:
-            builder.check_finite(start, end)
-    builder.finish()
-
-
 class DeltaBuilder:
     """Empty KVCaches filled link by link, straight into their final buffers.
 
@@ -167,23 +143,25 @@ class DeltaBuilder:
         self.usable = usable
         self.capacity = max(positions, _padded_length(usable, getattr(caches[0], "step", 256)))
         self._filled = dict.fromkeys(layout, 0)
-        self._mx: dict[str, mx.array | None] = {}
-        self._host: dict[str, np.ndarray] = {}
+        buffers: dict[str, mx.array] = {}
         for name, (dt, shape) in layout.items():
             if len(shape) != 4:
                 raise StateError(f"{name}: shape {shape} is not (batch, heads, positions, dim)")
             if dtype is not None and dt != dtype:
                 raise StateError(f"{name}: dtype {dt}, model uses {dtype}")
             storage = mx.uint16 if dt == "bfloat16" else _MX_DTYPES[dt]
-            self._mx[name] = mx.zeros((shape[0], shape[1], self.capacity, shape[3]), storage)
-        mx.eval([b for b in self._mx.values() if b is not None])
-        for name, buf in list(self._mx.items()):
-            assert buf is not None
+            buffers[name] = mx.zeros((shape[0], shape[1], self.capacity, shape[3]), storage)
+        mx.eval(list(buffers.values()))
+        # The NumPy array each link is written into, and the MLX array it becomes (None: the
+        # view was refused, not seen with MLX 0.32, so a host copy is converted at the end).
+        self._host: dict[str, np.ndarray] = {}
+        self._mx: dict[str, mx.array | None] = {}
+        for name, buf in buffers.items():
             view = _writable_view(buf)
-            if view is None:  # not a plain buffer (not seen with MLX 0.32): fill a host copy
-                view = np.zeros(tuple(buf.shape), DTYPES[layout[name][0]])
-                self._mx[name] = None
-            self._host[name] = view
+            self._host[name] = (
+                view if view is not None else np.zeros(buf.shape, DTYPES[layout[name][0]])
+            )
+            self._mx[name] = buf if view is not None else None
 
     def slot(self, name: str, dtype: str, shape: Sequence[int], start: int) -> np.ndarray:
         """The buffer region for array `name` (dtype, shape) of a link starting at `start`."""
