@@ -7,6 +7,7 @@ launcher that loads the same optimised BLAS first, so that both compute at the s
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -64,6 +65,17 @@ def machine() -> str:
     return (
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu}); "
         f"OpenBLAS threads: {blas_threads()}"
+    )
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--keep and --blas-threads, which every benchmark that starts servers offers."""
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, cache files)")
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        help="OPENBLAS_NUM_THREADS for every server (default: the servers' own choice)",
     )
 
 

@@ -102,13 +102,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="512 and 2048 tokens, 2 repeats, 1 cold")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt text")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, cache files)")
-    p.add_argument(
-        "--blas-threads",
-        type=int,
-        default=None,
-        help="OPENBLAS_NUM_THREADS for every server (default: the servers' own choice)",
-    )
+    bc.add_run_options(p)
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats, args.cold_repeats = "512,2048", 2, 1

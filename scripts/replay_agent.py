@@ -145,13 +145,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="--cold-turns 1,10,14,20")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, cache files)")
-    p.add_argument(
-        "--blas-threads",
-        type=int,
-        default=None,
-        help="OPENBLAS_NUM_THREADS for every server (default: the servers' own choice)",
-    )
+    bc.add_run_options(p)
     args = p.parse_args(argv)
     if args.quick and args.cold_turns == "default":
         args.cold_turns = "1,10,14,20"
