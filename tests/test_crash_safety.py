@@ -533,10 +533,7 @@ def _claims_more_tokens(path: Path) -> Path:
     longer = np.concatenate([tokens, tokens[-5:]])
     key = entry_key(fingerprint, longer)
     header.update(tokens=codec.encode_tokens(longer), n_tokens=int(longer.shape[0]), key=key)
-    path.unlink()
-    target = path.with_name(key + path.suffix)
-    write_entry(target, header, slot, arrays)
-    return target
+    return _move_to_key(path, header, slot, arrays)
 
 
 def _nan_in_kv(path: Path) -> Path:
@@ -556,8 +553,13 @@ def _other_model(path: Path) -> Path:
     other = "another-model-0123456789abcdef"
     key = entry_key(other, codec.decode_tokens(header["tokens"]))
     header.update(fingerprint=other, key=key)
+    return _move_to_key(path, header, slot, arrays)
+
+
+def _move_to_key(path: Path, header: dict, slot, arrays) -> Path:
+    """Replace `path` by the entry rewritten under the file name of its new `header["key"]`."""
     path.unlink()
-    target = path.with_name(key + path.suffix)
+    target = path.with_name(header["key"] + path.suffix)
     write_entry(target, header, slot, arrays)
     return target
 
