@@ -91,10 +91,6 @@ def extract_delta(caches: Sequence[Any], start: int, end: int) -> list[HostArray
     return arrays
 
 
-def delta_layout(arrays: Sequence[HostArray]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {a.name: (a.dtype, a.shape) for a in arrays}
-
-
 def compatible_delta(
     a: dict[str, tuple[str, tuple[int, ...]]], b: dict[str, tuple[str, tuple[int, ...]]]
 ) -> bool:

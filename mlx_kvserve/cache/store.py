@@ -284,7 +284,7 @@ class PromptCache:
                 if entry.kind == DELTA:
                     from_disk = self._restore_chain(links, fresh_caches, usable, dtype_str, key)
                 else:
-                    from_disk = self._restore_snapshot(entry, fresh_caches, dtype_str, key)
+                    from_disk = self._restore_snapshot(entry, fresh_caches, key)
             finally:
                 for link in links:
                     self._unpin(link.key)
@@ -947,8 +947,7 @@ class PromptCache:
             arrays = self._payload_in_ram(link)
             try:
                 if arrays is not None:
-                    self._check_fits(link, arrays, caches, dtype)
-                    builder.put(start, end, arrays)
+                    builder.put(start, end, arrays)  # checks names, spans, dtypes, geometry
                     continue
                 if self.disk is None or link.disk != DISK_WRITTEN:
                     raise EntryFormatError("payload is neither in RAM nor on disk")
@@ -967,9 +966,7 @@ class PromptCache:
         self._counters["restores_from_disk"] += len(from_disk)
         return from_disk
 
-    def _restore_snapshot(
-        self, entry: Entry, caches: list, dtype: str | None, match_key: str
-    ) -> list[Entry]:
+    def _restore_snapshot(self, entry: Entry, caches: list, match_key: str) -> list[Entry]:
         """A whole-state entry into `caches`; returns [entry] if it was read from disk."""
         arrays = self._payload_in_ram(entry)
         from_disk = arrays is None
@@ -980,7 +977,7 @@ class PromptCache:
                 header, loaded = self.disk.read_entry(entry.key)
                 self._check_loaded(entry, header, loaded)
                 arrays = tuple(loaded)
-            self._check_fits(entry, arrays, caches, dtype)
+            self._check_snapshot_fits(entry, caches)
         except Exception as exc:
             raise self._restore_error(entry.key, exc, match_key) from None
         try:
@@ -1034,35 +1031,16 @@ class PromptCache:
         ):
             raise EntryFormatError("header no longer matches the indexed entry")
 
-    def _check_fits(
-        self, link: Entry, arrays: Sequence[HostArray], caches: list, dtype: str | None
-    ) -> None:
-        """Per-link structural checks, so a bad link is blamed precisely."""
-        if link.kind == DELTA:
-            names = {a.name for a in arrays}
-            want = {f"{kv}.{i}" for i in range(len(caches)) for kv in "kv"}
-            if names != want:
+    def _check_snapshot_fits(self, entry: Entry, caches: list) -> None:
+        """A snapshot must have the model's layer count and classes (deltas: DeltaBuilder)."""
+        layers = entry.meta.get("layers") or []
+        if len(layers) != len(caches):
+            raise state.StateError(f"stores {len(layers)} layers, model has {len(caches)}")
+        for i, (c, layer) in enumerate(zip(caches, layers, strict=True)):
+            if layer.get("class") != type(c).__name__:
                 raise state.StateError(
-                    f"stores {len(names) // 2} layers, the model has {len(caches)}"
+                    f"layer {i}: stored {layer.get('class')}, model uses {type(c).__name__}"
                 )
-            span = link.own_tokens
-            for a in arrays:
-                if len(a.shape) != 4 or a.shape[2] != span:
-                    raise state.StateError(f"{a.name}: shape {a.shape} for {span} positions")
-                if dtype is not None and a.dtype != dtype:
-                    raise state.StateError(f"{a.name}: dtype {a.dtype}, model uses {dtype}")
-            live = self._live_layout
-            if live is not None and not state.compatible_delta(live, state.delta_layout(arrays)):
-                raise state.StateError("dtype or geometry differs from this model's live KV")
-        else:
-            layers = link.meta.get("layers") or []
-            if len(layers) != len(caches):
-                raise state.StateError(f"stores {len(layers)} layers, model has {len(caches)}")
-            for i, (c, layer) in enumerate(zip(caches, layers, strict=True)):
-                if layer.get("class") != type(c).__name__:
-                    raise state.StateError(
-                        f"layer {i}: stored {layer.get('class')}, model uses {type(c).__name__}"
-                    )
 
     def _layout_of(self, caches: list) -> Layout:
         layout: Layout = {}
