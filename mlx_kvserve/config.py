@@ -80,6 +80,27 @@ class Settings:
         },
     )
 
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Another name for the served model in /v1/models (repeatable, or "
+            "comma-separated); every name is answered by the loaded model.",
+            "repeatable": True,
+        },
+    )
+    strict_model_names: bool = field(
+        default=False,
+        metadata={
+            "help": "Answer 404 for a model name that is neither the model's id nor a "
+            "--served-model-name (by default any name is served by the loaded model)."
+        },
+    )
+
+    def model_aliases(self) -> list[str]:
+        """The --served-model-name values, in order, without blanks or repeats."""
+        names = [n.strip() for n in (self.served_model_name or "").split(",")]
+        return list(dict.fromkeys(n for n in names if n))
+
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -127,6 +148,8 @@ def _coerce(name: str, raw: Any) -> Any:
             return int(raw)
         if isinstance(default, float):
             return float(raw)
+        if isinstance(raw, list) and target.metadata.get("repeatable"):
+            return ",".join(str(item) for item in raw)
         return None if raw is None else str(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"setting '{name}': cannot use {raw!r} ({exc})") from None

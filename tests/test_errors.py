@@ -86,13 +86,6 @@ def test_invalid_completion_parameters_are_400(server, body, param):
     assert_error(post(server, "/v1/completions", json=body), 400, param)
 
 
-def test_unknown_model_is_404(server):
-    body = {"model": "no-such-model", "messages": OK_MESSAGES}
-    error = assert_error(post(server, CHAT, json=body), 404, "model")
-    assert error["code"] == "model_not_found"
-    assert_error(httpx.get(server.base_url + "/v1/models/no-such-model"), 404)
-
-
 def test_unknown_path_and_wrong_method(server):
     assert_error(httpx.get(server.base_url + "/v1/nothing-here"), 404)
     assert_error(httpx.get(server.base_url + CHAT), 405)

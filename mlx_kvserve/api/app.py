@@ -17,8 +17,10 @@ from starlette.routing import Route
 
 from mlx_kvserve import __version__
 from mlx_kvserve.api.auth import BearerAuth
-from mlx_kvserve.api.completions import chat_completions, completions
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.generation import served_model
+from mlx_kvserve.api.openai_chat import chat_completions
+from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 
@@ -55,25 +57,27 @@ async def cache_stats(request: Request) -> Response:
     return JSONResponse(await run_in_threadpool(snapshot))
 
 
-def _model_card(request: Request) -> dict:
-    state = request.app.state
+def _model_card(request: Request, name: str) -> dict:
     return {
-        "id": state.model_id,
+        "id": name,
         "object": "model",
-        "created": state.started,
+        "created": request.app.state.started,
         "owned_by": "mlx-kvserve",
     }
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+    """The served model's id, then its --served-model-name aliases."""
+    state = request.app.state
+    names = dict.fromkeys([state.model_id, *state.settings.model_aliases()])
+    return JSONResponse({"object": "list", "data": [_model_card(request, n) for n in names]})
 
 
 async def get_model(request: Request) -> Response:
+    """Any name is served by the loaded model (404 only with --strict-model-names)."""
     wanted = request.path_params["model_id"]
-    if wanted != request.app.state.model_id:
-        raise APIError(404, f"The model '{wanted}' does not exist.", code="model_not_found")
-    return JSONResponse(_model_card(request))
+    served_model(request, wanted)
+    return JSONResponse(_model_card(request, wanted))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -124,6 +128,11 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
+            Route("/models", list_models, methods=["GET"]),
+            Route("/models/{model_id:path}", get_model, methods=["GET"]),
+            Route("/chat/completions", chat_completions, methods=["POST"]),
+            Route("/completions", completions, methods=["POST"]),
         ],
         middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
         exception_handlers={

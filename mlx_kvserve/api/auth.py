@@ -10,14 +10,14 @@ from mlx_kvserve.api.errors import APIError
 
 
 class BearerAuth:
-    """Guard /v1/* with `Authorization: Bearer <key>`; /health stays open for probes."""
+    """Guard every path but /health with `Authorization: Bearer <key>` (/health is for probes)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if self.expected and scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = (

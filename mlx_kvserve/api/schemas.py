@@ -28,10 +28,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = ""
+
+
+class ToolCallIn(_Body):
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -75,9 +88,48 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -85,6 +137,8 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: Literal[False] = False
 
     @field_validator("prompt")
     @classmethod
@@ -128,5 +182,9 @@ def _is_union_tag(part: Any) -> bool:
         "bool",
         "list[str]",
         "list[TextPart]",
+        "list[ToolCallIn]",
+        "list[ToolDef]",
+        "NamedToolChoice",
+        "literal['none','auto','required']",
         "none",
     } or text.startswith(("list[", "function-", "constrained-"))

@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
-from mlx_kvserve.engine.requests import Done, GenerationRequest, TextChunk
+from mlx_kvserve.engine.requests import Done, GenerationRequest, TextChunk, TokenLogprob
 from mlx_kvserve.engine.stops import StopMatcher
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -51,6 +51,7 @@ class Timings:
     decode_seconds: float = 0.0
     ttft_seconds: float = 0.0
     finish_reason: str = ""
+    stop_sequence: str | None = None
     retried: bool = False
 
     def log_line(self, req: GenerationRequest) -> str:
@@ -169,23 +170,68 @@ def prefill(
     return out[:, -1, :]
 
 
-def _sample(sampler, logits: mx.array) -> int:
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    token = sampler(logprobs)
-    mx.eval(token)
-    return int(token.item())
+class Decoder:
+    """Samples one token at a time for one request: grammar mask, sampler, logprobs."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        params = req.params
+        self.req = req
+        self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        self.constraint = req.constraint
+        self.want_logprobs = params.logprobs or params.top_logprobs > 0
+
+    def next_token(self, logits: mx.array) -> tuple[int, TokenLogprob | None]:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        candidates = logprobs
+        if self.constraint is not None:
+            allowed = mx.array(self.constraint.allowed(logits.shape[-1]))
+            candidates = mx.where(allowed, logprobs, -mx.inf)
+        token_array = self.sampler(candidates)
+        mx.eval(token_array)
+        token = int(token_array.item())
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token, (self._logprob(logprobs[0], token) if self.want_logprobs else None)
+
+    @property
+    def grammar_complete(self) -> bool:
+        return self.constraint is not None and self.constraint.finished
+
+    def _logprob(self, logprobs: mx.array, token: int) -> TokenLogprob:
+        """The sampled token's log probability (the model's own, before any grammar mask)."""
+        name = self.req.token_bytes or (lambda t: str(t).encode())
+        top: tuple[tuple[bytes, float], ...] = ()
+        n = self.req.params.top_logprobs
+        if n > 0:
+            ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+            values = logprobs[ids]
+            order = mx.argsort(-values)
+            ids, values = ids[order].tolist(), values[order].tolist()
+            top = tuple((name(int(i)), float(v)) for i, v in zip(ids, values, strict=True))
+        return TokenLogprob(name(token), float(logprobs[token].item()), top)
 
 
-def _decode(model, tokenizer, logits, live: Live, req, sampler, timings, check) -> tuple:
-    """Sample until EOS, a stop string or max_tokens; return (finish reason, last logits)."""
+def _decode(model, tokenizer, logits, live: Live, req, timings, check) -> tuple:
+    """Sample until EOS, a stop string, a completed grammar or max_tokens.
+
+    Returns (finish reason, the stop string that ended it or None, the last logits).
+    """
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
     stops = StopMatcher(req.params.stop)
+    decoder = Decoder(req)
+    pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
     started = time.perf_counter()
     finish = "length"
+
+    def emit(text: str) -> None:
+        if text or pending:
+            req.emit(TextChunk(text, tuple(pending)))
+            pending.clear()
+
     while timings.completion_tokens < req.params.max_tokens:
         check()
-        token = _sample(sampler, logits)
+        token, logprob = decoder.next_token(logits)
         timings.completion_tokens += 1
         if timings.completion_tokens == 1:
             timings.ttft_seconds = time.perf_counter() - req.started
@@ -193,23 +239,28 @@ def _decode(model, tokenizer, logits, live: Live, req, sampler, timings, check) 
         if token in eos:
             finish = "stop"
             break
+        if logprob is not None:
+            pending.append(logprob)
         detok.add_token(token)
         text, hit = stops.feed(detok.last_segment)
         if text:
-            req.emit(TextChunk(text))
+            emit(text)
         if hit:
+            emit("")
             timings.decode_seconds = time.perf_counter() - started
-            return "stop", logits
+            return "stop", stops.matched, logits
+        if decoder.grammar_complete:
+            finish = "stop"
+            break
         if timings.completion_tokens < req.params.max_tokens:
             logits = model(mx.array([[token]]), cache=live.caches)[:, -1, :]
             live.tokens.append(token)
     detok.finalize()
     text, hit = stops.feed(detok.last_segment)
     text += "" if hit else stops.flush()
-    if text:
-        req.emit(TextChunk(text))
+    emit(text)
     timings.decode_seconds = time.perf_counter() - started
-    return ("stop" if hit else finish), logits
+    return ("stop" if hit else finish), stops.matched, logits
 
 
 class Generator:
@@ -255,6 +306,7 @@ class Generator:
                 prompt_tokens=timings.prompt_tokens,
                 completion_tokens=timings.completion_tokens,
                 cached_tokens=timings.cached_tokens,
+                stop_sequence=timings.stop_sequence,
             )
         )
         if finished is not None:  # after Done, so the client never waits for a checkpoint
@@ -277,7 +329,6 @@ class Generator:
 
         if params.seed is not None:
             mx.random.seed(params.seed)
-        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
         checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, self._save)
         t0 = time.perf_counter()
         try:
@@ -294,10 +345,10 @@ class Generator:
             raise
         finally:
             timings.prefill_seconds = time.perf_counter() - t0
-        finish, last_logits = _decode(
-            self.model, self.tokenizer, logits, live, req, sampler, timings, check
+        finish, stop_sequence, last_logits = _decode(
+            self.model, self.tokenizer, logits, live, req, timings, check
         )
-        timings.finish_reason = finish
+        timings.finish_reason, timings.stop_sequence = finish, stop_sequence
         return live, last_logits
 
     def _save(

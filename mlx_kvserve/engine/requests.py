@@ -10,23 +10,47 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    logprobs: bool = False  # report each sampled token's log probability
+    top_logprobs: int = 0  # ... and this many most likely alternatives
+
+
+class TokenConstraint(Protocol):
+    """A grammar that decides which tokens may come next (see chat.grammar.Constraint)."""
+
+    def allowed(self, n_logits: int) -> Any: ...  # boolean NumPy mask over the logits
+    def advance(self, token: int) -> None: ...
+    @property
+    def finished(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log probability and the most likely alternatives at its position."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class TextChunk:
-    """New completion text (already checked against stop strings)."""
+    """New completion text (already checked against stop strings) and its tokens' logprobs."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +61,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclass(frozen=True)
@@ -56,8 +81,10 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     kind: str = "chat"
-    # Prompt positions worth a checkpoint: {token count: "anchor" | "message"} (see api.prompts)
+    # Prompt positions worth a checkpoint: {token count: "anchor" | "message"} (see chat.render)
     boundaries: dict[int, str] = field(default_factory=dict)
+    constraint: TokenConstraint | None = None  # grammar-constrained decoding, if asked for
+    token_bytes: Callable[[int], bytes] | None = None  # a token's bytes, for logprobs
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)  # for time-to-first-token

@@ -11,6 +11,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add new text; return (text safe to emit, whether a stop string was hit)."""
@@ -18,9 +19,10 @@ class StopMatcher:
         if not self.stops:
             out, self._pending = self._pending, ""
             return out, False
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
         if hits:
-            out = self._pending[: min(hits)]
+            at, self.matched = min(hits)
+            out = self._pending[:at]
             self._pending = ""
             return out, True
         hold = self._longest_partial_suffix()

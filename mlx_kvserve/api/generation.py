@@ -1,0 +1,304 @@
+"""Running one internal request on the engine, and reading its output as neutral events.
+
+Every protocol adapter calls `start_chat` or `start_text`, then reads `Generation.events()`
+(streaming) or `Generation.result()` (one body). Model-name resolution, readiness, templating,
+grammar compilation, context-window checks, queueing, tool-call parsing and usage live here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling, ToolCall
+from mlx_kvserve.chat.grammar import GrammarCompiler
+from mlx_kvserve.chat.output import OutputEvent, OutputParser
+from mlx_kvserve.chat.render import Prompt, render_chat, render_text
+from mlx_kvserve.engine import (
+    Done,
+    Engine,
+    EngineBusy,
+    EngineError,
+    EngineNotReady,
+    GenerationRequest,
+    SamplingParams,
+    TextChunk,
+)
+from mlx_kvserve.engine.requests import TokenLogprob
+
+RETRY_AFTER_SECONDS = "2"
+DEFAULT_MAX_TOKENS = 256  # only when the model declares no context length
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log probabilities of tokens generated since the previous event."""
+
+    items: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length" or "tool_calls"
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation broke off after it started (shutdown, engine error)."""
+
+    status: int
+    message: str
+
+
+Event = OutputEvent | Logprobs | Finished | Failed
+
+
+@dataclass
+class Result:
+    """A whole non-streamed answer."""
+
+    content: str
+    calls: list[ToolCall]
+    finished: Finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Generation:
+    """A request submitted to the engine, read back as protocol-neutral events."""
+
+    def __init__(self, req: GenerationRequest, parser: OutputParser, model: str) -> None:
+        self.req = req
+        self.parser = parser
+        self.model = model  # the name the response reports: the served model's id
+
+    @property
+    def id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def created(self) -> int:
+        return int(self.req.created)
+
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[Event | None]:
+        """Output events in order; None when `keepalive` seconds pass with nothing new.
+
+        Leaving the iteration early (client gone) cancels the request, which the engine
+        notices within one decode step or prefill chunk.
+        """
+        try:
+            while True:
+                event = await self.req.next_event(timeout=keepalive)
+                if event is None:
+                    yield None
+                elif isinstance(event, TextChunk):
+                    if event.logprobs:
+                        yield Logprobs(event.logprobs)
+                    for item in self.parser.feed(event.text):
+                        yield item
+                elif isinstance(event, Done) and event.finish_reason != "cancelled":
+                    for item in self.parser.finish():
+                        yield item
+                    yield self._finished(event)
+                    return
+                elif isinstance(event, Done):
+                    yield Failed(503, "generation was cancelled: the server is shutting down")
+                    return
+                else:
+                    assert isinstance(event, EngineError)
+                    yield Failed(500, event.message)
+                    return
+        finally:
+            self.req.cancel()  # no-op when finished; stops the engine when the client left
+
+    async def result(self, request: Request) -> Result:
+        """The whole answer; the request is cancelled the moment the client disconnects."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.req))
+        logprobs: list[TokenLogprob] = []
+        try:
+            async for event in self.events():
+                if isinstance(event, Logprobs):
+                    logprobs.extend(event.items)
+                elif isinstance(event, Finished):
+                    return Result(self.parser.content, self.parser.calls, event, logprobs)
+                elif isinstance(event, Failed):
+                    if self.req.cancelled.is_set() and watcher.done():
+                        raise APIError(499, "client disconnected")
+                    raise APIError(event.status, event.message, code="engine_error")
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        raise APIError(500, "the generation ended without a result", code="engine_error")
+
+    def _finished(self, done: Done) -> Finished:
+        reason = done.finish_reason
+        if reason == "stop" and self.parser.calls:
+            reason = "tool_calls"
+        usage = Usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+        return Finished(reason, usage, done.stop_sequence)
+
+
+async def _cancel_on_disconnect(request: Request, req: GenerationRequest) -> None:
+    """Cancel `req` as soon as the client goes away (not when the next token comes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            req.cancel()
+            return
+
+
+def served_model(request: Request, asked: str | None, param: str = "model") -> str:
+    """The model answering: any name is served by the loaded model unless names are strict."""
+    state = request.app.state
+    settings = state.settings
+    names = {state.model_id, *settings.model_aliases()}
+    if settings.strict_model_names and asked is not None and asked not in names:
+        raise APIError(
+            404,
+            f"The model {asked!r} does not exist; this server serves {sorted(names)}.",
+            param=param,
+            code="model_not_found",
+        )
+    return state.model_id
+
+
+async def start_chat(
+    request: Request,
+    chat: ChatRequest,
+    *,
+    model: str | None,
+    id_prefix: str = "call_",
+    kind: str = "chat",
+) -> Generation:
+    """Template, constrain and queue a chat request (raises APIError for the client)."""
+    served = served_model(request, model)
+    engine = _ready_engine(request)
+
+    def build() -> tuple[Prompt, Any]:
+        prompt = render_chat(engine.tokenizer, chat)
+        constraint = _grammar(request, engine).constraint_for(chat, prompt.tool_format)
+        return prompt, constraint
+
+    prompt, constraint = await _off_loop(build)
+    parser = OutputParser(
+        prompt.tool_format, chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix
+    )
+    return _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
+
+
+async def start_text(request: Request, text: str, sampling: Sampling, *, model: str | None):
+    """Tokenize and queue a plain text completion."""
+    served = served_model(request, model)
+    engine = _ready_engine(request)
+    prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
+    return _submit(request, engine, prompt, sampling, "text", served, OutputParser(None), None)
+
+
+def count_chat_tokens(request: Request, chat: ChatRequest) -> Any:
+    """The prompt tokens a chat request would have (for token-counting endpoints)."""
+    engine = _ready_engine(request)
+    return _off_loop(lambda: len(render_chat(engine.tokenizer, chat).tokens))
+
+
+async def _off_loop(fn: Any) -> Any:
+    try:
+        return await run_in_threadpool(fn)
+    except InvalidRequest as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+
+
+def _ready_engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    if not engine.ready.is_set():
+        raise unavailable(engine.load_error or "The model is still loading; retry shortly.")
+    return engine
+
+
+def _grammar(request: Request, engine: Engine) -> GrammarCompiler:
+    state = request.app.state
+    compiler = getattr(state, "grammar", None)
+    if compiler is None:
+        vocab = getattr(getattr(engine.model, "args", None), "vocab_size", 0)
+        compiler = state.grammar = GrammarCompiler(engine.tokenizer, vocab or 0)
+    return compiler
+
+
+def _submit(
+    request: Request,
+    engine: Engine,
+    prompt: Prompt,
+    sampling: Sampling,
+    kind: str,
+    served: str,
+    parser: OutputParser,
+    constraint: Any,
+) -> Generation:
+    want_bytes = sampling.logprobs or sampling.top_logprobs > 0
+    req = GenerationRequest(
+        prompt_tokens=prompt.tokens,
+        params=_sampling(sampling, len(prompt.tokens), engine.context_length, kind),
+        kind=kind,
+        boundaries=prompt.boundaries,
+        constraint=constraint,
+        token_bytes=_grammar(request, engine).token_bytes if want_bytes else None,
+    )
+    req.bind(asyncio.get_running_loop())
+    try:
+        engine.submit(req)
+    except EngineBusy:
+        raise unavailable("The server is busy: the request queue is full.") from None
+    except EngineNotReady as exc:
+        raise unavailable(str(exc)) from None
+    return Generation(req, parser, served)
+
+
+def _sampling(
+    sampling: Sampling, prompt_tokens: int, context: int | None, kind: str
+) -> SamplingParams:
+    """Engine sampling parameters; max_tokens is clipped to the room left in the context."""
+    room = None if context is None else context - prompt_tokens
+    if room is not None and room < 1:
+        raise APIError(
+            400,
+            f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
+            f"context of {context} tokens.",
+            param="prompt" if kind == "text" else "messages",
+            code="context_length_exceeded",
+        )
+    limits = [x for x in (sampling.max_tokens, room) if x is not None]
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        max_tokens=min(limits) if limits else DEFAULT_MAX_TOKENS,
+        stop=sampling.stop,
+        logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
+    )
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(
+        503, message, code="server_unavailable", headers={"Retry-After": RETRY_AFTER_SECONDS}
+    )

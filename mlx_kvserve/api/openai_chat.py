@@ -1,0 +1,219 @@
+"""POST /v1/chat/completions: the OpenAI chat protocol, adapted to and from the internal request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_kvserve.api.body import read_json
+from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.generation import (
+    Failed,
+    Finished,
+    Generation,
+    Logprobs,
+    Usage,
+    start_chat,
+)
+from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
+from mlx_kvserve.chat import ChatRequest, OutputFormat, Sampling, Tool, ToolCall, ToolChoice
+from mlx_kvserve.chat import Message as ChatMessage
+from mlx_kvserve.chat.output import ContentDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.engine.requests import TokenLogprob
+
+SYSTEM_FINGERPRINT = "mlx-kvserve"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def chat_completions(request: Request) -> Response:
+    body = parse(
+        ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
+    )
+    generation = await start_chat(request, to_chat_request(body), model=body.model)
+    if body.stream:
+        events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    result = await generation.result(request)
+    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    if result.calls:
+        message["tool_calls"] = [_call(c) for c in result.calls]
+        message["content"] = result.content or None
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": _logprobs(result.logprobs, body) if body.logprobs else None,
+        "finish_reason": result.finished.reason,
+    }
+    return JSONResponse(
+        {
+            **_head(generation, "chat.completion"),
+            "choices": [choice],
+            "usage": usage(result.finished.usage),
+        }
+    )
+
+
+def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    """The internal request for an OpenAI chat body."""
+    tools = [
+        Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice
+    if choice is None or isinstance(choice, str):
+        mode = choice or ("auto" if tools else "none")
+        if mode == "required" and not tools:
+            raise APIError(
+                400, "tool_choice 'required' needs at least one tool.", param="tool_choice"
+            )
+        tool_choice = ToolChoice(mode, parallel=body.parallel_tool_calls)
+    else:
+        name = choice.function.name
+        if name not in {t.name for t in tools}:
+            raise APIError(
+                400,
+                f"tool_choice names the function {name!r}, which is not among the tools.",
+                param="tool_choice",
+            )
+        tool_choice = ToolChoice("function", name, parallel=False)
+    return ChatRequest(
+        messages=[_message(m) for m in body.messages],
+        tools=tools,
+        tool_choice=tool_choice,
+        output=_output_format(body),
+        sampling=Sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            max_tokens=body.token_limit(),
+            stop=body.stop_strings(),
+            logprobs=bool(body.logprobs),
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        ),
+    )
+
+
+def _message(m: Message) -> ChatMessage:
+    calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(role, m.text(), calls, m.tool_call_id, m.name if role == "tool" else None)
+
+
+def _output_format(body: ChatCompletionRequest) -> OutputFormat:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return OutputFormat()
+    if fmt.type == "json_object":
+        return OutputFormat("json_object")
+    if fmt.json_schema is None:
+        raise APIError(
+            400,
+            "response_format of type 'json_schema' needs a 'json_schema' object.",
+            param="response_format.json_schema",
+        )
+    return OutputFormat("json_schema", fmt.json_schema.schema_, fmt.json_schema.name)
+
+
+async def _stream(
+    generation: Generation, body: ChatCompletionRequest, keepalive: float
+) -> AsyncIterator[str]:
+    head = _head(generation, "chat.completion.chunk")
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**head, "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    pending: list[TokenLogprob] = []
+    async for event in generation.events(keepalive):
+        if event is None:
+            yield ": keep-alive\n\n"
+        elif isinstance(event, Logprobs):
+            pending.extend(event.items)
+        elif isinstance(event, ContentDelta):
+            logprobs = _logprobs(pending, body) if body.logprobs else None
+            pending = []
+            yield chunk({"content": event.text}, logprobs=logprobs)
+        elif isinstance(event, ToolCallStarted):
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            yield chunk({"tool_calls": [call]})
+        elif isinstance(event, ToolCallDelta):
+            call = {"index": event.index, "function": {"arguments": event.arguments}}
+            yield chunk({"tool_calls": [call]})
+        elif isinstance(event, Finished):
+            logprobs = _logprobs(pending, body) if body.logprobs and pending else None
+            yield chunk({}, event.reason, logprobs)
+            if body.include_usage():
+                yield sse({**head, "choices": [], "usage": usage(event.usage)})
+            yield "data: [DONE]\n\n"
+        elif isinstance(event, Failed):
+            yield sse(APIError(event.status, event.message).body())
+            yield "data: [DONE]\n\n"
+
+
+def _head(generation: Generation, obj: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-" + generation.id,
+        "object": obj,
+        "created": generation.created,
+        "model": generation.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict[str, Any]:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+    n = body.top_logprobs or 0
+    return {
+        "content": [
+            {
+                **_token(item.token, item.logprob),
+                "top_logprobs": [_token(t, lp) for t, lp in item.top[:n]],
+            }
+            for item in items
+        ],
+        "refusal": None,
+    }
+
+
+def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": token_text(raw), "logprob": finite(logprob), "bytes": list(raw)}
+
+
+def token_text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: a vanishing probability is reported as -9999 as OpenAI does."""
+    return logprob if logprob > -9999.0 else -9999.0
+
+
+def usage(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,199 @@
+"""Grammar-constrained decoding with llguidance: forced tool calls and JSON output.
+
+Why llguidance: a maintained Rust core that compiles JSON Schema and Lark grammars (with lazy
+grammars that start at a trigger string, which is what `tool_choice: auto` needs), computes a
+token bitmask over the whole vocabulary in well under a millisecond, and needs only NumPy (no
+torch). A grammar is compiled per request on a worker thread; the engine thread then asks the
+`Constraint` for the allowed tokens before each sample and tells it the token it picked.
+
+What each request gets:
+* `tool_choice` "required" or a named function: the whole answer is one call (up to
+  MAX_PARALLEL_CALLS when parallel calls are allowed) whose arguments follow the function's
+  JSON Schema;
+* "auto": free text, until the model writes the call's opening tag; from there the call is
+  constrained the same way (a lazy grammar);
+* `response_format` json_object / json_schema: the answer is that JSON (or, with tools in
+  "auto", either that JSON or tool calls).
+JSON is written in one canonical form (`", "` and `": "` separators, no free whitespace), the
+form the Hermes fallback renders history in, so the cache keeps a tool loop's turns.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.request import ChatRequest, Tool
+from mlx_kvserve.chat.tool_format import ToolFormat
+
+MAX_PARALLEL_CALLS = 4
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Constraint:
+    """One request's grammar state, used on the engine thread only."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import llguidance.numpy as lln
+
+        self._matcher = matcher
+        self._bitmask = lln.allocate_token_bitmask(1, vocab_size)
+        self._fill = lln.fill_next_token_bitmask
+
+    def allowed(self, n_logits: int) -> np.ndarray:
+        """A boolean mask over the model's logits: True where the grammar allows the token."""
+        self._fill(self._matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").astype(bool)
+        if bits.size < n_logits:  # logits rows past the tokenizer's vocabulary are padding
+            bits = np.concatenate([bits, np.zeros(n_logits - bits.size, dtype=bool)])
+        return bits[:n_logits]
+
+    def advance(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"grammar rejected token {token}: {self._matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing but end-of-sequence may follow."""
+        return self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars against one tokenizer (its llguidance twin is built once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._lltok: Any = None
+
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._lltok is None:
+                import llguidance.hf
+                from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+                wrapped = isinstance(self._tokenizer, TokenizerWrapper)
+                hf = self._tokenizer._tokenizer if wrapped else self._tokenizer
+                ids = getattr(self._tokenizer, "eos_token_ids", None)
+                eos = sorted(ids) if isinstance(ids, set | list | tuple) and ids else None
+                self._lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+            return self._lltok
+
+    def token_bytes(self, token: int) -> bytes:
+        """The exact bytes of one token (for logprobs' `bytes`)."""
+        return self._llg_tokenizer().decode_bytes([token])
+
+    def constraint_for(self, req: ChatRequest, fmt: ToolFormat | None) -> Constraint | None:
+        """The request's constraint, or None when decoding is free. 400 on a bad schema."""
+        grammar = self.grammar_for(req, fmt)
+        return None if grammar is None else self._compile(grammar, "the request's grammar")
+
+    def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
+        return self._compile(_json_grammar(schema), param)
+
+    def grammar_for(self, req: ChatRequest, fmt: ToolFormat | None) -> str | None:
+        """The Lark grammar text for a request (None: unconstrained)."""
+        output = _output_schema(req)
+        calls = None
+        if req.tools_active and fmt is not None and fmt.json_body:
+            self._check_tools(req.tools)
+            calls = _calls_rule(req, fmt)
+        mode = req.tool_choice.mode
+        if output is not None:
+            self._compile(_json_grammar(output), _output_param(req))
+        if calls is None:
+            return None if output is None else _json_grammar(output)
+        opening = json.dumps(fmt.start) if fmt else '""'
+        most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
+        more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
+        forced = f"calls: call{more}\ncall: {opening} call_body"
+        if mode in {"required", "function"}:
+            return _lark("start: calls", forced, calls)
+        if output is not None:
+            answer = f"answer: %json {json.dumps({**output, 'x-guidance': JSON_STYLE})}"
+            return _lark("start: answer | calls", answer, forced, calls)
+        head = (
+            "start: (seg)* TEXT\nseg: trig call_body"
+            if most > 1
+            else "start: TEXT | trig call_body"
+        )
+        return _lark(head, f"trig[lazy]: TEXT {opening}", "TEXT: /(.|\\n)*/", calls)
+
+    def _check_tools(self, tools: list[Tool]) -> None:
+        for i, tool in enumerate(tools):
+            self._compile(_json_grammar(_parameters(tool)), f"tools[{i}].function.parameters")
+
+    def _compile(self, grammar: str, param: str) -> Constraint:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(
+                f"Invalid schema for '{param}': the constrained-decoding library cannot compile "
+                f"it: {matcher.get_error().strip()}",
+                param=param,
+                code="invalid_schema",
+            )
+        return Constraint(matcher, self._vocab_size)
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    params = tool.parameters or {}
+    return params if params.get("type") or params.get("properties") else {"type": "object"}
+
+
+def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """{"name": <one of the tools>, "arguments": <that tool's parameters>}, name first."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": _parameters(t)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_STYLE}
+
+
+def _calls_rule(req: ChatRequest, fmt: ToolFormat) -> str:
+    """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag)."""
+    tools = req.tools
+    if req.tool_choice.mode == "function":
+        tools = [t for t in tools if t.name == req.tool_choice.name]
+    body = json.dumps(_call_schema(tools))
+    return f'call_body: "\\n" %json {body} "\\n" {json.dumps(fmt.end)}'
+
+
+def _output_schema(req: ChatRequest) -> dict[str, Any] | None:
+    if req.output.kind == "json_object":
+        return {"type": "object"}
+    if req.output.kind == "json_schema":
+        return req.output.schema or {"type": "object"}
+    return None
+
+
+def _output_param(req: ChatRequest) -> str:
+    return (
+        "response_format.json_schema.schema"
+        if req.output.kind == "json_schema"
+        else "response_format"
+    )
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+
+
+def _lark(*parts: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark("%llguidance {}\n" + "\n".join(parts) + "\n")

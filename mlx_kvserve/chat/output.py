@@ -1,0 +1,275 @@
+"""The model's text as protocol-neutral output events: content, and tool calls as they form.
+
+`OutputParser` is fed the decoded text as it streams and splits it at the tool format's markers.
+Text outside calls is content. Inside a call in a JSON-body format, the call is announced as soon
+as its name is complete and its arguments are passed on in fragments as they are generated (mlx-lm
+sends each call whole at the end); the finished call is then parsed by mlx-lm's own parser for
+the format, and its arguments are exactly the concatenated fragments. Other formats' calls are
+parsed by their mlx-lm parser when the closing marker arrives and sent whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
+from mlx_kvserve.chat.tool_format import ToolFormat
+
+log = logging.getLogger("mlx_kvserve.chat")
+
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStarted:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallFinished:
+    index: int
+    call: ToolCall
+
+
+OutputEvent = ContentDelta | ToolCallStarted | ToolCallDelta | ToolCallFinished
+
+
+class _JsonValueEnd:
+    """Finds where one JSON value ends in text that arrives piece by piece."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.started = False
+
+    def feed(self, text: str) -> int | None:
+        """Index in `text` just past the value's end, or None if it has not ended yet."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif ch == '"':
+                self.in_string, self.started = True, True
+            elif ch in "{[":
+                self.depth, self.started = self.depth + 1, True
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            elif not ch.isspace():
+                self.started = True  # a bare number / literal: ends at a delimiter
+            elif self.started and self.depth == 0:
+                return i
+        return None
+
+
+class _OpenCall:
+    """The call being generated: its raw text and how much of it was passed on."""
+
+    def __init__(self, index: int, id_prefix: str) -> None:
+        self.index = index
+        self.id = new_call_id(id_prefix)
+        self.text = ""
+        self.name: str | None = None
+        self.args_from: int | None = None
+        self.args_sent = 0
+        self.args_done = False
+        self.scanner = _JsonValueEnd()
+
+
+class OutputParser:
+    """Splits streamed model text into content and tool-call events."""
+
+    def __init__(
+        self,
+        fmt: ToolFormat | None,
+        tools: list[Tool] | None = None,
+        *,
+        parse_calls: bool = True,
+        id_prefix: str = "call_",
+    ) -> None:
+        self.fmt = fmt if parse_calls else None
+        self.tools = [t.as_openai() for t in tools or []]
+        self.id_prefix = id_prefix
+        self.calls: list[ToolCall] = []
+        self.content = ""
+        self._pending = ""  # text not yet known to be content or a call's opening
+        self._call: _OpenCall | None = None
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        self._pending += text
+        while self._pending:
+            if self._call is None:
+                if not self._scan_content(events):
+                    break
+            elif not self._scan_call(events):
+                break
+        return events
+
+    def finish(self) -> list[OutputEvent]:
+        """End of generation: flush held text, close a call the model left open."""
+        events: list[OutputEvent] = []
+        if self._call is not None:
+            call, self._call = self._call, None
+            if not self._close(call, call.text + self._pending, events):
+                self._content(
+                    self.fmt.start + call.text + self._pending if self.fmt else "", events
+                )
+        elif self._pending and not (self.calls and not self._pending.strip()):
+            self._content(self._pending, events)
+        self._pending = ""
+        return events
+
+    # ----------------------------------------------------------------------------------------
+    def _content(self, text: str, events: list[OutputEvent]) -> None:
+        if text:
+            self.content += text
+            events.append(ContentDelta(text))
+
+    def _scan_content(self, events: list[OutputEvent]) -> bool:
+        """Emit content up to a call's opening marker; False when more text is needed."""
+        if self.fmt is None:
+            self._content(self._pending, events)
+            self._pending = ""
+            return False
+        start = self.fmt.start
+        at = self._pending.find(start)
+        if at < 0:
+            keep = _partial_suffix(self._pending, start)
+            text = self._pending[: len(self._pending) - keep]
+            stripped = text.rstrip()
+            hold = keep + (len(text) - len(stripped))  # hold whitespace that may precede a call
+            self._content(self._pending[: len(self._pending) - hold], events)
+            self._pending = self._pending[len(self._pending) - hold :]
+            return False
+        before = self._pending[:at]
+        if before.strip():
+            self._content(before, events)
+        self._pending = self._pending[at + len(start) :]
+        self._call = _OpenCall(len(self.calls), self.id_prefix)
+        return True
+
+    def _scan_call(self, events: list[OutputEvent]) -> bool:
+        """Grow the open call; close it at the end marker. False when more text is needed."""
+        call = self._call
+        assert call is not None and self.fmt is not None
+        end = self.fmt.end
+        at = self._pending.find(end)
+        take = self._pending if at < 0 else self._pending[:at]
+        if at < 0:
+            keep = _partial_suffix(take, end)
+            take = take[: len(take) - keep]
+        call.text += take
+        self._pending = self._pending[len(take) :]
+        if self.fmt.json_body:
+            self._stream_arguments(call, events)
+        if at < 0:
+            return False
+        self._pending = self._pending[len(end) :]
+        self._call = None
+        if not self._close(call, call.text, events):
+            self._content(self.fmt.start + call.text + end, events)
+        return True
+
+    def _stream_arguments(self, call: _OpenCall, events: list[OutputEvent]) -> None:
+        if call.name is None:
+            match = _NAME.match(call.text)
+            if match is None:
+                return
+            try:
+                call.name = json.loads(f'"{match.group(1)}"')
+            except json.JSONDecodeError:
+                return
+            call.args_from = call.args_sent = match.end()
+            events.append(ToolCallStarted(call.index, call.id, call.name))
+        if call.args_done or call.args_from is None:
+            return
+        if call.args_sent == call.args_from:  # no whitespace before the arguments' first byte
+            rest = call.text[call.args_sent :]
+            lead = len(rest) - len(rest.lstrip())
+            call.args_from = call.args_sent = call.args_sent + lead
+        fresh = call.text[call.args_sent :]
+        end = call.scanner.feed(fresh)
+        if end is not None:
+            fresh, call.args_done = fresh[:end], True
+        if fresh:
+            call.args_sent += len(fresh)
+            events.append(ToolCallDelta(call.index, fresh))
+
+    def _close(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
+        """Parse a complete call with mlx-lm's parser; emit what was not streamed yet."""
+        assert self.fmt is not None
+        try:
+            parsed: Any = self.fmt.parse(text, self.tools or None)
+        except Exception as exc:  # parsers raise many kinds on malformed text
+            log.warning("the model wrote a tool call that does not parse (%s): %.200r", exc, text)
+            if call.name is None:
+                return False
+            parsed = {"name": call.name}  # announced already: finish it with what was streamed
+        items = [i for i in (parsed if isinstance(parsed, list) else [parsed]) if _is_call(i)]
+        for n, item in enumerate(items):
+            arguments = item.get("arguments", {})
+            index = len(self.calls)
+            if n == 0 and call.name is not None and call.args_from is not None:
+                call_id, text_args = call.id, self._rest_of_arguments(call, text, events)
+            else:
+                call_id = call.id if n == 0 else new_call_id(self.id_prefix)
+                text_args = (
+                    arguments
+                    if isinstance(arguments, str)
+                    else json.dumps(arguments, ensure_ascii=False)
+                )
+                events.append(ToolCallStarted(index, call_id, str(item["name"])))
+                events.append(ToolCallDelta(index, text_args))
+            done = ToolCall(call_id, str(item["name"]), text_args)
+            self.calls.append(done)
+            events.append(ToolCallFinished(index, done))
+        return bool(items)
+
+    def _rest_of_arguments(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> str:
+        """The arguments of an announced call: what was streamed, plus any unsent rest."""
+        assert call.args_from is not None
+        if not call.args_done:  # unconstrained text that ended oddly: send what is left
+            rest = text[call.args_sent :].rstrip()
+            rest = rest[:-1].rstrip() if rest.endswith("}") else rest
+            if rest:
+                events.append(ToolCallDelta(call.index, rest))
+                call.args_sent += len(rest)
+        return text[call.args_from : call.args_sent]
+
+
+def _is_call(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -1,0 +1,101 @@
+"""The one internal request that every wire protocol is translated into.
+
+Field meanings follow the OpenAI chat API, the richest of the three protocols; the Anthropic and
+Responses adapters map their own names onto these (e.g. `tool_use` blocks become `ToolCall`s,
+`tool_result` blocks become `tool` messages).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """An id for a generated tool call, in the style of the protocol asking (call_, toolu_)."""
+    return prefix + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call, in history or generated. `arguments` is JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Message:
+    """One conversation turn, already reduced to text (only text content is supported)."""
+
+    role: Role
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # on role "tool": the call this message answers
+    name: str | None = None  # on role "tool": the function's name, when the client sent it
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call; `parameters` is its JSON Schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+
+    def as_openai(self) -> dict[str, Any]:
+        """The OpenAI function-tool shape that chat templates expect as `tools=`."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """none: never call; auto: the model decides; required: at least one call; function: `name`."""
+
+    mode: Literal["none", "auto", "required", "function"] = "auto"
+    name: str | None = None
+    parallel: bool = True  # False: at most one call
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """Plain text, any JSON object, or JSON valid against `schema`."""
+
+    kind: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: the room left in the context window
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class ChatRequest:
+    """What the engine layer needs from any protocol's chat request."""
+
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    output: OutputFormat = field(default_factory=OutputFormat)
+    sampling: Sampling = field(default_factory=Sampling)
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice.mode != "none"

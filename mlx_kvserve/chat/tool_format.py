@@ -1,0 +1,153 @@
+"""How tool calls look in the model's text: the model's own format, or the Hermes fallback.
+
+A tokenizer whose chat template mlx-lm recognises carries a parser from `mlx_lm.tool_parsers`
+(chosen by `mlx_lm.tokenizer_utils._infer_tool_parser` at load time); such a template renders the
+tool list and the call history itself. A template without tool support (the default model's)
+gets one documented format instead, the Hermes convention that Qwen and many others use:
+
+* the tool list as JSON lines inside `<tools></tools>` at the end of the system turn;
+* each call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+* each tool result as a user turn `<tool_response>\\n...\\n</tool_response>` (consecutive results
+  share one turn).
+
+JSON in history is re-serialised with `json.dumps` defaults (`", "` and `": "` separators), the
+same form constrained decoding makes the model write, so a conversation re-renders to the tokens
+the model generated and the prompt cache keeps the turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.tool_parsers import json_tools
+
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.request import Message, Tool, ToolCall
+
+HERMES_INSTRUCTIONS = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """The markers and parser of one tool-call format."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
+    native: bool  # the chat template renders tools and calls itself
+    json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
+
+    @property
+    def name(self) -> str:
+        module = getattr(self.parse, "__module__", "") or ""
+        return module.rsplit(".", 1)[-1] if self.native else "hermes"
+
+
+HERMES = ToolFormat(
+    start=json_tools.tool_call_start,
+    end=json_tools.tool_call_end,
+    parse=json_tools.parse_tool_call,
+    native=False,
+    json_body=True,
+)
+
+
+def tool_format_for(tokenizer: Any) -> ToolFormat:
+    """The model's own format when mlx-lm found a parser for its template, else Hermes."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None or not getattr(tokenizer, "has_tool_calling", False):
+        return HERMES
+    return ToolFormat(
+        start=tokenizer.tool_call_start,
+        end=tokenizer.tool_call_end,
+        parse=parser,
+        native=True,
+        json_body=getattr(parser, "__module__", "").endswith(".json_tools"),
+    )
+
+
+def call_json(name: str, arguments: dict[str, Any]) -> str:
+    """The canonical text of one call body (what the grammar makes the model write)."""
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def parse_arguments(call: ToolCall, where: str) -> dict[str, Any]:
+    """A history call's arguments as an object; a 400 naming the message when they are not."""
+    try:
+        value = json.loads(call.arguments) if call.arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"{where}: the arguments of tool call '{call.id}' are not valid JSON ({exc.msg}).",
+            param=where,
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"{where}: the arguments of tool call '{call.id}' must be a JSON object.", param=where
+        )
+    return value
+
+
+def hermes_messages(
+    messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, Any]]]
+) -> list[dict[str, str]]:
+    """Plain {role, content} messages for a template without tool support."""
+    out: list[dict[str, str]] = []
+    if tools:
+        listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
+        block = HERMES_INSTRUCTIONS.format(tools=listing)
+        if messages and messages[0].role == "system":
+            first = messages[0].content
+            out.append({"role": "system", "content": f"{first}\n\n{block}" if first else block})
+            messages, arguments = messages[1:], arguments[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    for message, args in zip(messages, arguments, strict=True):
+        if message.role == "assistant" and message.tool_calls:
+            calls = "\n".join(
+                f"{HERMES.start}\n{call_json(c.name, a)}\n{HERMES.end}"
+                for c, a in zip(message.tool_calls, args, strict=True)
+            )
+            text = f"{message.content}\n{calls}" if message.content else calls
+            out.append({"role": "assistant", "content": text})
+        elif message.role == "tool":
+            response = f"<tool_response>\n{message.content}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool": "1"})
+        else:
+            out.append({"role": message.role, "content": message.content})
+    for item in out:
+        item.pop("_tool", None)
+    return out
+
+
+def native_messages(
+    messages: list[Message], arguments: list[list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """OpenAI-style message dicts with arguments as objects, as tool templates iterate them."""
+    out: list[dict[str, Any]] = []
+    for message, args in zip(messages, arguments, strict=True):
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
+                for c, a in zip(message.tool_calls, args, strict=True)
+            ]
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id
+            if message.name:
+                item["name"] = message.name
+        out.append(item)
+    return out
