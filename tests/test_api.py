@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
