@@ -22,9 +22,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
@@ -218,6 +220,8 @@ def _decode(model, tokenizer, logits, live: Live, req, timings, check) -> tuple:
     """
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
+    if req.kind == "text":
+        _keep_leading_space(detok)
     stops = StopMatcher(req.params.stop)
     decoder = Decoder(req)
     pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
@@ -261,6 +265,15 @@ def _decode(model, tokenizer, logits, live: Live, req, timings, check) -> tuple:
     emit(text)
     timings.decode_seconds = time.perf_counter() - started
     return ("stop" if hit else finish), stops.matched, logits
+
+
+def _keep_leading_space(detok: Any) -> None:
+    """mlx-lm's streaming detokenizers drop the first token's leading space, which suits a chat
+    answer but not a text completion ("The capital is" + " Paris")."""
+    if isinstance(detok, SPMStreamingDetokenizer):
+        detok.trim_space = False
+    elif isinstance(detok, BPEStreamingDetokenizer):
+        detok.text, detok.offset = "\0", 1  # the trim applies only while the text is empty
 
 
 class Generator:
