@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
         rates: dict[str, list[float]] = {name: [] for name in modes()}
         counts: dict[str, list[int]] = {name: [] for name in modes()}
-        for name, kwargs in modes().items():  # warm-up: grammar compile, tokenizer twin
+        for kwargs in modes().values():  # warm-up: grammar compile, tokenizer twin
             measure(client, kwargs, 8)
         for _ in range(args.rounds):
             for name, kwargs in modes().items():
