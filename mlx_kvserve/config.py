@@ -96,6 +96,15 @@ class Settings:
         },
     )
 
+    keep_billing_header: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the per-request 'x-anthropic-billing-header:' line that Claude Code "
+            "puts at the start of its system prompt (by default it is dropped: it changes every "
+            "request and would force a full re-prefill)."
+        },
+    )
+
     def model_aliases(self) -> list[str]:
         """The --served-model-name values, in order, without blanks or repeats."""
         names = [n.strip() for n in (self.served_model_name or "").split(",")]

@@ -16,10 +16,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
+from mlx_kvserve.api import anthropic
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import served_model
 from mlx_kvserve.api.openai_chat import chat_completions
+from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
@@ -90,7 +92,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
         exc.code or "-",
         exc.message,
     )
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -98,14 +100,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     message = {404: f"Unknown path: {request.url.path}", 405: "Method not allowed."}.get(
         exc.status_code, str(exc.detail)
     )
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return APIError(
         500, "Internal server error; see the server log.", code="internal_error"
-    ).response()
+    ).response(request.url.path)
 
 
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
@@ -128,11 +130,17 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
             Route("/models", list_models, methods=["GET"]),
             Route("/models/{model_id:path}", get_model, methods=["GET"]),
             Route("/chat/completions", chat_completions, methods=["POST"]),
             Route("/completions", completions, methods=["POST"]),
+            Route("/responses", responses, methods=["POST"]),
+            Route("/messages", anthropic.messages, methods=["POST"]),
+            Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         ],
         middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
         exception_handlers={

@@ -28,6 +28,7 @@ from mlx_kvserve.engine import (
     EngineError,
     EngineNotReady,
     GenerationRequest,
+    Prefilled,
     SamplingParams,
     TextChunk,
 )
@@ -56,6 +57,14 @@ class Logprobs:
 
 
 @dataclass(frozen=True)
+class Started:
+    """Prefill is done: the prompt's size and how much of it came from the cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str  # "stop", "length" or "tool_calls"
     usage: Usage
@@ -70,7 +79,7 @@ class Failed:
     message: str
 
 
-Event = OutputEvent | Logprobs | Finished | Failed
+Event = OutputEvent | Started | Logprobs | Finished | Failed
 
 
 @dataclass
@@ -110,6 +119,8 @@ class Generation:
                 event = await self.req.next_event(timeout=keepalive)
                 if event is None:
                     yield None
+                elif isinstance(event, Prefilled):
+                    yield Started(event.prompt_tokens, event.cached_tokens)
                 elif isinstance(event, TextChunk):
                     if event.logprobs:
                         yield Logprobs(event.logprobs)
@@ -266,7 +277,9 @@ def _submit(
     try:
         engine.submit(req)
     except EngineBusy:
-        raise unavailable("The server is busy: the request queue is full.") from None
+        busy = unavailable("The server is busy: the request queue is full.")
+        busy.overloaded = True
+        raise busy from None
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
     return Generation(req, parser, served)

@@ -56,6 +56,15 @@ class Constraint:
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"grammar rejected token {token}: {self._matcher.get_error()}")
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens that must come next whatever the model prefers (consumed here)."""
+        tokens = self._matcher.compute_ff_tokens()[:limit]
+        if tokens and not self._matcher.consume_tokens(tokens):
+            raise RuntimeError(
+                f"grammar rejected its own forced tokens: {self._matcher.get_error()}"
+            )
+        return tokens
+
     @property
     def finished(self) -> bool:
         """The grammar is complete: nothing but end-of-sequence may follow."""

@@ -4,6 +4,7 @@ from mlx_kvserve.engine.requests import (
     Done,
     EngineError,
     GenerationRequest,
+    Prefilled,
     SamplingParams,
     TextChunk,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "EngineError",
     "EngineNotReady",
     "GenerationRequest",
+    "Prefilled",
     "SamplingParams",
     "TextChunk",
 ]

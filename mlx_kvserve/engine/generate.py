@@ -31,7 +31,13 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
-from mlx_kvserve.engine.requests import Done, GenerationRequest, TextChunk, TokenLogprob
+from mlx_kvserve.engine.requests import (
+    Done,
+    GenerationRequest,
+    Prefilled,
+    TextChunk,
+    TokenLogprob,
+)
 from mlx_kvserve.engine.stops import StopMatcher
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -195,6 +201,14 @@ class Decoder:
             self.constraint.advance(token)
         return token, (self._logprob(logprobs[0], token) if self.want_logprobs else None)
 
+    def forced_tokens(self, room: int) -> list[int]:
+        """Tokens the grammar allows no alternative to (e.g. a JSON key), at most `room`; they
+        need no sampling, so they share the next forward pass. Not with logprobs, which would
+        need a distribution for each."""
+        if self.constraint is None or self.want_logprobs or room <= 0:
+            return []
+        return self.constraint.forced(room)
+
     @property
     def grammar_complete(self) -> bool:
         return self.constraint is not None and self.constraint.finished
@@ -236,29 +250,34 @@ def _decode(model, tokenizer, logits, live: Live, req, timings, check) -> tuple:
     while timings.completion_tokens < req.params.max_tokens:
         check()
         token, logprob = decoder.next_token(logits)
-        timings.completion_tokens += 1
-        if timings.completion_tokens == 1:
+        if timings.completion_tokens == 0:
             timings.ttft_seconds = time.perf_counter() - req.started
             started = time.perf_counter()
         if token in eos:
+            timings.completion_tokens += 1
             finish = "stop"
             break
         if logprob is not None:
             pending.append(logprob)
-        detok.add_token(token)
-        text, hit = stops.feed(detok.last_segment)
-        if text:
-            emit(text)
-        if hit:
-            emit("")
-            timings.decode_seconds = time.perf_counter() - started
-            return "stop", stops.matched, logits
+        room = req.params.max_tokens - timings.completion_tokens - 1
+        step = [token, *decoder.forced_tokens(room)]
+        for item in step:
+            timings.completion_tokens += 1
+            detok.add_token(item)
+            text, hit = stops.feed(detok.last_segment)
+            if text:
+                emit(text)
+            if hit:
+                emit("")
+                timings.decode_seconds = time.perf_counter() - started
+                return "stop", stops.matched, logits
         if decoder.grammar_complete:
             finish = "stop"
             break
         if timings.completion_tokens < req.params.max_tokens:
-            logits = model(mx.array([[token]]), cache=live.caches)[:, -1, :]
-            live.tokens.append(token)
+            # Tokens the grammar forces go through the model in the same pass as the sampled one.
+            logits = model(mx.array([step]), cache=live.caches)[:, -1, :]
+            live.tokens.extend(step)
     detok.finalize()
     text, hit = stops.feed(detok.last_segment)
     text += "" if hit else stops.flush()
@@ -358,6 +377,7 @@ class Generator:
             raise
         finally:
             timings.prefill_seconds = time.perf_counter() - t0
+        req.emit(Prefilled(len(prompt), start.usable))
         finish, stop_sequence, last_logits = _decode(
             self.model, self.tokenizer, logits, live, req, timings, check
         )

@@ -32,6 +32,7 @@ class TokenConstraint(Protocol):
 
     def allowed(self, n_logits: int) -> Any: ...  # boolean NumPy mask over the logits
     def advance(self, token: int) -> None: ...
+    def forced(self, limit: int) -> list[int]: ...  # next tokens with no alternative (consumed)
     @property
     def finished(self) -> bool: ...
 
@@ -54,6 +55,14 @@ class TextChunk:
 
 
 @dataclass(frozen=True)
+class Prefilled:
+    """The prompt is in the KV cache; decoding starts. Lets a protocol report input usage early."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Done:
     """The request finished; carries the usage figures for the response."""
 
@@ -71,7 +80,7 @@ class EngineError:
     message: str
 
 
-Event = TextChunk | Done | EngineError
+Event = Prefilled | TextChunk | Done | EngineError
 
 
 @dataclass
