@@ -45,7 +45,15 @@ from mlx_kvserve.api.generation import (
     start_chat,
 )
 from mlx_kvserve.api.schemas import parse
-from mlx_kvserve.chat import ChatRequest, Message, Sampling, Tool, ToolCall, ToolChoice
+from mlx_kvserve.chat import (
+    ChatRequest,
+    Message,
+    OutputFormat,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 from mlx_kvserve.chat.output import ContentDelta, ToolCallDelta, ToolCallStarted
 
 log = logging.getLogger("mlx_kvserve.api")
@@ -97,7 +105,11 @@ def to_chat_request(body: CountTokensRequest, *, keep_billing_header: bool) -> C
         messages += _messages(message)
     tools = _tools(body)
     sampling = Sampling()
+    output = OutputFormat()
     if isinstance(body, MessagesRequest):
+        fmt = body.output_config.format if body.output_config else None
+        if fmt is not None:
+            output = OutputFormat("json_schema", fmt.schema_)
         sampling = Sampling(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -105,7 +117,7 @@ def to_chat_request(body: CountTokensRequest, *, keep_billing_header: bool) -> C
             max_tokens=body.max_tokens,
             stop=tuple(body.stop_sequences or ()),
         )
-    return ChatRequest(messages, tools, _tool_choice(body, tools), sampling=sampling)
+    return ChatRequest(messages, tools, _tool_choice(body, tools), output, sampling)
 
 
 def _system_text(system: str | list[TextBlock] | None) -> str:

@@ -83,6 +83,16 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormatSpec(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormatSpec | None = None
+    effort: str | None = None
+
+
 class CountTokensRequest(_Body):
     model: str | None = None
     system: str | list[TextBlock] | None = None
@@ -99,4 +109,5 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False

@@ -18,7 +18,10 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected and scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers and not given:  # the Anthropic SDK's header
+                given = b"Bearer " + headers[b"x-api-key"].strip()
             if not hmac.compare_digest(given, self.expected):
                 message = (
                     "Incorrect API key provided."
@@ -27,6 +30,6 @@ class BearerAuth:
                 )
                 error = APIError(401, message, code="invalid_api_key")
                 error.headers["WWW-Authenticate"] = "Bearer"
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -98,17 +98,21 @@ def _add_item(messages: list[Message], item: InputItem, i: int) -> None:
                 400, f"input[{i}]: a function_call needs 'call_id' and 'name'.", param=f"input[{i}]"
             )
         call = ToolCall(item.call_id, item.name, item.arguments or "{}")
+        where = f"input[{i}]"
         last = messages[-1] if messages else None
         if last is not None and last.role == "assistant":
             last.tool_calls.append(call)  # an answer and the calls after it form one turn
+            last.origin = last.origin or where
         else:
-            messages.append(Message("assistant", "", [call]))
+            messages.append(Message("assistant", "", [call], origin=where))
     elif item.type == "function_call_output":
         if not item.call_id:
             raise APIError(
                 400, f"input[{i}]: a function_call_output needs 'call_id'.", param=f"input[{i}]"
             )
-        messages.append(Message("tool", item.text(item.output), tool_call_id=item.call_id))
+        messages.append(
+            Message("tool", item.text(item.output), tool_call_id=item.call_id, origin=f"input[{i}]")
+        )
     # "reasoning" items carry no text these templates re-render
 
 

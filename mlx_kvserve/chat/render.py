@@ -37,16 +37,19 @@ def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
     seen: set[str] = set()
     arguments: list[list[dict[str, Any]]] = []
     for i, message in enumerate(messages):
+        where = message.origin or f"messages[{i}]"
         args = [
-            parse_arguments(call, f"messages[{i}].tool_calls[{j}].function.arguments")
+            parse_arguments(
+                call, where if message.origin else f"{where}.tool_calls[{j}].function.arguments"
+            )
             for j, call in enumerate(message.tool_calls)
         ]
         seen.update(call.id for call in message.tool_calls)
         if message.role == "tool" and message.tool_call_id not in seen:
             raise InvalidRequest(
-                f"messages[{i}]: this tool message answers tool call "
+                f"{where}: this tool result answers tool call "
                 f"'{message.tool_call_id}', but no earlier assistant message made that call.",
-                param=f"messages[{i}].tool_call_id",
+                param=where if message.origin else f"{where}.tool_call_id",
             )
         arguments.append(args)
     return arguments

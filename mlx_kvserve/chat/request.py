@@ -37,6 +37,7 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None  # on role "tool": the call this message answers
     name: str | None = None  # on role "tool": the function's name, when the client sent it
+    origin: str | None = None  # where the client sent it (e.g. "input[3]"), for error messages
 
 
 @dataclass(frozen=True)
