@@ -22,29 +22,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
+from mlx_kvserve.engine.decode import Cancelled, decode
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
-from mlx_kvserve.engine.requests import (
-    Done,
-    GenerationRequest,
-    Prefilled,
-    TextChunk,
-    TokenLogprob,
-)
-from mlx_kvserve.engine.stops import StopMatcher
+from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 
 log = logging.getLogger("mlx_kvserve.engine")
-
-
-class Cancelled(Exception):
-    """The client went away; stop work at the next step boundary."""
 
 
 @dataclass
@@ -178,123 +165,6 @@ def prefill(
     return out[:, -1, :]
 
 
-class Decoder:
-    """Samples one token at a time for one request: grammar mask, sampler, logprobs."""
-
-    def __init__(self, req: GenerationRequest) -> None:
-        params = req.params
-        self.req = req
-        self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        self.constraint = req.constraint
-        self.want_logprobs = params.logprobs or params.top_logprobs > 0
-
-    def next_token(self, logits: mx.array) -> tuple[int, TokenLogprob | None]:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        candidates = logprobs
-        if self.constraint is not None:
-            allowed = mx.array(self.constraint.allowed(logits.shape[-1]))
-            candidates = mx.where(allowed, logprobs, -mx.inf)
-        token_array = self.sampler(candidates)
-        mx.eval(token_array)
-        token = int(token_array.item())
-        if self.constraint is not None:
-            self.constraint.advance(token)
-        return token, (self._logprob(logprobs[0], token) if self.want_logprobs else None)
-
-    def forced_tokens(self, room: int) -> list[int]:
-        """Tokens the grammar allows no alternative to (e.g. a JSON key), at most `room`; they
-        need no sampling, so they share the next forward pass. Not with logprobs, which would
-        need a distribution for each."""
-        if self.constraint is None or self.want_logprobs or room <= 0:
-            return []
-        return self.constraint.forced(room)
-
-    @property
-    def grammar_complete(self) -> bool:
-        return self.constraint is not None and self.constraint.finished
-
-    def _logprob(self, logprobs: mx.array, token: int) -> TokenLogprob:
-        """The sampled token's log probability (the model's own, before any grammar mask)."""
-        name = self.req.token_bytes or (lambda t: str(t).encode())
-        top: tuple[tuple[bytes, float], ...] = ()
-        n = self.req.params.top_logprobs
-        if n > 0:
-            ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
-            values = logprobs[ids]
-            order = mx.argsort(-values)
-            ids, values = ids[order].tolist(), values[order].tolist()
-            top = tuple((name(int(i)), float(v)) for i, v in zip(ids, values, strict=True))
-        return TokenLogprob(name(token), float(logprobs[token].item()), top)
-
-
-def _decode(model, tokenizer, logits, live: Live, req, timings, check) -> tuple:
-    """Sample until EOS, a stop string, a completed grammar or max_tokens.
-
-    Returns (finish reason, the stop string that ended it or None, the last logits).
-    """
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
-    if req.kind == "text":
-        _keep_leading_space(detok)
-    stops = StopMatcher(req.params.stop)
-    decoder = Decoder(req)
-    pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
-    started = time.perf_counter()
-    finish = "length"
-
-    def emit(text: str) -> None:
-        if text or pending:
-            req.emit(TextChunk(text, tuple(pending)))
-            pending.clear()
-
-    while timings.completion_tokens < req.params.max_tokens:
-        check()
-        token, logprob = decoder.next_token(logits)
-        if timings.completion_tokens == 0:
-            timings.ttft_seconds = time.perf_counter() - req.started
-            started = time.perf_counter()
-        if token in eos:
-            timings.completion_tokens += 1
-            finish = "stop"
-            break
-        if logprob is not None:
-            pending.append(logprob)
-        room = req.params.max_tokens - timings.completion_tokens - 1
-        step = [token, *decoder.forced_tokens(room)]
-        for item in step:
-            timings.completion_tokens += 1
-            detok.add_token(item)
-            text, hit = stops.feed(detok.last_segment)
-            if text:
-                emit(text)
-            if hit:
-                emit("")
-                timings.decode_seconds = time.perf_counter() - started
-                return "stop", stops.matched, logits
-        if decoder.grammar_complete:
-            finish = "stop"
-            break
-        if timings.completion_tokens < req.params.max_tokens:
-            # Tokens the grammar forces go through the model in the same pass as the sampled one.
-            logits = model(mx.array([step]), cache=live.caches)[:, -1, :]
-            live.tokens.extend(step)
-    detok.finalize()
-    text, hit = stops.feed(detok.last_segment)
-    text += "" if hit else stops.flush()
-    emit(text)
-    timings.decode_seconds = time.perf_counter() - started
-    return ("stop" if hit else finish), stops.matched, logits
-
-
-def _keep_leading_space(detok: Any) -> None:
-    """mlx-lm's streaming detokenizers drop the first token's leading space, which suits a chat
-    answer but not a text completion ("The capital is" + " Paris")."""
-    if isinstance(detok, SPMStreamingDetokenizer):
-        detok.trim_space = False
-    elif isinstance(detok, BPEStreamingDetokenizer):
-        detok.text, detok.offset = "\0", 1  # the trim applies only while the text is empty
-
-
 class Generator:
     """Runs requests on the engine thread with the model, tokenizer and prompt states."""
 
@@ -378,7 +248,7 @@ class Generator:
         finally:
             timings.prefill_seconds = time.perf_counter() - t0
         req.emit(Prefilled(len(prompt), start.usable))
-        finish, stop_sequence, last_logits = _decode(
+        finish, stop_sequence, last_logits = decode(
             self.model, self.tokenizer, logits, live, req, timings, check
         )
         timings.finish_reason, timings.stop_sequence = finish, stop_sequence
