@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 from openai.types import Completion
@@ -33,8 +34,10 @@ def test_models_list_and_lookup(server, openai_client):
 
 
 def test_chat_completion_via_sdk(openai_client):
+    # A system turn no other test sends: the shared server has never seen this prefix.
+    fresh = [{"role": "system", "content": f"Session {uuid.uuid4().hex}."}, *QUESTION]
     resp = openai_client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24
+        model=MODEL, messages=fresh, temperature=0, max_tokens=24
     )
     assert resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
@@ -44,7 +47,14 @@ def test_chat_completion_via_sdk(openai_client):
     assert usage.prompt_tokens > 5
     assert 0 < usage.completion_tokens <= 24
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    # Only the template's head ("<|im_start|>system\n") is shared with earlier conversations.
+    assert usage.prompt_tokens_details.cached_tokens <= 3
+    again = openai_client.chat.completions.create(
+        model=MODEL, messages=fresh, temperature=0, max_tokens=24
+    )
+    assert again.choices[0].message.content == resp.choices[0].message.content
+    # All of it is cached now but the last token, which is prefilled for the first logits.
+    assert again.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 def test_chat_response_matches_sdk_types_strictly(server):

@@ -112,7 +112,8 @@ def test_tool_choice_none_still_lists_tools_for_a_stable_prefix(tokenizer):
 
 TEXT = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", '
-    '"n": [1, {"a": 2}]}}\n</tool_call>\n<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
+    '"n": [1, {"a": 2}], "note": "</tool_call>x"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
 )
 
 
@@ -138,6 +139,7 @@ def test_streaming_parser_any_split(seed):
     assert [c.name for c in parser.calls] == ["get_weather", "x"]
     assert [c.arguments for c in parser.calls] == [streamed[0], streamed[1]]
     assert json.loads(parser.calls[0].arguments)["city"] == 'Pa"ris}'
+    assert json.loads(parser.calls[0].arguments)["note"] == "</tool_call>x"  # not the call's end
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Let me check."
 
 

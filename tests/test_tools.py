@@ -29,6 +29,7 @@ TIME = {
     "type": "object",
     "properties": {"timezone": {"type": "string", "maxLength": 20}},
     "required": ["timezone"],
+    "additionalProperties": False,  # strict, as the Agents SDK sends: every call is bounded
 }
 TOOLS = [
     {

@@ -99,6 +99,8 @@ class _OpenCall:
         self.args_sent = 0
         self.args_done = False
         self.scanner = _JsonValueEnd()
+        self.body = _JsonValueEnd()  # the whole JSON body: the end marker may sit in a string
+        self.body_done = False
 
 
 class OutputParser:
@@ -178,6 +180,8 @@ class OutputParser:
         """Grow the open call; close it at the end marker. False when more text is needed."""
         call = self._call
         assert call is not None and self.fmt is not None
+        if not call.body_done and not self._scan_json_body(call, events):
+            return False
         end = self.fmt.end
         at = self._pending.find(end)
         take = self._pending if at < 0 else self._pending[:at]
@@ -195,6 +199,24 @@ class OutputParser:
         if not self._close(call, call.text, events):
             self._content(self.fmt.start + call.text + end, events)
         return True
+
+    def _scan_json_body(self, call: _OpenCall, events: list[OutputEvent]) -> bool:
+        """Take a JSON body whole before looking for the end marker, which a string argument
+        may contain (`"</tool_call>"`). False while the body is still open."""
+        assert self.fmt is not None
+        head = (call.text + self._pending).lstrip()
+        if not self.fmt.json_body or (head and not head.startswith("{")):
+            call.body_done = True  # not a JSON body: the end marker alone closes the call
+            return True
+        if not head:
+            return False
+        ends = call.body.feed(self._pending)
+        upto = len(self._pending) if ends is None else ends
+        call.text += self._pending[:upto]
+        self._pending = self._pending[upto:]
+        self._stream_arguments(call, events)
+        call.body_done = ends is not None
+        return call.body_done
 
     def _stream_arguments(self, call: _OpenCall, events: list[OutputEvent]) -> None:
         if call.name is None:
