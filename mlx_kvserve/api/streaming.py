@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from mlx_kvserve.api.disconnect import DisconnectWatch
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.responses import Shape
 from mlx_kvserve.engine import Done, EngineError, GenerationRequest, TextChunk
@@ -62,13 +63,14 @@ async def sse_events(
 async def collect(req: GenerationRequest, request: Request) -> tuple[str, Done]:
     """Wait for the whole completion, cancelling it if the client disconnects meanwhile."""
     parts: list[str] = []
+    watch = DisconnectWatch(request, req)  # cancels req the moment the client goes
     try:
         while True:
             event = await req.next_event(timeout=DISCONNECT_POLL_SECONDS)
+            if watch.gone.is_set():
+                raise APIError(499, "client disconnected")
             if event is None:
-                if await request.is_disconnected():
-                    req.cancel()
-                    raise APIError(499, "client disconnected")
+                continue
             elif isinstance(event, TextChunk):
                 parts.append(event.text)
             elif isinstance(event, Done) and event.finish_reason != "cancelled":
@@ -78,4 +80,5 @@ async def collect(req: GenerationRequest, request: Request) -> tuple[str, Done]:
             else:
                 raise APIError(500, event.message, code="engine_error")
     finally:
+        watch.close()
         req.cancel()

@@ -17,6 +17,7 @@ from typing import Any
 from mlx_kvserve.engine.generate import Generator
 from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.waitlist import WaitQueue
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -54,7 +55,7 @@ class Engine:
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
         self.generator: Generator | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Any] = WaitQueue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._current: GenerationRequest | None = None
         self._stopping = threading.Event()
