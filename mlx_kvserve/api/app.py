@@ -19,8 +19,11 @@ from mlx_kvserve import __version__
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.completions import chat_completions, completions
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.failsafe import InternalErrors
+from mlx_kvserve.api.guard import BrowserGuard
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
+from mlx_kvserve.engine.namespaces import cache_for, current_namespace
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -41,7 +44,7 @@ async def health(request: Request) -> Response:
 
 async def cache_stats(request: Request) -> Response:
     """Prompt-cache counters and entries (the server's own view, including hit rate)."""
-    cache = request.app.state.engine.prompt_cache
+    cache = cache_for(request.app.state.engine.prompt_cache, current_namespace.get())
     if cache is None:
         return JSONResponse({"enabled": False})
 
@@ -97,13 +100,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, message, headers=exc.headers).response()
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError(
-        500, "Internal server error; see the server log.", code="internal_error"
-    ).response()
-
-
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     """Build the app; the engine thread starts with the app and stops with it."""
 
@@ -125,12 +121,20 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ],
-        middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            Exception: _unexpected,
-        },
+        middleware=[
+            Middleware(InternalErrors),  # an unexpected exception: one 500, connection kept
+            Middleware(
+                BrowserGuard,
+                allowed_hosts=settings.allowed_hosts,
+                allowed_origins=settings.allowed_origins,
+            ),
+            Middleware(
+                BearerAuth,
+                api_keys=[settings.api_key or "", *settings.api_keys],
+                isolate=settings.isolate_cache,
+            ),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_kvserve.engine.generate import Generator
-from mlx_kvserve.engine.prompt_state import PromptStates
+from mlx_kvserve.engine.namespaces import make_states, use_namespace
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
 from mlx_kvserve.engine.waitlist import WaitQueue
 
@@ -122,7 +122,7 @@ class Engine:
         try:
             self.model, self.tokenizer = self._loader()
             self.context_length = _context_length(self.model)
-            states = PromptStates(self.model, self.prompt_cache, enabled=self.cache_enabled)
+            states = make_states(self.model, self.prompt_cache, enabled=self.cache_enabled)
             self.generator = Generator(
                 self.model,
                 self.tokenizer,
@@ -152,6 +152,7 @@ class Engine:
                 req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
                 return
             assert self.generator is not None
+            use_namespace(self.generator.states, req.namespace)
             timings = self.generator.run(req)
             log.info(timings.log_line(req))
         except Exception:
