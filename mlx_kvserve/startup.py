@@ -85,13 +85,18 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 
     install_log_filters()
     soft = raise_fd_limit()
-    cap = connection_cap(settings.max_connections, soft)
+    cap, backlog = connection_cap(settings.max_connections, soft)
     if cap < settings.max_connections:
         log.info(
-            "open-file limit %d: at most %d connections (not %d)",
+            "open-file limit %d: at most %d connections (not %d), accept backlog %d",
             soft,
             cap,
             settings.max_connections,
+            backlog,
         )
     limits = ConnectionLimits(max_connections=cap, header_timeout=settings.header_timeout)
-    return {"http": guarded_protocol(limits), "timeout_keep_alive": settings.idle_timeout}
+    return {
+        "http": guarded_protocol(limits),
+        "timeout_keep_alive": settings.idle_timeout,
+        "backlog": backlog,
+    }

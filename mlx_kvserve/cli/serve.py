@@ -97,8 +97,11 @@ def serve(settings: Settings) -> int:
     if blas:
         log.info("BLAS: %s", blas)
 
-    import uvicorn
-    from mlx_lm import load as mlx_load
+    from mlx_kvserve.net.resources import keep_open_file_limits
+
+    with keep_open_file_limits():  # mlx_lm's import would lower the limit (or fail on it)
+        import uvicorn
+        from mlx_lm import load as mlx_load
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # we check context length ourselves, with a clear 400

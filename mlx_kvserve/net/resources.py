@@ -8,16 +8,19 @@ below it (`connection_cap`), and such messages are let through once per interval
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import resource
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 FD_TARGET = 65536
 DARWIN_FD_MAX = 10240  # OPEN_MAX: macOS refuses a higher soft limit even when hard is unlimited
-FD_RESERVE = 128  # model and cache files, the writer, pipes, logs: everything but connections
+FD_RESERVE = 64  # model and cache files, the writer, pipes, logs: everything but connections
+MAX_BACKLOG = 2048  # uvicorn's default
 MIN_CONNECTIONS = 16
 LOG_INTERVAL_SECONDS = 60.0
 
@@ -41,11 +44,43 @@ def raise_fd_limit(target: int = FD_TARGET) -> int:
     return soft
 
 
-def connection_cap(requested: int, soft_limit: int) -> int:
-    """At most `requested` connections, and always FD_RESERVE descriptors below the limit."""
+@contextlib.contextmanager
+def keep_open_file_limits() -> Iterator[None]:
+    """Import mlx_lm inside this: `mlx_lm.utils` sets RLIMIT_NOFILE to (2048, 4096) at import,
+    which lowers a higher hard limit for good (capping every later raise) and fails outright,
+    killing start-up, where the hard limit is below 4096. Meanwhile only raising the soft limit
+    within the hard one is let through."""
+    original = resource.setrlimit
+
+    def within_hard_limit(which: int, limits: tuple[int, int]) -> None:
+        if which != resource.RLIMIT_NOFILE:
+            original(which, limits)
+            return
+        soft, hard = resource.getrlimit(which)
+        wanted = limits[0] if hard == resource.RLIM_INFINITY else min(limits[0], hard)
+        if soft != resource.RLIM_INFINITY and wanted > soft:
+            original(which, (wanted, hard))
+
+    resource.setrlimit = within_hard_limit
+    try:
+        yield
+    finally:
+        resource.setrlimit = original
+
+
+def connection_cap(requested: int, soft_limit: int) -> tuple[int, int]:
+    """(most connections, accept backlog) that fit in `soft_limit` descriptors.
+
+    asyncio accepts up to `backlog` connections at each readiness of the listening socket, and
+    a connection reaches the cap's check (connection_made) only a few loop iterations later, so
+    a burst briefly holds the cap plus a few backlogs of descriptors. Half of what the rest of
+    the server leaves (FD_RESERVE) goes to connections and an eighth to each accept batch.
+    """
     if soft_limit == resource.RLIM_INFINITY:
-        return requested
-    return max(MIN_CONNECTIONS, min(requested, soft_limit - FD_RESERVE))
+        return requested, MAX_BACKLOG
+    spare = max(2 * MIN_CONNECTIONS, soft_limit - FD_RESERVE)
+    cap = min(requested, max(MIN_CONNECTIONS, spare // 2))
+    return cap, max(MIN_CONNECTIONS, min(MAX_BACKLOG, spare // 8))
 
 
 class Throttle:
