@@ -35,6 +35,7 @@ from mlx_kvserve.fuzzing import Probe, check, probes, send  # noqa: E402
 
 def run(base_url: str, requests: int, rng_seed: int, timeout: float) -> dict:
     totals: collections.Counter[str] = collections.Counter()
+    statuses: collections.Counter[int] = collections.Counter()
     problems: list[str] = []
     client = httpx.Client(base_url=base_url, timeout=timeout)
 
@@ -63,6 +64,7 @@ def run(base_url: str, requests: int, rng_seed: int, timeout: float) -> dict:
             client = httpx.Client(base_url=base_url, timeout=timeout)
             return
         totals[f"{status // 100}xx"] += 1
+        statuses[status] += 1
         problem = check(status, body, streamed)
         if problem:
             totals["violations"] += 1
@@ -74,7 +76,7 @@ def run(base_url: str, requests: int, rng_seed: int, timeout: float) -> dict:
 
     one()
     client.close()
-    return {"totals": totals, "problems": problems}
+    return {"totals": totals, "statuses": statuses, "problems": problems}
 
 
 def main() -> int:
@@ -106,6 +108,8 @@ def main() -> int:
     ):
         print(f"  {name:<20}{totals.get(name, 0):>8}")
     print(f"  {'tracebacks in log':<20}{tracebacks:>8}")
+    by_status = ", ".join(f"{k}: {v}" for k, v in sorted(result["statuses"].items()))
+    print(f"  by status: {by_status}")
     print(f"  {'server exit code':<20}{code!s:>8}")
     for problem in result["problems"][:20]:
         print("  !", problem[:400])
