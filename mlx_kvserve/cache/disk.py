@@ -46,7 +46,6 @@ TMP_PREFIX = ".tmp."
 LOCK_NAME = "lock"
 MARKER_NAME = "RUNNING"
 NAMESPACES_DIR = "keys"  # per-API-key caches (--isolate-cache): keys/<namespace>/<fingerprint>
-DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
