@@ -72,7 +72,7 @@ message = st.fixed_dictionaries(
     },
 )
 FIELDS: dict[str, st.SearchStrategy] = {
-    "model": st.one_of(st.just(MODEL), text, anything),
+    "model": st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), text, anything),
     "messages": st.one_of(st.lists(message, max_size=3), anything),
     "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
     "input": st.one_of(text, st.lists(message, max_size=2), anything),
