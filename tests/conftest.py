@@ -78,11 +78,12 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for_log(self, needle: str, timeout: float = 30.0) -> str:
+    def wait_for_log(self, needle: str, timeout: float = 30.0, *, after: int = 0) -> str:
+        """Wait until the log holds more than `after` lines containing `needle`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log()
-            if needle in text:
+            if sum(needle in line for line in text.splitlines()) > after:
                 return text
             time.sleep(0.05)
         raise AssertionError(f"{needle!r} not in server log:\n{self.log()}")

@@ -54,6 +54,7 @@ def test_non_streaming_disconnect_cancels_generation(server):
         server.base_url + "/v1/completions", json={**COUNTING, "max_tokens": 1}, timeout=120
     )
     assert follow.status_code == 200
+    server.wait_for_log("text id=", after=len(before) + 1)  # logged just after answering
     new = engine_lines(server)[len(before) :]
     assert [e["finish"] for e in new] == ["cancelled", "length"], new  # one cancel, then ours
     assert 0 < int(new[0]["completion_tokens"]) < max_tokens
@@ -108,6 +109,7 @@ def test_queued_clients_that_leave_free_their_slots(start_server):
     for t in newcomers:
         t.join(120)
     assert results == [200] * 4
+    srv.wait_for_log("text id=", after=4)  # logged just after answering
     finishes = [e["finish"] for e in engine_lines(srv)]
     # The holder (cancelled when it left) and the four newcomers ran; the departed never did.
     assert finishes == ["cancelled"] + ["length"] * 4, finishes

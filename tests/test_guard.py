@@ -121,6 +121,7 @@ def test_non_json_post_never_reaches_the_engine(server, content_type):
     assert request(server.port, "POST", "/v1/completions", headers, COMPLETION).status == 403
     ok = [("Host", f"127.0.0.1:{server.port}"), ("Content-Type", "application/json; charset=utf-8")]
     assert request(server.port, "POST", "/v1/completions", ok, COMPLETION).status == 200
+    server.wait_for_log("text id=", after=runs)  # the engine logs just after answering
     assert _engine_runs(server) == runs + 1  # only the JSON request generated
 
 
