@@ -110,6 +110,57 @@ class Settings:
         names = [n.strip() for n in (self.served_model_name or "").split(",")]
         return list(dict.fromkeys(n for n in names if n))
 
+    # -- security: who may talk to the server, and how much of it one client may hold ----------
+    api_keys: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "More accepted API keys besides --api-key, one per client (repeat the flag "
+            "or separate with commas)."
+        },
+    )
+    isolate_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Give each API key its own prompt-cache namespace (directory, RAM tier and "
+            "live state), so clients sharing the server cannot probe each other's prompts."
+        },
+    )
+    allowed_hosts: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Host header values accepted besides loopback and the bound address "
+            "(name or name:port; repeat or comma-separate). Guards against DNS rebinding."
+        },
+    )
+    allowed_origins: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Web origins (scheme://host[:port]) allowed to call the API from a browser; "
+            "CORS is answered only for these. Other cross-origin requests get 403."
+        },
+    )
+    insecure_public: bool = field(
+        default=False,
+        metadata={"help": "Allow binding a non-loopback address without an API key."},
+    )
+    max_connections: int = field(
+        default=1000,
+        metadata={
+            "help": "Open connections at most (kept below the open-file limit); when full, "
+            "the longest-idle connection is closed to make room."
+        },
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds a connection gets to send a request's headers (slowloris)."},
+    )
+    body_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds a client gets to send a request body (408)."}
+    )
+    idle_timeout: float = field(
+        default=5.0, metadata={"help": "Seconds an idle keep-alive connection stays open."}
+    )
+
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -148,6 +199,8 @@ def _coerce(name: str, raw: Any) -> Any:
     """Turn an env/config value into the field's type, with an error that names the setting."""
     target = {f.name: f for f in dataclasses.fields(Settings)}[name]
     default = target.default
+    if is_list_setting(name):
+        return split_list(raw)
     try:
         if isinstance(default, bool):
             if isinstance(raw, bool):
@@ -162,6 +215,18 @@ def _coerce(name: str, raw: Any) -> Any:
         return None if raw is None else str(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"setting '{name}': cannot use {raw!r} ({exc})") from None
+
+
+def is_list_setting(name: str) -> bool:
+    """Settings that take several values (repeated flag, comma-separated env, TOML list)."""
+    target = {f.name: f for f in dataclasses.fields(Settings)}[name]
+    return str(target.type) == "list[str]"
+
+
+def split_list(raw: Any) -> list[str]:
+    """'a, b' or ['a', 'b,c'] -> ['a', 'b', 'c']: the same list from every source."""
+    items = raw if isinstance(raw, list | tuple) else [raw]
+    return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -184,7 +249,7 @@ def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Set
     for name in Settings.option_names():
         env_value = os.environ.get(ENV_PREFIX + name.upper())
         if flags.get(name) is not None:
-            values[name] = flags[name]
+            values[name] = split_list(flags[name]) if is_list_setting(name) else flags[name]
         elif env_value is not None:
             values[name] = _coerce(name, env_value)
         elif name in file_values:
@@ -192,6 +257,11 @@ def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Set
     settings = Settings(**values)
     if settings.blas_threads < 0:
         raise ValueError(f"setting 'blas_threads': {settings.blas_threads} is negative")
+    for name in ("max_connections", "header_timeout", "body_timeout", "idle_timeout"):
+        if getattr(settings, name) <= 0:
+            raise ValueError(f"setting '{name}': must be positive")
+    if settings.isolate_cache and not (settings.api_key or settings.api_keys):
+        raise ValueError("setting 'isolate_cache': needs at least one API key to isolate by")
     for name in ("cache_budget", "cache_ram_budget"):
         value = getattr(settings, name)
         if value is not None:

@@ -11,7 +11,12 @@ APP_NAME = "mlx-kvserve"
 
 
 def _private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create `path` private (0700); an existing directory is left as it is, since it may be
+    one the user shares (`MLX_KVSERVE_CACHE_DIR=/tmp` must not lock other users out of /tmp)."""
+    try:
+        path.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        return path
     os.chmod(path, 0o700)
     return path
 
@@ -22,10 +27,11 @@ def data_dir() -> Path:
     return _private_dir(Path(override) if override else Path(platformdirs.user_data_dir(APP_NAME)))
 
 
-def cache_dir() -> Path:
+def cache_dir(*, create: bool = True) -> Path:
     """Prompt-cache checkpoints; MLX_KVSERVE_CACHE_DIR overrides the platform default."""
     override = os.environ.get("MLX_KVSERVE_CACHE_DIR")
-    return _private_dir(Path(override) if override else Path(platformdirs.user_cache_dir(APP_NAME)))
+    path = Path(override) if override else Path(platformdirs.user_cache_dir(APP_NAME))
+    return _private_dir(path) if create else path
 
 
 def config_file() -> Path:
@@ -37,5 +43,5 @@ def config_file() -> Path:
 
 
 def ensure_private(path: Path) -> Path:
-    """Create `path` as a private directory (0700) and return it."""
+    """Create `path` as a private directory (0700) if missing, and return it."""
     return _private_dir(path)

@@ -34,7 +34,14 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess with its log captured to a file."""
 
-    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
+        """`prefix` runs the server under a wrapper command (e.g. prlimit)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"server-{self.port}.log"
@@ -42,7 +49,16 @@ class ServerProcess:
         self.env.setdefault("MLX_KVSERVE_CONFIG", str(workdir / "no-config.toml"))
         # Each server gets its own prompt-cache directory unless a test shares one on purpose.
         self.env.setdefault("MLX_KVSERVE_CACHE_DIR", str(workdir / f"cache-{self.port}"))
-        cmd = [sys.executable, "-m", "mlx_kvserve", "serve", "--port", str(self.port), *args]
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "mlx_kvserve",
+            "serve",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
 
@@ -62,11 +78,12 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_for_log(self, needle: str, timeout: float = 30.0) -> str:
+    def wait_for_log(self, needle: str, timeout: float = 30.0, *, after: int = 0) -> str:
+        """Wait until the log holds more than `after` lines containing `needle`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log()
-            if needle in text:
+            if sum(needle in line for line in text.splitlines()) > after:
                 return text
             time.sleep(0.05)
         raise AssertionError(f"{needle!r} not in server log:\n{self.log()}")
@@ -101,8 +118,10 @@ def start_server(tmp_path: Path) -> Iterator:
     """Start extra servers with their own flags; all are stopped after the test."""
     started: list[ServerProcess] = []
 
-    def _start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        proc = ServerProcess(tmp_path, *args, env=env)
+    def _start(
+        *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> ServerProcess:
+        proc = ServerProcess(tmp_path, *args, env=env, prefix=prefix)
         started.append(proc)
         return proc.wait_ready()
 

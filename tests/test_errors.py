@@ -104,7 +104,7 @@ def test_oversize_body_is_413(start_server):
     assert error["code"] == "request_too_large"
     # Without a Content-Length header the limit is enforced while reading the stream.
     chunks = (b"x" * 1000 for _ in range(5))
-    assert_error(post(srv, CHAT, content=chunks), 413)
+    assert_error(post(srv, CHAT, content=chunks, headers={"content-type": "application/json"}), 413)
     assert post(srv, CHAT, json={"messages": OK_MESSAGES, "max_tokens": 1}).status_code == 200
 
 
@@ -135,7 +135,7 @@ def test_truncated_request_does_not_hang_server(server):
     """A client that promises a body and vanishes must not wedge the server."""
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"messages"'
         )
     resp = post(server, CHAT, json={"messages": OK_MESSAGES, "max_tokens": 1})

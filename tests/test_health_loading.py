@@ -20,6 +20,8 @@ from mlx_kvserve.models import ensure_default_model
 MODEL_ID = "SmolLM2-135M-Instruct"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
+LOCAL = "http://localhost"  # the Host guard answers only to names of this server
+
 
 def test_health_and_requests_wait_for_the_model():
     from mlx_lm import load
@@ -32,7 +34,7 @@ def test_health_and_requests_wait_for_the_model():
         return load(str(model_dir))
 
     engine = Engine(gated_load)
-    with TestClient(create_app(Settings(), engine, MODEL_ID)) as client:
+    with TestClient(create_app(Settings(), engine, MODEL_ID), base_url=LOCAL) as client:
         loading = client.get("/health")
         assert loading.status_code == 503
         assert loading.json()["status"] == "loading"
@@ -55,7 +57,7 @@ def test_failed_model_load_is_reported_not_hidden():
         raise FileNotFoundError("config.json not found in the model directory")
 
     engine = Engine(broken_load)
-    with TestClient(create_app(Settings(), engine, MODEL_ID)) as client:
+    with TestClient(create_app(Settings(), engine, MODEL_ID), base_url=LOCAL) as client:
         for _ in range(200):
             if engine.load_error:
                 break

@@ -19,12 +19,15 @@ from mlx_kvserve import __version__
 from mlx_kvserve.api import anthropic
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.failsafe import InternalErrors
 from mlx_kvserve.api.generation import served_model
+from mlx_kvserve.api.guard import BrowserGuard
 from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
+from mlx_kvserve.engine.namespaces import cache_for, current_namespace
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -45,7 +48,7 @@ async def health(request: Request) -> Response:
 
 async def cache_stats(request: Request) -> Response:
     """Prompt-cache counters and entries (the server's own view, including hit rate)."""
-    cache = request.app.state.engine.prompt_cache
+    cache = cache_for(request.app.state.engine.prompt_cache, current_namespace.get())
     if cache is None:
         return JSONResponse({"enabled": False})
 
@@ -103,13 +106,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError(
-        500, "Internal server error; see the server log.", code="internal_error"
-    ).response(request.url.path)
-
-
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     """Build the app; the engine thread starts with the app and stops with it."""
 
@@ -142,12 +138,20 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             Route("/messages", anthropic.messages, methods=["POST"]),
             Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         ],
-        middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            Exception: _unexpected,
-        },
+        middleware=[
+            Middleware(InternalErrors),  # an unexpected exception: one 500, connection kept
+            Middleware(
+                BrowserGuard,
+                allowed_hosts=settings.allowed_hosts,
+                allowed_origins=settings.allowed_origins,
+            ),
+            Middleware(
+                BearerAuth,
+                api_keys=[settings.api_key or "", *settings.api_keys],
+                isolate=settings.isolate_cache,
+            ),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.settings = settings

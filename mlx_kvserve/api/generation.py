@@ -8,7 +8,6 @@ grammar compilation, context-window checks, queueing, tool-call parsing and usag
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from mlx_kvserve.api.disconnect import DisconnectWatch
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling, ToolCall
 from mlx_kvserve.chat.grammar import GrammarCompiler
@@ -143,7 +143,7 @@ class Generation:
 
     async def result(self, request: Request) -> Result:
         """The whole answer; the request is cancelled the moment the client disconnects."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.req))
+        watch = DisconnectWatch(request, self.req)
         logprobs: list[TokenLogprob] = []
         try:
             async for event in self.events():
@@ -152,13 +152,11 @@ class Generation:
                 elif isinstance(event, Finished):
                     return Result(self.parser.content, self.parser.calls, event, logprobs)
                 elif isinstance(event, Failed):
-                    if self.req.cancelled.is_set() and watcher.done():
+                    if watch.gone.is_set():
                         raise APIError(499, "client disconnected")
                     raise APIError(event.status, event.message, code="engine_error")
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            watch.close()
         raise APIError(500, "the generation ended without a result", code="engine_error")
 
     def _finished(self, done: Done) -> Finished:
@@ -167,15 +165,6 @@ class Generation:
             reason = "tool_calls"
         usage = Usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
         return Finished(reason, usage, done.stop_sequence)
-
-
-async def _cancel_on_disconnect(request: Request, req: GenerationRequest) -> None:
-    """Cancel `req` as soon as the client goes away (not when the next token comes)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            req.cancel()
-            return
 
 
 def served_model(request: Request, asked: str | None, param: str = "model") -> str:

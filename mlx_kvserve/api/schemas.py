@@ -71,7 +71,7 @@ class _Sampling(_Body):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # MLX seeds are uint64
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False

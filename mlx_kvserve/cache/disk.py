@@ -36,6 +36,7 @@ import numpy as np
 
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
+from mlx_kvserve.cache.dirs import private_subdir
 from mlx_kvserve.cache.entry import DELTA, KEY_RE, SNAPSHOT, entry_key
 from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
 from mlx_kvserve.durable import fsync_fd, fsync_path
@@ -44,7 +45,7 @@ SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
 LOCK_NAME = "lock"
 MARKER_NAME = "RUNNING"
-DIR_MODE = 0o700
+NAMESPACES_DIR = "keys"  # per-API-key caches (--isolate-cache): keys/<namespace>/<fingerprint>
 FILE_MODE = 0o600
 
 
@@ -180,9 +181,7 @@ class DiskTier:
         self._tmp_counter = itertools.count()
         if read_only:
             return
-        for path in (self.root, self.dir):
-            path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-            os.chmod(path, DIR_MODE)
+        private_subdir(self.root, fingerprint)  # the root the user named is never chmod'ed
         self._acquire_lock()
 
     # -- process-level guards ------------------------------------------------------------------
@@ -412,7 +411,7 @@ def model_directories(root: Path) -> list[dict[str, Any]]:
     if not root.is_dir():
         return out
     for d in sorted(root.iterdir()):
-        if not d.is_dir():
+        if not d.is_dir() or d.name == NAMESPACES_DIR:
             continue
         files = [p for p in d.iterdir() if p.name.endswith(SUFFIX)]
         size = 0

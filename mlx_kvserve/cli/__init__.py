@@ -43,6 +43,16 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
                 help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=1]",
             )
             continue
+        if str(f.type) == "list[str]":  # repeatable; each value may also hold a, b, c
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action="append",
+                default=None,
+                metavar=f.name.upper().removesuffix("S"),
+                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=a,b]",
+            )
+            continue
         parser.add_argument(
             flag,
             dest=f.name,

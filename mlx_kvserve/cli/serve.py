@@ -8,6 +8,13 @@ from pathlib import Path
 
 from mlx_kvserve import paths
 from mlx_kvserve.config import Settings, parse_size
+from mlx_kvserve.startup import (
+    api_keys,
+    open_namespaced,
+    open_or_degrade,
+    startup_problem,
+    uvicorn_options,
+)
 
 log = logging.getLogger("mlx_kvserve")
 
@@ -15,8 +22,8 @@ log = logging.getLogger("mlx_kvserve")
 def cache_root(settings: Settings) -> Path:
     """--cache-dir / MLX_KVSERVE_CACHE_DIR / config, else the per-user cache directory."""
     if settings.cache_dir:
-        return paths.ensure_private(Path(settings.cache_dir).expanduser())
-    return paths.cache_dir()
+        return Path(settings.cache_dir).expanduser()  # created (private) only by a writer
+    return paths.cache_dir(create=False)
 
 
 def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
@@ -27,12 +34,22 @@ def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
     from mlx_kvserve.models.fingerprint import fingerprint_model
 
     budget = parse_size(settings.cache_budget) if settings.cache_budget else None
-    cache = PromptCache(
-        cache_root(settings),
-        fingerprint_model(model_dir, model_id),
-        disk_budget=budget,
-        ram_budget=parse_size(settings.cache_ram_budget),
-    )
+    keys = api_keys(settings) if settings.isolate_cache else []
+    share = max(1, len(keys))  # per-key caches split the budgets
+
+    def open_cache(root: Path | None) -> PromptCache:
+        return PromptCache(
+            root,
+            fingerprint_model(model_dir, model_id),
+            disk_budget=budget // share if budget else None,
+            ram_budget=parse_size(settings.cache_ram_budget) // share,
+        )
+
+    if keys:
+        caches = open_namespaced(open_cache, cache_root(settings), keys)
+        log.info("prompt cache: isolated per API key (%d namespaces)", len(keys))
+        return caches
+    cache = open_or_degrade(open_cache, cache_root(settings))
     stats = cache.stats()
     log.info(
         "prompt cache: %s entries, %s tokens, %.1f MiB on disk (budget %.1f GiB), index rebuilt in "
@@ -71,12 +88,20 @@ def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit code."""
     from mlx_kvserve.blas import preload_optimised_blas
 
+    problem = startup_problem(settings)
+    if problem:
+        log.error("%s", problem)
+        return 2
+
     blas = preload_optimised_blas(settings.blas_threads)  # must precede the first `import mlx`
     if blas:
         log.info("BLAS: %s", blas)
 
-    import uvicorn
-    from mlx_lm import load as mlx_load
+    from mlx_kvserve.net.resources import keep_open_file_limits
+
+    with keep_open_file_limits():  # mlx_lm's import would lower the limit (or fail on it)
+        import uvicorn
+        from mlx_lm import load as mlx_load
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # we check context length ourselves, with a clear 400
@@ -108,10 +133,6 @@ def serve(settings: Settings) -> int:
     )
     app = create_app(settings, engine, model_id)
     DrainingServer = _draining_server_class()
-    if settings.host not in {"127.0.0.1", "localhost", "::1"} and not settings.api_key:
-        log.warning(
-            "listening on %s without an API key: anyone who can reach it can use it", settings.host
-        )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -121,6 +142,7 @@ def serve(settings: Settings) -> int:
         # The engine ends in-flight streams after shutdown_grace; this is only a backstop.
         timeout_graceful_shutdown=settings.shutdown_grace + 5,
         log_config=None,
+        **uvicorn_options(settings),  # connection cap, header/idle timeouts, open-file limit
     )
     # uvicorn handles SIGINT/SIGTERM while it runs (graceful shutdown), then re-raises the signal
     # into the handlers it found. Finding no-op handlers there lets a graceful stop exit 0.

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mlx_kvserve.engine.namespaces import current_namespace
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -98,6 +100,7 @@ class GenerationRequest:
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)  # for time-to-first-token
     cancelled: threading.Event = field(default_factory=threading.Event)
+    namespace: str | None = field(default_factory=current_namespace.get)  # per-key cache
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
 

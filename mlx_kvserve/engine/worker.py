@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_kvserve.engine.generate import Generator
-from mlx_kvserve.engine.prompt_state import PromptStates
+from mlx_kvserve.engine.namespaces import make_states, use_namespace
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.waitlist import WaitQueue
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -54,7 +55,7 @@ class Engine:
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
         self.generator: Generator | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Any] = WaitQueue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._current: GenerationRequest | None = None
         self._stopping = threading.Event()
@@ -121,7 +122,7 @@ class Engine:
         try:
             self.model, self.tokenizer = self._loader()
             self.context_length = _context_length(self.model)
-            states = PromptStates(self.model, self.prompt_cache, enabled=self.cache_enabled)
+            states = make_states(self.model, self.prompt_cache, enabled=self.cache_enabled)
             self.generator = Generator(
                 self.model,
                 self.tokenizer,
@@ -151,6 +152,7 @@ class Engine:
                 req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
                 return
             assert self.generator is not None
+            use_namespace(self.generator.states, req.namespace)
             timings = self.generator.run(req)
             log.info(timings.log_line(req))
         except Exception:

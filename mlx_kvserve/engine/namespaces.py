@@ -1,0 +1,112 @@
+"""Per-API-key prompt-cache namespaces (`--isolate-cache`).
+
+`usage.prompt_tokens_details.cached_tokens` tells a client how much of its prompt was already
+cached, so on a shared cache one client can confirm a guess at another's prompt token by token.
+With isolation each API key gets its own PromptCache (its own directory, RAM tier and budget
+share) and its own live state; a request only ever reuses KV its own key produced. Switching
+keys drops the previous key's live KV (it was checkpointed into that key's cache), so memory
+stays bounded by one live state, not one per key.
+
+The namespace travels with the request: the auth middleware sets `current_namespace` for the
+request's task, and GenerationRequest takes it as its default, so no endpoint can forget it.
+A request whose namespace has no cache (which isolation should make impossible) runs with no
+cache at all: fail closed, never shared.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+current_namespace: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mlx_kvserve_namespace", default=None
+)
+
+
+def namespace_of(key: str) -> str:
+    """A stable, directory-safe name for an API key's namespace that does not reveal the key."""
+    return hashlib.sha256(b"mlx-kvserve namespace\0" + key.encode()).hexdigest()[:16]
+
+
+class CacheSet:
+    """One PromptCache per namespace; looks like one cache to code that only reports on it."""
+
+    def __init__(self, caches: dict[str, Any]) -> None:
+        self.caches = caches
+
+    def get(self, namespace: str | None) -> Any:
+        return self.caches.get(namespace) if namespace is not None else None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.caches.values())
+
+    def stats(self) -> dict[str, Any]:
+        """Numeric counters summed over the namespaces (for metrics and logs)."""
+        total: dict[str, Any] = {"namespaces": len(self.caches)}
+        for cache in self.caches.values():
+            for name, value in cache.stats().items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    total[name] = total.get(name, 0) + value
+        return total
+
+    def entries(self) -> list[Any]:
+        return [entry for cache in self.caches.values() for entry in cache.entries()]
+
+    def close(self) -> None:
+        for cache in self.caches.values():
+            cache.close()
+
+
+def cache_for(prompt_cache: Any, namespace: str | None) -> Any:
+    """The cache a request in `namespace` may see: the namespace's own, or the shared one."""
+    return prompt_cache.get(namespace) if isinstance(prompt_cache, CacheSet) else prompt_cache
+
+
+class NamespacedStates:
+    """PromptStates per namespace behind one object; the engine selects one per request.
+
+    Engine thread only, like PromptStates. Attribute access goes to the selected namespace's
+    PromptStates, so the generator needs no change.
+    """
+
+    def __init__(self, model: Any, caches: CacheSet, *, enabled: bool = True) -> None:
+        from mlx_kvserve.engine.prompt_state import PromptStates
+
+        self._make = lambda cache: PromptStates(model, cache, enabled=enabled and cache is not None)
+        self._caches = caches
+        self._states: dict[str, Any] = {}
+        self._none = self._make(None)  # no cache and no live reuse
+        self._active = self._none
+        self._active_namespace: str | None = None
+
+    def select(self, namespace: str | None) -> None:
+        if namespace == self._active_namespace and self._active is not self._none:
+            return
+        self._active.reset()  # another key's live KV must never serve this request
+        cache = self._caches.get(namespace)
+        if cache is None:
+            self._active, self._active_namespace = self._none, None
+            return
+        if namespace not in self._states:
+            self._states[namespace] = self._make(cache)
+        self._active, self._active_namespace = self._states[namespace], namespace
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._active, name)
+
+
+def make_states(model: Any, prompt_cache: Any, *, enabled: bool) -> Any:
+    """PromptStates for one shared cache, or NamespacedStates for per-key caches."""
+    if isinstance(prompt_cache, CacheSet):
+        return NamespacedStates(model, prompt_cache, enabled=enabled)
+    from mlx_kvserve.engine.prompt_state import PromptStates
+
+    return PromptStates(model, prompt_cache, enabled=enabled)
+
+
+def use_namespace(states: Any, namespace: str | None) -> None:
+    """Point `states` at `namespace` before a request runs (no-op without isolation)."""
+    if isinstance(states, NamespacedStates):
+        states.select(namespace)

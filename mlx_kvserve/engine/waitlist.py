@@ -1,0 +1,35 @@
+"""The engine's request queue, where a cancelled request gives up its place at once.
+
+A client that disconnects while its request waits cancels it; with a plain `queue.Queue` the
+request still held a slot until the engine reached it, so a burst of departed clients made the
+server answer 503 to the next real one while nobody was waiting. Here cancelled requests do not
+count towards the size limit (or `qsize()`, which /health reports) and are skipped by `get()`.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+
+def _cancelled(item: Any) -> bool:
+    flag = getattr(item, "cancelled", None)
+    return flag is not None and flag.is_set()
+
+
+class WaitQueue(queue.Queue):
+    """A FIFO `queue.Queue` whose size counts only requests that are still wanted."""
+
+    def _prune(self) -> None:
+        if any(_cancelled(item) for item in self.queue):
+            kept = [item for item in self.queue if not _cancelled(item)]
+            self.queue.clear()
+            self.queue.extend(kept)
+
+    def _qsize(self) -> int:
+        self._prune()
+        return len(self.queue)
+
+    def _get(self) -> Any:
+        self._prune()
+        return self.queue.popleft()

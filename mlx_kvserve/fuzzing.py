@@ -1,0 +1,277 @@
+"""Hostile request generation for the fuzz test (tests/test_fuzz.py) and scripts/fuzz_server.py.
+
+Needs hypothesis (a test dependency). Bodies mix the parameters of every endpoint, valid and not:
+wrong types, out-of-range numbers, integers past 2^64, lone UTF-16 surrogates (sent as `\\ud800`
+escapes, as a hostile client would), control characters, chat-template markup, nesting thousands
+of levels deep, and raw bytes that are not JSON at all. A body that would generate keeps its
+token limits tiny, so a run spends its time on validation, not on decoding.
+
+`check` states the contract: never a 5xx, every 4xx in the OpenAI error shape, and a 200 stream
+that ends with `[DONE]` and carries no error event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from hypothesis import strategies as st
+
+MODEL = "SmolLM2-135M-Instruct"
+POST_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+)
+GET_PATHS = ("/health", "/v1/models", "/v1/cache")
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+MAX_GENERATED = 2
+DEEP = "__DEEP__"
+
+lone_surrogates = st.sampled_from(["\ud800", "\udfff", "a\ud800b", "\udc00x", "x\udbff"])
+special_text = st.sampled_from(
+    ["", " ", "\x00", "\u2028", "😀", "<|im_start|>system\n", "{{ raise_exception('x') }}", "%s"]
+)
+text = st.one_of(st.text(max_size=40), lone_surrogates, special_text)
+integers = st.one_of(
+    st.integers(min_value=-3, max_value=3),
+    st.sampled_from([-(2**63), 2**63 - 1, 2**64 - 1, 2**64, 2**70, -(2**64)]),
+    st.integers(),
+)
+leaf = st.one_of(
+    st.none(), st.booleans(), integers, st.floats(allow_nan=False, allow_infinity=False), text
+)
+anything = st.recursive(
+    leaf,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _maybe(strategy: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(strategy, anything)
+
+
+role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", ""])
+part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_text", "tool_result"])},
+    optional={"text": _maybe(text), "content": _maybe(text)},
+)
+message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": _maybe(role),
+        "content": st.one_of(text, st.lists(part, max_size=3), anything),
+        "name": _maybe(text),
+        "tool_call_id": _maybe(text),
+        "tool_calls": anything,
+    },
+)
+# Tools and output formats: the grammar compiler is a failure surface of its own.
+schema = st.one_of(
+    st.just({"type": "object", "properties": {"a": {"type": "string"}}}),
+    st.just({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+    st.just({"type": "string", "pattern": "(("}),
+    st.just({"type": "array", "minItems": 5, "maxItems": 1}),
+    st.dictionaries(st.sampled_from(["type", "properties", "required", "enum"]), anything),
+    anything,
+)
+name = st.one_of(st.just("get_weather"), text)
+openai_tool = st.fixed_dictionaries(
+    {"type": _maybe(st.just("function"))},
+    optional={
+        "function": st.fixed_dictionaries(
+            {"name": _maybe(name)}, optional={"parameters": schema, "strict": _maybe(st.booleans())}
+        )
+    },
+)
+anthropic_tool = st.fixed_dictionaries(
+    {"name": _maybe(name)}, optional={"input_schema": schema, "description": _maybe(text)}
+)
+tool_choice = st.one_of(
+    st.sampled_from(["auto", "required", "none", "any"]),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "tool", "auto", "any", "none"])},
+        optional={"name": _maybe(name), "function": st.fixed_dictionaries({"name": _maybe(name)})},
+    ),
+)
+response_format = st.one_of(
+    st.just({"type": "json_object"}),
+    st.fixed_dictionaries(
+        {"type": st.just("json_schema")},
+        optional={
+            "json_schema": st.fixed_dictionaries(
+                {"name": _maybe(text)}, optional={"schema": schema}
+            )
+        },
+    ),
+)
+FIELDS: dict[str, st.SearchStrategy] = {
+    "model": st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), text, anything),
+    "messages": st.one_of(st.lists(message, max_size=3), anything),
+    "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
+    "input": st.one_of(text, st.lists(message, max_size=2), anything),
+    "system": _maybe(text),
+    "instructions": _maybe(text),
+    "temperature": _maybe(st.floats(min_value=-5, max_value=5)),
+    "top_p": _maybe(st.floats(min_value=-1, max_value=2)),
+    "seed": _maybe(integers),
+    "max_tokens": _maybe(integers),
+    "max_completion_tokens": _maybe(integers),
+    "max_output_tokens": _maybe(integers),
+    "stop": st.one_of(text, st.lists(text, max_size=20), anything),
+    "stop_sequences": st.one_of(st.lists(text, max_size=5), anything),
+    "stream": _maybe(st.booleans()),
+    "stream_options": st.one_of(
+        st.fixed_dictionaries({"include_usage": _maybe(st.booleans())}), anything
+    ),
+    "n": _maybe(integers),
+    "user": _maybe(text),
+    "tools": st.one_of(st.lists(st.one_of(openai_tool, anthropic_tool), max_size=3), anything),
+    "tool_choice": st.one_of(tool_choice, anything),
+    "response_format": st.one_of(response_format, anything),
+    "parallel_tool_calls": _maybe(st.booleans()),
+    "logprobs": _maybe(st.booleans()),
+    "top_logprobs": _maybe(integers),
+    "text": anything,  # Responses: {"format": ...}
+}
+
+
+def _limit_generation(body: Any) -> Any:
+    """Keep any generation a valid body could start to a couple of tokens."""
+    if isinstance(body, dict):
+        for name in TOKEN_LIMITS:
+            value = body.get(name)
+            if name in body and value is None:
+                body[name] = MAX_GENERATED
+            elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                body[name] = min(value, MAX_GENERATED)
+        body.setdefault("max_tokens", MAX_GENERATED)
+    return body
+
+
+def _base(path: str, draw: st.DrawFn) -> dict[str, Any]:
+    """A valid body for `path` with odd but legal text, to be mutated."""
+    words = draw(text)
+    if path == "/v1/completions":
+        return {"model": MODEL, "prompt": words or "x"}
+    if path == "/v1/responses":
+        return {"model": MODEL, "input": words or "x"}
+    return {"model": MODEL, "messages": [{"role": "user", "content": words}]}
+
+
+@st.composite
+def json_body(draw: st.DrawFn, path: str = "/v1/chat/completions") -> bytes:
+    """A JSON body (as a hostile client would encode it): a valid body for `path` with a few
+    fields replaced, an object of random known fields, any JSON value, or very deep nesting."""
+    kind = draw(st.sampled_from(["mutated"] * 3 + ["fields"] * 2 + ["any", "deep"]))
+    if kind == "any":
+        body: Any = draw(anything)
+    elif kind == "mutated":
+        body = _base(path, draw)
+        names = draw(st.lists(st.sampled_from(list(FIELDS)), max_size=2, unique=True))
+        body.update({name: draw(FIELDS[name]) for name in names})
+    else:
+        body = draw(st.fixed_dictionaries({}, optional=FIELDS))
+        body.update(draw(st.dictionaries(text, anything, max_size=2)))
+    body = _limit_generation(body)
+    if kind == "deep":
+        body[draw(st.sampled_from(list(FIELDS)))] = DEEP
+    raw = json.dumps(body, ensure_ascii=True)  # lone surrogates become \udxxx escapes
+    if kind == "deep":
+        depth = draw(st.integers(min_value=60, max_value=5000))
+        opener = draw(st.sampled_from(["[", '{"a":']))
+        closer = "]" if opener == "[" else "}"
+        raw = raw.replace(f'"{DEEP}"', opener * depth + "1" + closer * depth, 1)
+    return raw.encode()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One request to send."""
+
+    method: str
+    path: str
+    body: bytes | None = None
+    content_type: str = "application/json"
+
+
+raw_bytes = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([b"", b"{", b"[]", b"null", b'{"a":NaN}', b'{"max_tokens":1e999}']),
+    st.just(b'{"prompt":"x","max_tokens":' + b"9" * 5000 + b"}"),
+)
+
+
+@st.composite
+def probes(draw: st.DrawFn) -> Probe:
+    """A request to any endpoint: mostly JSON POSTs, some raw bytes, some GETs."""
+    kind = draw(st.sampled_from(["json"] * 6 + ["raw", "get", "model"]))
+    if kind == "get":
+        return Probe("GET", draw(st.sampled_from(GET_PATHS)))
+    if kind == "model":
+        name = draw(st.one_of(text, st.just(MODEL)))
+        return Probe("GET", "/v1/models/" + quote(name.encode("utf-8", "surrogatepass"), safe=""))
+    path = draw(st.sampled_from(POST_PATHS))
+    body = draw(json_body(path)) if kind == "json" else draw(raw_bytes)
+    return Probe("POST", path, body)
+
+
+# Streams whose events may contain the word "error" in generated text without being errors.
+TYPED_STREAMS = ("/v1/messages", "/v1/responses")
+
+
+def check(status: int, body: bytes, streamed: bool, path: str = "") -> str | None:
+    """What is wrong with a response, or None: the contract every endpoint keeps (errors in the
+    protocol's own shape: Anthropic's for /v1/messages, OpenAI's elsewhere)."""
+    if status >= 500:
+        return f"{status}: {body[:300]!r}"
+    if status >= 400:
+        anthropic = path.startswith("/v1/messages")
+        try:
+            data = json.loads(body)
+            error = data["error"]
+            ok = (
+                isinstance(error["message"], str)
+                and error["message"]
+                and isinstance(error["type"], str)
+                and "Traceback" not in error["message"]
+            )
+            if anthropic:
+                ok = ok and data["type"] == "error"
+            else:
+                ok = (
+                    ok
+                    and (error["param"] is None or isinstance(error["param"], str))
+                    and (error["code"] is None or isinstance(error["code"], str))
+                )
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        return None if ok else f"{status} not in the error shape: {body[:300]!r}"
+    if streamed:
+        text_body = body.decode("utf-8", "replace")
+        if "event: error" in text_body or "response.failed" in text_body:
+            return f"200 stream carried an error event: {text_body[-300:]!r}"
+        if path not in TYPED_STREAMS and '"error"' in text_body:
+            return f"200 stream carried an error event: {text_body[-300:]!r}"
+        done = "response.completed" in text_body or "response.incomplete" in text_body
+        if not ("data: [DONE]" in text_body or "event: message_stop" in text_body or done):
+            return f"200 stream did not finish: {text_body[-300:]!r}"
+    return None
+
+
+def send(client: Any, probe: Probe) -> tuple[int, bytes, bool]:
+    """Send `probe` with an httpx.Client; (status, whole body, whether it was an event stream)."""
+    headers = {"content-type": probe.content_type} if probe.body is not None else {}
+    request = client.build_request(probe.method, probe.path, content=probe.body, headers=headers)
+    response = client.send(request, stream=True)
+    try:
+        data = response.read()
+    finally:
+        response.close()
+    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+    return response.status_code, data, streamed
