@@ -80,12 +80,11 @@ class Settings:
         },
     )
 
-    served_model_name: str | None = field(
-        default=None,
+    served_model_name: list[str] = field(
+        default_factory=list,
         metadata={
-            "help": "Another name for the served model in /v1/models (repeatable, or "
-            "comma-separated); every name is answered by the loaded model.",
-            "repeatable": True,
+            "help": "Another name for the served model in /v1/models (repeat the flag or "
+            "separate with commas); every name is answered by the loaded model."
         },
     )
     strict_model_names: bool = field(
@@ -107,8 +106,7 @@ class Settings:
 
     def model_aliases(self) -> list[str]:
         """The --served-model-name values, in order, without blanks or repeats."""
-        names = [n.strip() for n in (self.served_model_name or "").split(",")]
-        return list(dict.fromkeys(n for n in names if n))
+        return list(dict.fromkeys(self.served_model_name))
 
     # -- security: who may talk to the server, and how much of it one client may hold ----------
     api_keys: list[str] = field(
@@ -210,8 +208,6 @@ def _coerce(name: str, raw: Any) -> Any:
             return int(raw)
         if isinstance(default, float):
             return float(raw)
-        if isinstance(raw, list) and target.metadata.get("repeatable"):
-            return ",".join(str(item) for item in raw)
         return None if raw is None else str(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"setting '{name}': cannot use {raw!r} ({exc})") from None

@@ -141,7 +141,7 @@ FIELDS: dict[str, st.SearchStrategy] = {
 }
 
 
-def _limit_generation(body: Any) -> Any:
+def _limit_generation(body: Any, path: str) -> Any:
     """Keep any generation a valid body could start to a couple of tokens."""
     if isinstance(body, dict):
         for name in TOKEN_LIMITS:
@@ -150,7 +150,9 @@ def _limit_generation(body: Any) -> Any:
                 body[name] = MAX_GENERATED
             elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 body[name] = min(value, MAX_GENERATED)
-        body.setdefault("max_tokens", MAX_GENERATED)
+        body.setdefault(
+            "max_output_tokens" if path == "/v1/responses" else "max_tokens", MAX_GENERATED
+        )
     return body
 
 
@@ -178,7 +180,7 @@ def json_body(draw: st.DrawFn, path: str = "/v1/chat/completions") -> bytes:
     else:
         body = draw(st.fixed_dictionaries({}, optional=FIELDS))
         body.update(draw(st.dictionaries(text, anything, max_size=2)))
-    body = _limit_generation(body)
+    body = _limit_generation(body, path)
     if kind == "deep":
         body[draw(st.sampled_from(list(FIELDS)))] = DEEP
     raw = json.dumps(body, ensure_ascii=True)  # lone surrogates become \udxxx escapes

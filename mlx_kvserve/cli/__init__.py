@@ -21,14 +21,6 @@ log = logging.getLogger("mlx_kvserve")
 _TYPES = {"int": int, "float": float, "str": str, "str | None": str}
 
 
-class _AppendJoined(argparse.Action):
-    """A repeatable flag whose values are kept comma-joined, like the env/file form."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
-        previous = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
-
-
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Settings):
         flag = "--" + f.name.replace("_", "-")
@@ -57,7 +49,6 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             flag,
             dest=f.name,
             type=_TYPES[str(f.type)],
-            action=_AppendJoined if f.metadata.get("repeatable") else "store",
             default=None,
             metavar=f.name.upper(),
             help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {default_text}]",
