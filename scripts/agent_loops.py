@@ -29,7 +29,8 @@ SCHEMA = {
     "required": ["city"],
 }
 CITIES = ["Rome", "Oslo", "Lima", "Kyiv", "Doha", "Baku", "Suva", "Riga", "Bern", "Apia"]
-SYSTEM = "You are a weather assistant. Use the tools to answer."
+SYSTEM = "You are a weather assistant ({}). Use the tools to answer."  # one per loop: each
+# loop starts cold, so its figures are its own (rendered alike, the loops would share a cache)
 
 
 def row(turn: int, prompt: int, cached: int, previous: int | None) -> str:
@@ -42,7 +43,10 @@ def openai_loop(base: str, turns: int) -> list[str]:
 
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM.format("chat")},
+        {"role": "user", "content": "Paris?"},
+    ]
     rows, previous = [], None
     for turn in range(1, turns + 1):
         reply = client.chat.completions.create(
@@ -73,7 +77,7 @@ def anthropic_loop(base: str, turns: int) -> list[str]:
     for turn in range(1, turns + 1):
         reply = client.messages.create(
             model="m",
-            system=SYSTEM,
+            system=SYSTEM.format("messages"),
             messages=messages,
             tools=tools,
             max_tokens=60,
@@ -108,7 +112,7 @@ def responses_loop(base: str, turns: int) -> list[str]:
     for turn in range(1, turns + 1):
         reply = client.responses.create(
             model="m",
-            instructions=SYSTEM,
+            instructions=SYSTEM.format("responses"),
             input=items,
             tools=tools,
             temperature=0,

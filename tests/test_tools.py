@@ -69,9 +69,9 @@ def assert_valid_call(call) -> dict:
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
 def test_forced_calls_always_validate(openai_client, named):
-    """10 prompts x seeds per mode at temperature 1: 20 forced calls, all valid."""
+    """20 prompt and seed pairs per mode at temperature 1: every forced call is valid."""
     choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
-    for seed, prompt in enumerate(PROMPTS):
+    for seed, prompt in enumerate(PROMPTS * 2):
         reply = openai_client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": prompt}],
