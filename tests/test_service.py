@@ -349,6 +349,7 @@ def test_real_systemd_restarts_after_sigkill_and_serves_from_disk(tmp_path):
     """Install a uniquely named unit for real, SIGKILL its server, and check that systemd
     restarts it (Restart=on-failure) and that the conversation comes back from the disk."""
     from tests.conftest import free_port
+    from tests.test_metrics import wait_for_writes
 
     name = f"mlx-kvserve-test-{os.getpid()}"
     port = free_port()
@@ -366,7 +367,7 @@ def test_real_systemd_restarts_after_sigkill_and_serves_from_disk(tmp_path):
         ]
         body = {"messages": messages, "max_tokens": 8, "temperature": 0}
         first = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
-        time.sleep(2)  # the writer thread lands the checkpoints
+        wait_for_writes(base)
         pid = int(
             subprocess.run(
                 ["systemctl", "--user", "show", f"{name}.service", "--property=MainPID"],
