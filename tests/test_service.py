@@ -222,6 +222,14 @@ def test_systemd_quoting_round_trips(word):
     assert unquote_line(quote(word, exec_line=False), exec_line=False) == [word]
 
 
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-model").mkdir()
+    argv = spec({"cache_dir": "kv", "model": "my-model"}).program
+    assert argv[-4:] == ["--model", str(tmp_path / "my-model"), "--cache-dir", str(tmp_path / "kv")]
+    assert spec({"model": "org/repo-id"}).program[-2:] == ["--model", "org/repo-id"]
+
+
 def test_line_breaks_cannot_be_injected_into_a_unit(tmp_path):
     unit = Systemd("mlx-kvserve", config_home=tmp_path)
     with pytest.raises(ValueError, match="line break"):

@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlx_kvserve import paths
@@ -62,6 +63,17 @@ def flag_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def _absolute_paths(flags: Mapping[str, Any]) -> dict[str, str]:
+    """Paths made absolute: the service does not start in this shell's directory."""
+    out = {}
+    if flags.get("cache_dir"):
+        out["cache_dir"] = str(Path(flags["cache_dir"]).expanduser().absolute())
+    model = flags.get("model")
+    if model and Path(model).expanduser().exists():  # a local directory, not a repo id
+        out["model"] = str(Path(model).expanduser().absolute())
+    return out
+
+
 def build_spec(
     name: str,
     flags: Mapping[str, Any],
@@ -71,6 +83,7 @@ def build_spec(
 ) -> ServiceSpec:
     """The service for `install` with these flags and the settings they resolve to."""
     env = os.environ if environ is None else environ
+    flags = {**flags, **_absolute_paths(flags)}
     environment = {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIX)}
     environment.setdefault(ENV_PREFIX + "CONFIG", str(paths.config_file()))
     environment["PYTHONUNBUFFERED"] = "1"  # log lines reach the log as they happen
