@@ -401,3 +401,12 @@ def _wait_health(base: str) -> None:
             pass
         time.sleep(0.5)
     raise AssertionError(f"{base} did not come back")
+
+
+def test_no_user_systemd_is_explained(tmp_path):
+    unit = Systemd("mlx-kvserve", config_home=tmp_path)
+    reload = ("systemctl", "--user", "daemon-reload")
+    rec = Recorder({reload: Result(1, "Failed to connect to bus: No medium found\n")})
+    with pytest.raises(ServiceError, match="no user systemd here"):
+        execute(unit.install(spec()), rec, dry_run=False, say=lambda _: None)
+    assert rec.calls == [reload]  # nothing runs after the first failure

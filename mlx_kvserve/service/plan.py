@@ -123,4 +123,12 @@ def _run(step: Run, runner: Runner, pause: Callable[[float], None]) -> None:
             return
         if attempt < step.retries:
             pause(1.0)
-    raise ServiceError(f"{shlex.join(step.argv)} failed ({result.returncode}): {result.output}")
+    hint = ""
+    if "connect to bus" in result.output:
+        hint = (
+            "\n(no user systemd here: `systemctl --user` needs a login session; over ssh, run "
+            "`loginctl enable-linger` once, or review the unit with --dry-run)"
+        )
+    raise ServiceError(
+        f"{shlex.join(step.argv)} failed ({result.returncode}): {result.output.strip()}{hint}"
+    )
