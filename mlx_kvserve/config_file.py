@@ -45,7 +45,8 @@ def key_lines(text: str) -> dict[str, int]:
     """Top-level key -> first line (1-based) that sets it or opens a table of that name."""
     lines: dict[str, int] = {}
     in_table = False
-    for number, line in enumerate(text.splitlines(), start=1):
+    # TOML ends lines at \n only; str.splitlines() would also split at U+0085, U+2028, ...
+    for number, line in enumerate(text.split("\n"), start=1):
         table = _TABLE.match(line)
         if table:
             in_table = True
