@@ -7,14 +7,15 @@ TOML config file is ``<name>``; `mlx-kvserve serve --help` lists them all.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlx_kvserve import paths
+from mlx_kvserve.config_file import ConfigError, read_config_file, where
 
 ENV_PREFIX = "MLX_KVSERVE_"
 
@@ -193,30 +194,38 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def _field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(Settings)}[name]
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
 def _coerce(name: str, raw: Any) -> Any:
-    """Turn an env/config value into the field's type, with an error that names the setting."""
-    target = {f.name: f for f in dataclasses.fields(Settings)}[name]
-    default = target.default
+    """Turn an environment string into the field's type; ValueError says what was wrong."""
+    target = _field(name)
     if is_list_setting(name):
         return split_list(raw)
+    kind = str(target.type)
+    if kind == "bool":
+        text = str(raw).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}")
     try:
-        if isinstance(default, bool):
-            if isinstance(raw, bool):
-                return raw
-            return str(raw).strip().lower() in {"1", "true", "yes", "on"}
-        if isinstance(default, int):
+        if kind == "int":
             return int(raw)
-        if isinstance(default, float):
+        if kind == "float":
             return float(raw)
-        return None if raw is None else str(raw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"setting '{name}': cannot use {raw!r} ({exc})") from None
+    except (TypeError, ValueError):
+        wanted = "an integer" if kind == "int" else "a number"
+        raise ValueError(f"expected {wanted}, got {raw!r}") from None
+    return None if raw is None else str(raw)
 
 
 def is_list_setting(name: str) -> bool:
     """Settings that take several values (repeated flag, comma-separated env, TOML list)."""
-    target = {f.name: f for f in dataclasses.fields(Settings)}[name]
-    return str(target.type) == "list[str]"
+    return str(_field(name).type) == "list[str]"
 
 
 def split_list(raw: Any) -> list[str]:
@@ -225,44 +234,92 @@ def split_list(raw: Any) -> list[str]:
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read the TOML config; unknown keys are an error so typos do not pass silently."""
-    if not path.is_file():
-        return {}
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
-    known = set(Settings.option_names())
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{path.name}: unknown setting(s) {', '.join(unknown)}")
-    return data
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections"}
+_POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
+_NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace"}
+
+
+def check_value(name: str, value: Any) -> Any:
+    """One setting's own constraints (types are already right); ValueError if it breaks one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite number")
+    if name == "port" and not 0 <= value <= 65535:
+        raise ValueError(f"{value} is not a TCP port (0-65535)")
+    if name in _POSITIVE and value <= 0:
+        raise ValueError("must be positive")
+    if name in _NON_NEGATIVE and value < 0:
+        raise ValueError(f"{value} is negative")
+    if name == "log_level" and str(value).lower() not in _LOG_LEVELS:
+        raise ValueError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
+    if name in ("cache_budget", "cache_ram_budget") and value is not None:
+        parse_size(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an effective value came from: "flag", "environment", "file" or "default"."""
+
+    kind: str
+    detail: str = ""  # the flag, variable, or "file, line N"
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.detail})" if self.detail else self.kind
+
+
+@dataclass
+class Resolved:
+    settings: Settings
+    sources: dict[str, Source]
+    config_path: Path
+
+
+def resolve_settings(flags: dict[str, Any], config_path: Path | None = None) -> Resolved:
+    """Merge defaults, config file, environment and flags (non-None flags win), remembering
+    where each value came from. A bad value raises ConfigError naming its source."""
+    path = config_path or paths.config_file()
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    file_values = read_config_file(path, fields)
+    for name, found in file_values.items():  # a bad line is reported even where overridden
+        try:
+            value = split_list(found.value) if is_list_setting(name) else found.value
+            check_value(name, value)
+        except ValueError as exc:
+            raise ConfigError(f"{where(path, found.line)}: setting '{name}': {exc}") from None
+    values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
+    for name in Settings.option_names():
+        env_name = ENV_PREFIX + name.upper()
+        flag = "--" + name.replace("_", "-")
+        try:
+            if flags.get(name) is not None:
+                source = Source("flag", flag)
+                raw = flags[name]
+                value = split_list(raw) if is_list_setting(name) else raw
+            elif os.environ.get(env_name) is not None:
+                source = Source("environment", env_name)
+                value = _coerce(name, os.environ[env_name])
+            elif name in file_values:
+                found = file_values[name]
+                source = Source("file", where(path, found.line))
+                value = split_list(found.value) if is_list_setting(name) else found.value
+            else:
+                sources[name] = Source("default")
+                continue
+            values[name] = check_value(name, value)
+        except ValueError as exc:
+            raise ConfigError(f"{source.detail}: setting '{name}': {exc}") from None
+        sources[name] = source
+    settings = Settings(**values)
+    if settings.isolate_cache and not (settings.api_key or settings.api_keys):
+        raise ConfigError(
+            f"{sources['isolate_cache'].detail}: setting 'isolate_cache': needs at least one "
+            "API key to isolate by"
+        )
+    return Resolved(settings, sources, path)
 
 
 def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Settings:
-    """Merge defaults, config file, environment and flags (non-None flags win)."""
-    values: dict[str, Any] = {}
-    file_values = read_config_file(config_path or paths.config_file())
-    for name in Settings.option_names():
-        env_value = os.environ.get(ENV_PREFIX + name.upper())
-        if flags.get(name) is not None:
-            values[name] = split_list(flags[name]) if is_list_setting(name) else flags[name]
-        elif env_value is not None:
-            values[name] = _coerce(name, env_value)
-        elif name in file_values:
-            values[name] = _coerce(name, file_values[name])
-    settings = Settings(**values)
-    if settings.blas_threads < 0:
-        raise ValueError(f"setting 'blas_threads': {settings.blas_threads} is negative")
-    for name in ("max_connections", "header_timeout", "body_timeout", "idle_timeout"):
-        if getattr(settings, name) <= 0:
-            raise ValueError(f"setting '{name}': must be positive")
-    if settings.isolate_cache and not (settings.api_key or settings.api_keys):
-        raise ValueError("setting 'isolate_cache': needs at least one API key to isolate by")
-    for name in ("cache_budget", "cache_ram_budget"):
-        value = getattr(settings, name)
-        if value is not None:
-            try:
-                parse_size(value)
-            except ValueError as exc:
-                raise ValueError(f"setting '{name}': {exc}") from None
-    return settings
+    """The effective settings (see resolve_settings)."""
+    return resolve_settings(flags, config_path).settings

@@ -15,6 +15,10 @@ import pytest
 from tests.conftest import ServerProcess
 from tests.rawhttp import read_response
 
+needs_prlimit = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="prlimit (util-linux) is Linux-only"
+)
+
 LIMIT = 64
 
 
@@ -128,6 +132,7 @@ def test_idle_keepalive_connection_is_closed(tight_server):
         assert wait_all_closed([sock]) == 1
 
 
+@needs_prlimit
 def test_low_open_file_limit_caps_connections(start_server):
     srv = start_server(prefix=("prlimit", "--nofile=256:256"))
     assert "open-file limit 256: at most 96 connections (not 1000), accept backlog 24" in srv.log()
@@ -182,6 +187,7 @@ def _exhaust(mode: str) -> str:
     return err
 
 
+@needs_prlimit
 def test_exhausted_descriptors_log_once_per_interval():
     unfiltered = _exhaust("plain")
     assert unfiltered.count("out of system resource") >= 2  # the flood being prevented

@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -925,6 +926,8 @@ def small_filesystem(tmp_path) -> Iterator[Path]:
     """A 16 MiB tmpfs (needs root and mount rights; skipped elsewhere)."""
     mnt = tmp_path / "small-fs"
     mnt.mkdir()
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a tmpfs (mount -t tmpfs) is Linux-only")
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("mounting a small filesystem needs root")
     done = subprocess.run(

@@ -28,6 +28,8 @@ from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
+from mlx_kvserve.observe import Metrics
+from mlx_kvserve.observe.http import RequestMetrics, metrics_endpoint
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -118,27 +120,33 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             log.info("shutting down: stopping the engine")
             engine.stop()
 
+    metrics = Metrics(engine, cache_enabled=engine.cache_enabled)
+    engine.add_observer(metrics.observe_request)
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/cache", cache_stats, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
+        Route("/models", list_models, methods=["GET"]),
+        Route("/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/responses", responses, methods=["POST"]),
+        Route("/messages", anthropic.messages, methods=["POST"]),
+        Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+    ]
     app = Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/cache", cache_stats, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/responses", responses, methods=["POST"]),
-            Route("/v1/messages", anthropic.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-            # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
-            Route("/models", list_models, methods=["GET"]),
-            Route("/models/{model_id:path}", get_model, methods=["GET"]),
-            Route("/chat/completions", chat_completions, methods=["POST"]),
-            Route("/completions", completions, methods=["POST"]),
-            Route("/responses", responses, methods=["POST"]),
-            Route("/messages", anthropic.messages, methods=["POST"]),
-            Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-        ],
+        routes=routes,
         middleware=[
+            # Outermost: every response is counted, the guard's and auth's refusals included.
+            Middleware(RequestMetrics, metrics=metrics, routes=routes),
             Middleware(InternalErrors),  # an unexpected exception: one 500, connection kept
             Middleware(
                 BrowserGuard,
@@ -155,6 +163,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.metrics = metrics
     app.state.engine = engine
     app.state.model_id = model_id
     app.state.started = int(time.time())

@@ -168,7 +168,9 @@ class PromptCache:
             "pruned": 0,
             "evictions": 0,
             "failure_evictions": 0,
+            "suspect_evictions": 0,  # the part of failure_evictions an unclean-start check made
             "bytes_queued": 0,
+            "bytes_read": 0,  # entry files read from disk to restore
         }
         self.unclean_start = False
         self.rebuild_seconds = 0.0
@@ -398,6 +400,8 @@ class PromptCache:
             if not removed and self.disk is not None and self.disk.delete(target, durable=True):
                 removed = [target]
             self._counters["failure_evictions"] += len(removed)
+            if first_suspect:
+                self._counters["suspect_evictions"] += len(removed)
             self.log.warning(
                 "prompt-cache evicted %s%s: %s",
                 target[:16],
@@ -472,13 +476,31 @@ class PromptCache:
                 "pruned": c["pruned"],
                 "evictions": c["evictions"],
                 "failure_evictions": c["failure_evictions"],
+                "suspect_evictions": c["suspect_evictions"],
                 "bytes_queued": c["bytes_queued"],
+                "bytes_read": c["bytes_read"],
                 "bytes_written": w.bytes_written if w else 0,
                 "files_written": w.files_written if w else 0,
                 "write_errors": w.write_errors if w else 0,
                 "disk_writes_failing": w.failing if w else False,
                 "unclean_start": self.unclean_start,
                 "rebuild_seconds": self.rebuild_seconds,
+            }
+
+    def counters(self) -> dict[str, int]:
+        """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
+        results (engine-thread work), so a metrics scrape may call it from any thread."""
+        with self._lock:
+            w = self._writer.stats if self._writer else None
+            return {
+                **self._counters,
+                "entries": len(self._entries),
+                "disk_bytes": self._disk_bytes,
+                "disk_budget": self.disk_budget,
+                "ram_bytes": self._ram.nbytes,
+                "ram_budget": self._ram.budget,
+                "bytes_written": w.bytes_written if w else 0,
+                "write_errors": w.write_errors if w else 0,
             }
 
     def entries(self) -> list[EntryInfo]:
@@ -957,6 +979,7 @@ class PromptCache:
             except Exception as exc:  # a bad stored entry, whatever the symptom
                 raise self._restore_error(link.key, exc, match_key) from None
             from_disk.append(link)
+            self._counters["bytes_read"] += link.file_bytes
         try:
             builder.finish()
         except Exception as exc:
@@ -987,6 +1010,7 @@ class PromptCache:
         if not from_disk:
             return []
         self._counters["restores_from_disk"] += 1
+        self._counters["bytes_read"] += entry.file_bytes
         if sum(a.nbytes for a in arrays) <= self._ram.budget:
             self._ram.put(entry.key, arrays)  # views of the verified file bytes
             self._enforce_ram_budget({entry.key})

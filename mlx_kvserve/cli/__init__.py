@@ -1,4 +1,5 @@
-"""Command line: `mlx-kvserve serve` runs the server; `mlx-kvserve cache ...` inspects its cache.
+"""Command line: `serve` runs the server, `service` runs it in the background under launchd or
+systemd, `config` shows where each setting comes from, `cache` inspects the prompt cache.
 
 Every `serve` option can also come from the environment (MLX_KVSERVE_<OPTION>) or the config file;
 flags win over the environment, which wins over the file, which wins over the defaults.
@@ -7,52 +8,18 @@ flags win over the environment, which wins over the file, which wins over the de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
 from mlx_kvserve import __version__, paths
 from mlx_kvserve.cli.cache_commands import add_cache_commands, run_cache_command
+from mlx_kvserve.cli.config_commands import add_config_commands, run_config_command
+from mlx_kvserve.cli.flags import add_setting_flags, setting_flags
 from mlx_kvserve.cli.serve import serve
-from mlx_kvserve.config import ENV_PREFIX, Settings, load_settings
+from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
+from mlx_kvserve.config import ENV_PREFIX, load_settings
 
 log = logging.getLogger("mlx_kvserve")
-
-_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
-
-
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        default = "embedded SmolLM2-135M-Instruct" if f.name == "model" else f.default
-        default_text = "none" if default is None else default
-        if str(f.type) == "bool":
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action="store_true",
-                default=None,
-                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=1]",
-            )
-            continue
-        if str(f.type) == "list[str]":  # repeatable; each value may also hold a, b, c
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action="append",
-                default=None,
-                metavar=f.name.upper().removesuffix("S"),
-                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=a,b]",
-            )
-            continue
-        parser.add_argument(
-            flag,
-            dest=f.name,
-            type=_TYPES[str(f.type)],
-            default=None,
-            metavar=f.name.upper(),
-            help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {default_text}]",
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             f"({paths.config_file()}); flags win over the environment, which wins over the file."
         ),
     )
-    _add_setting_flags(serve)
+    add_setting_flags(serve)
+    add_service_commands(sub)
+    add_config_commands(sub)
     add_cache_commands(sub)
     return parser
 
@@ -94,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    names = set(Settings.option_names())
-    flags = {k: v for k, v in vars(args).items() if k in names}
+    if args.command == "config":  # reports a broken config file instead of refusing to run
+        return run_config_command(args)
+    if args.command == "service":
+        return run_service_command(args)
     try:
-        settings = load_settings(flags)
+        settings = load_settings(setting_flags(args))
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     setup_logging(settings.log_level)

@@ -84,9 +84,18 @@ def _draining_server_class():
     return DrainingServer
 
 
+def _stop_before_serving(signum: int, _frame: object) -> None:
+    """SIGTERM while the model is still being prepared: exit 0, as a service manager's stop
+    expects (launchd's KeepAlive and systemd's Restart=on-failure restart unclean exits)."""
+    log.info("stopped by signal %d before serving", signum)
+    raise SystemExit(0)
+
+
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit code."""
     from mlx_kvserve.blas import preload_optimised_blas
+
+    signal.signal(signal.SIGTERM, _stop_before_serving)  # uvicorn takes over once it runs
 
     problem = startup_problem(settings)
     if problem:
@@ -152,5 +161,9 @@ def serve(settings: Settings) -> int:
         DrainingServer(config, engine, settings.shutdown_grace).run()
     finally:
         if prompt_cache is not None:
-            prompt_cache.close()
+            prompt_cache.close()  # idempotent: flushes pending writes, removes the RUNNING marker
+    log.info(
+        "stopped cleanly%s",
+        ": checkpoint writes flushed, clean shutdown recorded" if prompt_cache is not None else "",
+    )
     return 0

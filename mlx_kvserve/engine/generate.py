@@ -48,6 +48,8 @@ class Timings:
     finish_reason: str = ""
     stop_sequence: str | None = None
     retried: bool = False
+    restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
+    failed_source: str | None = None  # where the state that failed and forced a retry came from
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens
@@ -198,7 +200,11 @@ class Generator:
                     failure.start.source,
                     failure.problem,
                 )
-                timings = Timings(prompt_tokens=len(req.prompt_tokens), retried=True)
+                timings = Timings(
+                    prompt_tokens=len(req.prompt_tokens),
+                    retried=True,
+                    failed_source=failure.start.source,
+                )
                 finished = self._attempt(req, timings, self.states.cold())
         except Cancelled:
             timings.finish_reason = "cancelled"
@@ -223,6 +229,7 @@ class Generator:
         prompt = req.prompt_tokens
         live = Live(start.caches, list(start.tokens))
         timings.cached_tokens, timings.cache_source = start.usable, start.source
+        timings.restore_seconds = start.restore_seconds
 
         def check() -> None:
             if req.cancelled.is_set():

@@ -23,6 +23,7 @@ used.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -50,6 +51,7 @@ class Start:
     tokens: list[int]
     source: str  # "cold", "live", "ram" or "disk"
     match: Match = MISS
+    restore_seconds: float = 0.0
 
     @property
     def usable(self) -> int:
@@ -127,12 +129,15 @@ class PromptStates:
         suspect = match.suspect
         target = match.for_probe() if suspect else match
         caches = self.fresh()
+        started = time.perf_counter()
         try:
             self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
         except CacheRestoreError as err:
             self.cache.evict(err.key, err.problem)
             return self._after_eviction(prompt, again)
-        start = Start(caches, prompt[: target.usable], match.source or "disk", match)
+        source = match.source or "disk"
+        start = Start(caches, prompt[: target.usable], source, match)
+        start.restore_seconds = time.perf_counter() - started
         if suspect:
             if not self._behaves(prompt, start, target):
                 self.cache.evict(

@@ -10,11 +10,12 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.engine.generate import Generator
+from mlx_kvserve.engine.generate import Generator, Timings
 from mlx_kvserve.engine.namespaces import make_states, use_namespace
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
 from mlx_kvserve.engine.waitlist import WaitQueue
@@ -65,6 +66,15 @@ class Engine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.context_length: int | None = None
+        self.busy_seconds = 0.0  # time spent serving requests, for metrics
+        self._observers: list[Callable[[GenerationRequest, Timings | None, float], None]] = []
+
+    def add_observer(
+        self, observer: Callable[[GenerationRequest, Timings | None, float], None]
+    ) -> None:
+        """Call `observer(request, timings or None, busy seconds)` on the engine thread after
+        each request; it must be quick and must not raise (metrics)."""
+        self._observers.append(observer)
 
     def start(self) -> None:
         self._thread.start()
@@ -147,6 +157,8 @@ class Engine:
 
     def _serve(self, req: GenerationRequest) -> None:
         self._current = req
+        started = time.perf_counter()
+        timings: Timings | None = None
         try:
             if req.cancelled.is_set():
                 req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
@@ -160,6 +172,13 @@ class Engine:
             req.emit(EngineError("internal error while generating; see the server log"))
         finally:
             self._current = None
+            busy = time.perf_counter() - started
+            self.busy_seconds += busy
+            for observer in self._observers:
+                try:
+                    observer(req, timings, busy)
+                except Exception:  # observing must never take the engine down
+                    log.exception("metrics observer failed")
 
 
 def _context_length(model: Any) -> int | None:

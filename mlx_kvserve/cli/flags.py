@@ -1,0 +1,52 @@
+"""The `serve` setting flags, shared by `serve`, `config show` and `service install`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from mlx_kvserve.config import ENV_PREFIX, Settings
+
+_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, with its help, environment variable and default."""
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = "embedded SmolLM2-135M-Instruct" if f.name == "model" else f.default
+        default_text = "none" if default is None else default
+        if str(f.type) == "bool":
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action="store_true",
+                default=None,
+                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=1]",
+            )
+            continue
+        if str(f.type) == "list[str]":  # repeatable; each value may also hold a, b, c
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action="append",
+                default=None,
+                metavar=f.name.upper().removesuffix("S"),
+                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=a,b]",
+            )
+            continue
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=_TYPES[str(f.type)],
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {default_text}]",
+        )
+
+
+def setting_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The setting flags that were given (None for the rest)."""
+    names = set(Settings.option_names())
+    return {k: v for k, v in vars(args).items() if k in names}

@@ -1,0 +1,201 @@
+"""Prometheus metrics, made with prometheus_client into a registry of the app's own (so two apps
+in one process, as in tests, never share counters).
+
+Three sources, each observed where it is already known, never recomputed:
+- HTTP: every response's route, wire protocol and status (`observe.http.RequestMetrics`);
+- the engine thread: each request's Timings (tokens, time to first token, prefill and decode
+  speed, where its KV state came from and how long restoring it took) and busy time;
+- the prompt cache: its own counters, read at scrape time (`PromptCache.counters`) by a custom
+  collector, so bytes, evictions and disk use are the cache's numbers, not a second tally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mlx_kvserve.engine.generate import Timings
+from mlx_kvserve.engine.requests import GenerationRequest
+
+PREFIX = "mlx_kvserve"
+TIERS = ("live", "ram", "disk")
+# Seconds: from a RAM hit (~10 ms) to a cold 50k-token prefill on a small Mac (minutes).
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+PREFILL_TPS_BUCKETS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800)
+DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """Every metric of one server. `observe_request` runs on the engine thread after each
+    request; prometheus_client's metrics are thread-safe."""
+
+    def __init__(self, engine: Any, *, cache_enabled: bool = True) -> None:
+        self.registry = CollectorRegistry()
+        self.cache_enabled = cache_enabled
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP responses by route, wire protocol and status code.",
+            ["route", "protocol", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From the request reaching the engine queue to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prefill_tps = Histogram(
+            f"{PREFIX}_prefill_tokens_per_second",
+            "Prefill speed of each request over the prompt tokens it prefilled (not cached).",
+            buckets=PREFILL_TPS_BUCKETS,
+            registry=r,
+        )
+        self.decode_tps = Histogram(
+            f"{PREFIX}_decode_tokens_per_second",
+            "Decode speed of each request with more than one generated token.",
+            buckets=DECODE_TPS_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_cached_tokens",
+            "Prompt tokens served from the prompt cache instead of prefilled.",
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            f"{PREFIX}_generated_tokens", "Completion tokens generated.", registry=r
+        )
+        self.lookups = Counter(
+            f"{PREFIX}_cache_lookups",
+            "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "
+            "(tier none) or failed (a restored state failed and the request was re-run cold).",
+            ["outcome", "tier"],
+            registry=r,
+        )
+        self.restores = Counter(
+            f"{PREFIX}_cache_restores",
+            "Checkpoints restored into the model's KV caches, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.restore_seconds = Histogram(
+            f"{PREFIX}_cache_restore_seconds",
+            "Time to restore a checkpoint into the KV caches, by tier.",
+            ["tier"],
+            buckets=RESTORE_BUCKETS,
+            registry=r,
+        )
+        self.busy = Counter(
+            f"{PREFIX}_engine_busy_seconds",
+            "Time the engine thread spent serving requests (rate() of it is utilisation).",
+            registry=r,
+        )
+        queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the engine.", registry=r)
+        queue_depth.set_function(lambda: engine.queued)
+        for tier in TIERS:  # every series exists from the start, at 0
+            self.lookups.labels("hit", tier)
+            self.lookups.labels("failed", tier)
+        self.lookups.labels("miss", "none")
+        for tier in ("ram", "disk"):
+            self.restores.labels(tier)
+            self.restore_seconds.labels(tier)
+        r.register(CacheCollector(engine))
+
+    def observe_request(
+        self, req: GenerationRequest, timings: Timings | None, busy_seconds: float
+    ) -> None:
+        """Engine thread, after each request (timings is None if it failed or never ran)."""
+        self.busy.inc(max(0.0, busy_seconds))
+        if timings is None:
+            return
+        t = timings
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.cached_tokens)
+        self.generated_tokens.inc(t.completion_tokens)
+        if t.completion_tokens > 0 and t.ttft_seconds > 0:
+            self.ttft.observe(t.ttft_seconds)
+        prefilled = t.prompt_tokens - t.cached_tokens
+        if prefilled > 0 and t.prefill_seconds > 0:
+            self.prefill_tps.observe(prefilled / t.prefill_seconds)
+        if t.completion_tokens > 1 and t.decode_seconds > 0:
+            self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
+        if not self.cache_enabled:
+            return
+        if t.failed_source in TIERS:
+            self.lookups.labels("failed", t.failed_source).inc()
+        elif t.cache_source in TIERS:
+            self.lookups.labels("hit", t.cache_source).inc()
+        else:
+            self.lookups.labels("miss", "none").inc()
+        if t.cache_source in ("ram", "disk"):
+            self.restores.labels(t.cache_source).inc()
+            self.restore_seconds.labels(t.cache_source).observe(t.restore_seconds)
+
+
+def _caches(prompt_cache: Any) -> list[Any]:
+    """The PromptCache objects behind the engine: none, one, or one per API key."""
+    if prompt_cache is None:
+        return []
+    from mlx_kvserve.engine.namespaces import CacheSet
+
+    return list(prompt_cache) if isinstance(prompt_cache, CacheSet) else [prompt_cache]
+
+
+class CacheCollector(Collector):
+    """The prompt cache's own counters, summed over namespaces, read at each scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        totals: dict[str, int] = {}
+        for cache in _caches(self.engine.prompt_cache):
+            for name, value in cache.counters().items():
+                totals[name] = totals.get(name, 0) + int(value)
+
+        def get(name: str) -> int:
+            return totals.get(name, 0)
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def gauge(name: str, doc: str, value: int) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        yield counter(
+            "cache_read_bytes", "Bytes of checkpoint files read from disk to restore.",
+            get("bytes_read"),
+        )  # fmt: skip
+        yield counter(
+            "cache_written_bytes", "Bytes of checkpoint files written to disk.",
+            get("bytes_written"),
+        )  # fmt: skip
+        yield counter(
+            "cache_write_errors", "Checkpoint writes that failed (e.g. a full disk).",
+            get("write_errors"),
+        )  # fmt: skip
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_cache_evictions",
+            "Entries removed: budget (disk or RAM budget), dominated (a prefix of a newer "
+            "entry), failed (failed to load, restore or prefill), suspect (failed its check "
+            "after an unclean shutdown).",
+            labels=["reason"],
+        )
+        evictions.add_metric(["budget"], get("evictions"))
+        evictions.add_metric(["dominated"], get("pruned"))
+        evictions.add_metric(["failed"], get("failure_evictions") - get("suspect_evictions"))
+        evictions.add_metric(["suspect"], get("suspect_evictions"))
+        yield evictions
+        yield gauge("cache_disk_bytes", "Bytes of checkpoint files on disk.", get("disk_bytes"))
+        yield gauge("cache_disk_budget_bytes", "The disk tier's byte budget.", get("disk_budget"))
+        yield gauge("cache_ram_bytes", "Bytes of checkpoints held in RAM.", get("ram_bytes"))
+        yield gauge("cache_ram_budget_bytes", "The RAM tier's byte budget.", get("ram_budget"))
+        yield gauge("cache_entries", "Checkpoints in the prompt cache.", get("entries"))
