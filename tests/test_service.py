@@ -156,7 +156,7 @@ def test_launchd_status_parses_launchctl_print(tmp_path):
 def test_systemd_install_writes_the_unit_and_enables_it(tmp_path):
     unit = Systemd("mlx-kvserve", config_home=tmp_path)
     rec = Recorder()
-    flags = {"port": 9123, "served_model_name": "gpt-4o,my model", "api_keys": ["k1", "k2"]}
+    flags = {"port": 9123, "served_model_name": ["gpt-4o", "my model"], "api_keys": ["k1", "k2"]}
     env = {"MLX_KVSERVE_CONFIG": "/cfg/100%.toml", "MLX_KVSERVE_CACHE_DIR": "/c/$HOME dir"}
     execute(unit.install(spec(flags, env)), rec, dry_run=False, say=lambda _: None)
     path = tmp_path / "systemd" / "user" / "mlx-kvserve.service"
@@ -168,12 +168,15 @@ def test_systemd_install_writes_the_unit_and_enables_it(tmp_path):
     assert "StandardOutput" not in text  # the journal
     exec_line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     assert exec_line == (
-        f'ExecStart={PY} -m mlx_kvserve serve --port 9123 --served-model-name "gpt-4o,my model"'
+        f"ExecStart={PY} -m mlx_kvserve serve --port 9123 --served-model-name gpt-4o "
+        '--served-model-name "my model"'
     )
     argv, environment = unit.installed_command()
     assert argv == [PY, "-m", "mlx_kvserve", "serve", "--port", "9123"] + [
         "--served-model-name",
-        "gpt-4o,my model",
+        "gpt-4o",
+        "--served-model-name",
+        "my model",
     ]
     assert environment == {
         "MLX_KVSERVE_CACHE_DIR": "/c/$HOME dir",
