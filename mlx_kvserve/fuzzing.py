@@ -6,8 +6,8 @@ escapes, as a hostile client would), control characters, chat-template markup, n
 of levels deep, and raw bytes that are not JSON at all. A body that would generate keeps its
 token limits tiny, so a run spends its time on validation, not on decoding.
 
-`check` states the contract: never a 5xx, every 4xx in the OpenAI error shape, and a 200 stream
-that ends with `[DONE]` and carries no error event.
+`check` states the contract: never a 5xx, every 4xx in the protocol's error shape, and a 200
+stream that finishes the protocol's way and carries no error event.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@
     python scripts/fuzz_server.py --requests 20000 --seed 7 --keep
 
 Requests come from the same hypothesis strategies as tests/test_fuzz.py (mlx_kvserve.fuzzing).
-Every response is checked: no 5xx, every 4xx in the OpenAI error shape, every 200 stream ending
-with [DONE] and free of error events; a request that gets no answer within --timeout seconds
-counts as a hang. After each request, GET /health on the same connection must answer 200.
+Every response is checked: no 5xx, every 4xx in the protocol's error shape (Anthropic's on
+/v1/messages, OpenAI's elsewhere), every 200 stream finished the protocol's way ([DONE],
+message_stop, response.completed) and free of error events; a request that gets no answer within
+--timeout seconds counts as a hang. After each request, GET /health on the same connection must
+answer 200.
 
 Printed: requests, 2xx, 4xx, 5xx, contract violations, hangs, broken connections, and the server
 log's traceback count. Exit status 1 if any of 5xx, violations, hangs or tracebacks is non-zero.
