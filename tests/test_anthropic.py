@@ -407,3 +407,60 @@ def test_full_queue_is_529_overloaded(start_server):
         release.set()
         holder.join(60)
         queued.join(60)
+
+
+def test_thinking_blocks_are_accepted_and_dropped(client):
+    """Claude Code resends the model's thinking; templates here have no place for it."""
+    plain = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    thinking = json.loads(json.dumps(plain))
+    thinking[1]["content"] = [
+        {"type": "thinking", "thinking": "The user wants weather.", "signature": "sig"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        *plain[1]["content"],
+    ]
+    count = client.messages.count_tokens
+    assert count(model=MODEL, messages=thinking).input_tokens == (
+        count(model=MODEL, messages=plain).input_tokens
+    )
+    reply = client.messages.create(model=MODEL, max_tokens=4, messages=thinking)
+    assert reply.stop_reason in {"end_turn", "max_tokens"}
+
+
+def test_failure_after_the_stream_started_is_an_error_event(start_server):
+    """A stream cut short by the server (here: shutdown past its grace) ends with
+    `event: error` in Anthropic's shape, not with a torn connection or a fake message_stop."""
+    srv = start_server("--shutdown-grace", "1")
+    body = {
+        "model": MODEL,
+        "max_tokens": 4000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}],
+    }
+    events: list[tuple[str, str]] = []
+    started = threading.Event()
+
+    def read() -> None:
+        name = ""
+        with httpx.stream("POST", srv.base_url + "/v1/messages", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[len("event: ") :]
+                elif line.startswith("data: "):
+                    events.append((name, line[len("data: ") :]))
+                    if name == "content_block_delta":
+                        started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(120)
+    srv.stop()
+    reader.join(60)
+    names = [name for name, _ in events]
+    assert names[-1] == "error" and "message_stop" not in names, names[-5:]
+    error = json.loads(events[-1][1])
+    assert error["type"] == "error" and error["error"]["type"] in {"overloaded_error", "api_error"}
+    assert error["error"]["message"]
