@@ -16,6 +16,8 @@ from typing import Any
 
 from mlx_kvserve import paths
 
+KV_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+
 ENV_PREFIX = "MLX_KVSERVE_"
 
 
@@ -67,6 +69,20 @@ class Settings:
     )
     cache_ram_budget: str = field(
         default="2GiB", metadata={"help": "RAM budget for cached KV copies, e.g. 512MiB."}
+    )
+    kv_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Activation and KV dtype: auto (float16 on Metal for a model that computes "
+            "in float32, else the model's own), native, float32, float16 or bfloat16."
+        },
+    )
+    mlx_cache_limit: str = field(
+        default="512MiB",
+        metadata={
+            "help": "MLX's buffer cache (freed buffers kept for reuse) is bounded by this and "
+            "released after long prefills and restores, e.g. 1GiB (0 = keep none)."
+        },
     )
     checkpoint_interval: int = field(
         default=2048,
@@ -262,7 +278,9 @@ def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Set
             raise ValueError(f"setting '{name}': must be positive")
     if settings.isolate_cache and not (settings.api_key or settings.api_keys):
         raise ValueError("setting 'isolate_cache': needs at least one API key to isolate by")
-    for name in ("cache_budget", "cache_ram_budget"):
+    if settings.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"setting 'kv_dtype': one of {', '.join(KV_DTYPES)}")
+    for name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit"):
         value = getattr(settings, name)
         if value is not None:
             try:

@@ -182,6 +182,9 @@ class Generator:
         self.states = states
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        # Set by the engine: its calls, run at every step boundary; its memory policy.
+        self.between_steps: Callable[[], None] = lambda: None
+        self.after_prefill: Callable[[int, bool], None] = lambda prefilled, restored: None
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req`, emitting TextChunk events and a final Done event."""
@@ -225,6 +228,7 @@ class Generator:
         timings.cached_tokens, timings.cache_source = start.usable, start.source
 
         def check() -> None:
+            self.between_steps()
             if req.cancelled.is_set():
                 self._save(live, None, reason="partial")
                 raise Cancelled
@@ -247,6 +251,7 @@ class Generator:
             raise
         finally:
             timings.prefill_seconds = time.perf_counter() - t0
+        self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
         finish, stop_sequence, last_logits = decode(
             self.model, self.tokenizer, logits, live, req, timings, check
