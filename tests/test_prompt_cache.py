@@ -175,7 +175,12 @@ def test_no_cache_reports_zero_and_cache_endpoint(nocache_server):
     chat(client, messages)
     _, usage = chat(client, messages)
     assert usage.prompt_tokens_details.cached_tokens == 0
-    assert httpx.get(nocache_server.base_url + "/v1/cache").json() == {"enabled": False}
+    body = httpx.get(nocache_server.base_url + "/v1/cache").json()
+    assert body["enabled"] is False and "entries_list" not in body
+    memory = body["memory"]  # MLX's own figures, read on the engine thread
+    assert memory["mlx_active_bytes"] > 0  # the weights at least
+    assert memory["mlx_peak_bytes"] >= memory["mlx_active_bytes"]
+    assert memory["mlx_cache_bytes"] >= 0
 
 
 def test_cache_endpoint_and_cli(cache_server, tmp_path):
