@@ -13,18 +13,14 @@ import pytest
 from mlx_kvserve.cache import PromptCache, disk
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.prompt_state import PromptStates
-from tests.test_cache_models import tiny_llama
-from tests.test_engine_units import PROMPT, StubTokenizer, request
+from tests.test_engine_units import PROMPT, StubTokenizer, request, tiny_model
 
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(0)
-    m = tiny_llama(False)
-    mx.eval(m.parameters())
-    return m
+    return tiny_model()
 
 
 class SlowClose:

@@ -77,12 +77,17 @@ def request(prompt=PROMPT, max_tokens=12, **params) -> Recorder:
     )
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_model():
+    """The tiny random llama of the cache tests, with fixed weights."""
     mx.random.seed(0)
     m = tiny_llama(False)
     mx.eval(m.parameters())
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
 
 
 def reference(model, prompt, n) -> list[int]:
