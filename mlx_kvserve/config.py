@@ -17,6 +17,8 @@ from typing import Any
 from mlx_kvserve import paths
 from mlx_kvserve.config_file import ConfigError, read_config_file, where
 
+KV_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+
 ENV_PREFIX = "MLX_KVSERVE_"
 
 
@@ -68,6 +70,20 @@ class Settings:
     )
     cache_ram_budget: str = field(
         default="2GiB", metadata={"help": "RAM budget for cached KV copies, e.g. 512MiB."}
+    )
+    kv_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Activation and KV dtype: auto (float16 on Metal for a model that computes "
+            "in float32, else the model's own), native, float32, float16 or bfloat16."
+        },
+    )
+    mlx_cache_limit: str = field(
+        default="512MiB",
+        metadata={
+            "help": "MLX's buffer cache (freed buffers kept for reuse) is bounded by this and "
+            "released after long prefills and restores, e.g. 1GiB (0 = keep none)."
+        },
     )
     checkpoint_interval: int = field(
         default=2048,
@@ -252,7 +268,9 @@ def check_value(name: str, value: Any) -> Any:
         raise ValueError(f"{value} is negative")
     if name == "log_level" and str(value).lower() not in _LOG_LEVELS:
         raise ValueError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
-    if name in ("cache_budget", "cache_ram_budget") and value is not None:
+    if name == "kv_dtype" and value not in KV_DTYPES:
+        raise ValueError(f"{value!r} is not one of {', '.join(KV_DTYPES)}")
+    if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit") and value is not None:
         parse_size(value)
     return value
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -28,6 +28,7 @@ from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
+from mlx_kvserve.engine.worker import EngineNotReady
 from mlx_kvserve.observe import Metrics
 from mlx_kvserve.observe.http import RequestMetrics, metrics_endpoint
 
@@ -48,20 +49,35 @@ async def health(request: Request) -> Response:
     )
 
 
+CACHE_STATS_TIMEOUT = 30.0
+
+
 async def cache_stats(request: Request) -> Response:
-    """Prompt-cache counters and entries (the server's own view, including hit rate)."""
-    cache = cache_for(request.app.state.engine.prompt_cache, current_namespace.get())
-    if cache is None:
-        return JSONResponse({"enabled": False})
+    """Prompt-cache counters and entries (the server's own view, including hit rate) and MLX's
+    memory figures. Read on the engine thread, which owns the cache and MLX: reading the cache
+    applies the writer thread's finished work to it."""
+    engine: Engine = request.app.state.engine
+    cache = cache_for(engine.prompt_cache, current_namespace.get())
 
     def snapshot() -> dict:
+        memory = engine.memory.stats()
+        if cache is None:
+            return {"enabled": False, "memory": memory}
         return {
             "enabled": True,
             **cache.stats(),
+            "memory": memory,
             "entries_list": [e.as_dict() for e in cache.entries()],
         }
 
-    return JSONResponse(await run_in_threadpool(snapshot))
+    try:
+        pending = asyncio.wrap_future(engine.call(snapshot))
+        body = await asyncio.wait_for(pending, CACHE_STATS_TIMEOUT)
+    except EngineNotReady as exc:
+        raise APIError(503, str(exc), headers={"Retry-After": "2"}) from None
+    except TimeoutError:
+        raise APIError(503, "the engine is busy", headers={"Retry-After": "2"}) from None
+    return JSONResponse(body)
 
 
 def _model_card(request: Request, name: str) -> dict:
@@ -118,7 +134,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
             yield
         finally:
             log.info("shutting down: stopping the engine")
-            engine.stop()
+            await engine.stop_async()
 
     metrics = Metrics(engine, cache_enabled=engine.cache_enabled)
     engine.add_observer(metrics.observe_request)

@@ -378,6 +378,12 @@ class DiskTier:
                 fsync_path(self.dir)
         return True
 
+    def sync_directory(self) -> None:
+        """fsync the directory (e.g. once after a batch of non-durable deletions)."""
+        if not self.read_only:
+            with contextlib.suppress(OSError):
+                fsync_path(self.dir)
+
     def write_slot(self, key: str, slot: Slot, *, durable: bool = False) -> None:
         """Rewrite an entry's mutable slot in place (never creates the file)."""
         if self.read_only:

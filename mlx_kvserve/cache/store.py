@@ -153,6 +153,7 @@ class PromptCache:
         self._disk_bytes = 0
         self._closed = False
         self._warned_oversize = False
+        self._waiting = False  # in _wait_for_writes
         self._counters = {
             "hits": 0,
             "misses": 0,
@@ -171,6 +172,7 @@ class PromptCache:
             "suspect_evictions": 0,  # the part of failure_evictions an unclean-start check made
             "bytes_queued": 0,
             "bytes_read": 0,  # entry files read from disk to restore
+            "write_waits": 0,
         }
         self.unclean_start = False
         self.rebuild_seconds = 0.0
@@ -286,6 +288,10 @@ class PromptCache:
                 if entry.kind == DELTA:
                     from_disk = self._restore_chain(links, fresh_caches, usable, dtype_str, key)
                 else:
+                    stored = entry.meta.get("kv_dtype")
+                    if dtype_str is not None and stored is not None and stored != dtype_str:
+                        problem = f"snapshot KV is {stored}, the model uses {dtype_str}"
+                        raise self._restore_error(key, state.StateError(problem), key)
                     from_disk = self._restore_snapshot(entry, fresh_caches, key)
             finally:
                 for link in links:
@@ -396,9 +402,11 @@ class PromptCache:
                 suspects = [link for link in chain if link.suspect] if first_suspect else []
                 target = (suspects or chain)[0].key
             self._failed.add(target)
-            removed = self._remove_tree(target, durable=True)
-            if not removed and self.disk is not None and self.disk.delete(target, durable=True):
+            removed = self._remove_tree(target)
+            if not removed and self.disk is not None and self.disk.delete(target):
                 removed = [target]
+            if removed:
+                self._sync_deletions()
             self._counters["failure_evictions"] += len(removed)
             if first_suspect:
                 self._counters["suspect_evictions"] += len(removed)
@@ -458,6 +466,8 @@ class PromptCache:
                 "ram_budget": self._ram.budget,
                 "ram_entries": len(self._ram),
                 "pending_writes": len(self._pending),
+                "pending_bytes": self._pending_only_bytes(),
+                "write_waits": c["write_waits"],
                 "hits": c["hits"],
                 "misses": c["misses"],
                 "hit_rate": (c["hits"] / looked) if looked else 0.0,
@@ -735,6 +745,8 @@ class PromptCache:
         else:
             kind = SNAPSHOT
             meta, arrays = state.extract_snapshot(caches)
+            if arrays:  # the first array of layer 0's state: the rule PromptStates.kv_dtype uses
+                meta["kv_dtype"] = arrays[0].dtype
         payload_bytes = sum(a.nbytes for a in arrays)
         probe_doc = state.make_probe(probe, n - 1) if probe is not None else None
         now = self._clock()
@@ -882,12 +894,50 @@ class PromptCache:
                     break
                 self._counters["evictions"] += len(self._remove_tree(victim.key))
             return
-        for key in self._ram.lru_victims(protected):
+        # A copy whose write is pending stays in memory until the writer is done with it, in
+        # the RAM tier or not: it is not a victim, and copies outside the tier count too.
+        protected |= set(self._pending)
+        for key in self._ram.lru_victims(protected, extra=self._pending_only_bytes()):
             entry = self._entries.get(key)
             if entry is not None and entry.disk == DISK_NONE:
                 self._counters["evictions"] += len(self._remove_tree(key))
             else:
                 self._ram.drop(key)
+        self._wait_for_writes(protect)
+
+    def _pending_only_bytes(self) -> int:
+        """Host copies held only by queued writes (those in the RAM tier are counted there)."""
+        return sum(
+            sum(a.nbytes for a in job.arrays)
+            for key, job in self._pending.items()
+            if key not in self._ram
+        )
+
+    def _wait_for_writes(self, protect: set[str]) -> None:
+        """Backpressure: while queued writes hold more than the RAM budget, wait for the
+        writer. The newest checkpoint may exceed the budget on its own, alone in the queue."""
+        if self._writer is None or self._waiting:
+            return  # (a drain below enforces the budget again: no nested waits)
+        self._waiting = True
+        try:
+            while (
+                self._ram.over_budget(self._pending_only_bytes())
+                and set(self._pending) - protect
+                and self._writer.alive
+            ):
+                self._counters["write_waits"] += 1
+                self._writer.wait_progress(0.1)
+                self._drain()
+        finally:
+            self._waiting = False
+
+    def _sync_deletions(self) -> None:
+        """One directory fsync for the files just deleted: on the writer thread if there is
+        one (after the jobs already queued), else here."""
+        if self._writer is not None:
+            self._writer.submit_dir_sync()
+        elif self.disk is not None:
+            self.disk.sync_directory()
 
     # ============================================================== internals ==================
     def _add(self, entry: Entry) -> None:

@@ -71,6 +71,11 @@ class _SlotJob:
     durable: bool = False
 
 
+@dataclass(eq=False)
+class _DirSyncJob:
+    """fsync the directory once after several deletions (a failure eviction)."""
+
+
 @dataclass
 class WriterStats:
     bytes_written: int = 0
@@ -93,6 +98,7 @@ class Writer:
         self.completed: deque[WriteResult | LoadResult] = deque()
         self._unwritten: set[str] = set()  # keys whose write failed (writer thread only)
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._progress = threading.Condition()  # notified after every job
         self._thread = threading.Thread(target=self._run, name="kvcache-writer", daemon=True)
         self._thread.start()
 
@@ -106,8 +112,23 @@ class Writer:
         """Read an entry's payload (fully verified) and report it as a `LoadResult`."""
         self._queue.put(_LoadJob(key))
 
+    def submit_dir_sync(self) -> None:
+        """Make earlier deletions durable with one directory fsync, off the engine thread."""
+        self._queue.put(_DirSyncJob())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def pending(self) -> int:
         return self._queue.unfinished_tasks
+
+    def wait_progress(self, timeout: float) -> None:
+        """Block until the writer finishes a job (or `timeout` seconds pass)."""
+        if not self._thread.is_alive():
+            return
+        with self._progress:
+            self._progress.wait(timeout)
 
     def flush(self) -> None:
         """Block until every queued job has been handled."""
@@ -130,12 +151,16 @@ class Writer:
                     self._write_slot(item)
                 elif isinstance(item, _LoadJob):
                     self.completed.append(self._load(item))
+                elif isinstance(item, _DirSyncJob):
+                    self.disk.sync_directory()
                 else:
                     self.completed.append(self._write(item))
             except Exception:  # pragma: no cover - keep the thread alive no matter what
                 self.log.exception("prompt-cache writer: unexpected error")
             finally:
                 self._queue.task_done()
+                with self._progress:
+                    self._progress.notify_all()
 
     def _write(self, job: WriteJob) -> WriteResult:
         if job.cancelled:

@@ -26,7 +26,9 @@ def cache_root(settings: Settings) -> Path:
     return paths.cache_dir(create=False)
 
 
-def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
+def open_prompt_cache(
+    settings: Settings, model_dir: Path, model_id: str, kv_dtype: str | None = None
+):
     """The model's PromptCache, or None with --no-cache. Raises CacheLockedError if in use."""
     if settings.no_cache:
         return None
@@ -40,7 +42,7 @@ def open_prompt_cache(settings: Settings, model_dir: Path, model_id: str):
     def open_cache(root: Path | None) -> PromptCache:
         return PromptCache(
             root,
-            fingerprint_model(model_dir, model_id),
+            fingerprint_model(model_dir, model_id, kv_dtype),
             disk_budget=budget // share if budget else None,
             ram_budget=parse_size(settings.cache_ram_budget) // share,
         )
@@ -126,18 +128,29 @@ def serve(settings: Settings) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot prepare the model: %s", exc)
         return 2
+    from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
+
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
+
+    def load_model():
+        model, tokenizer = mlx_load(str(model_dir))
+        if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
+            log.info("serving the model's activations and KV cache in %s", kv_dtype)
+        return model, tokenizer
+
     try:
-        prompt_cache = open_prompt_cache(settings, model_dir, model_id)
+        prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
     except CacheLockedError as exc:
         log.error("%s", exc)
         return 2
 
     engine = Engine(
-        lambda: mlx_load(str(model_dir)),
+        load_model,
         prompt_cache=prompt_cache,
         cache_enabled=not settings.no_cache,
         prefill_step=settings.prefill_step,
         checkpoint_interval=settings.checkpoint_interval,
+        mlx_cache_limit=parse_size(settings.mlx_cache_limit),
         max_queue=settings.max_queue,
     )
     app = create_app(settings, engine, model_id)

@@ -184,6 +184,12 @@ class Generator:
         self.states = states
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        # Set by the engine: its calls, run at every step boundary; its memory policy.
+        self.between_steps: Callable[[], None] = lambda: None
+        self.after_prefill: Callable[[int, bool], None] = lambda prefilled, restored: None
+        # Set by the engine: sees the finished request's timings just before its Done event,
+        # so a client that has its answer also sees it in the metrics.
+        self.before_done: Callable[[GenerationRequest, Timings], None] = lambda req, t: None
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req`, emitting TextChunk events and a final Done event."""
@@ -208,6 +214,7 @@ class Generator:
                 finished = self._attempt(req, timings, self.states.cold())
         except Cancelled:
             timings.finish_reason = "cancelled"
+        self.before_done(req, timings)
         req.emit(
             Done(
                 finish_reason=timings.finish_reason,
@@ -232,6 +239,7 @@ class Generator:
         timings.restore_seconds = start.restore_seconds
 
         def check() -> None:
+            self.between_steps()
             if req.cancelled.is_set():
                 self._save(live, None, reason="partial")
                 raise Cancelled
@@ -254,6 +262,7 @@ class Generator:
             raise
         finally:
             timings.prefill_seconds = time.perf_counter() - t0
+        self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
         finish, stop_sequence, last_logits = decode(
             self.model, self.tokenizer, logits, live, req, timings, check

@@ -14,12 +14,17 @@ from mlx_kvserve.cache import model_fingerprint
 from mlx_kvserve.models.manifest import model_fingerprint_source
 
 
-def fingerprint_model(model_dir: Path, model_id: str) -> str:
-    """A stable digest of everything that makes a stored KV state valid for this model."""
+def fingerprint_model(model_dir: Path, model_id: str, kv_dtype: str | None = None) -> str:
+    """A stable digest of everything that makes a stored KV state valid for this model.
+
+    `kv_dtype` is the dtype the model is served in when it is not its own (see
+    `models.precision`): KV of another dtype must never be restored into it.
+    """
     source = model_fingerprint_source(Path(model_dir))
     return model_fingerprint(
         weights=json.dumps(source["weights"], sort_keys=True),
         config=source["config"] or {},
         tokenizer=source["tokenizer_sha256"],
         name=model_id,
+        extra={"kv_dtype": kv_dtype} if kv_dtype else None,
     )

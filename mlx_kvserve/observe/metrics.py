@@ -4,9 +4,11 @@ in one process, as in tests, never share counters).
 Three sources, each observed where it is already known, never recomputed:
 - HTTP: every response's route, wire protocol and status (`observe.http.RequestMetrics`);
 - the engine thread: each request's Timings (tokens, time to first token, prefill and decode
-  speed, where its KV state came from and how long restoring it took) and busy time;
-- the prompt cache: its own counters, read at scrape time (`PromptCache.counters`) by a custom
-  collector, so bytes, evictions and disk use are the cache's numbers, not a second tally.
+  speed, where its KV state came from and how long restoring it took), seen before the client
+  gets its final event, so whoever has an answer finds it counted;
+- the engine's busy time and the prompt cache's own counters (`PromptCache.counters`), read at
+  scrape time by a custom collector, so bytes, evictions and disk use are the cache's numbers,
+  not a second tally.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 
 
 class Metrics:
-    """Every metric of one server. `observe_request` runs on the engine thread after each
-    request; prometheus_client's metrics are thread-safe."""
+    """Every metric of one server. `observe_request` runs on the engine thread as each request
+    finishes; prometheus_client's metrics are thread-safe."""
 
     def __init__(self, engine: Any, *, cache_enabled: bool = True) -> None:
         self.registry = CollectorRegistry()
@@ -93,11 +95,6 @@ class Metrics:
             buckets=RESTORE_BUCKETS,
             registry=r,
         )
-        self.busy = Counter(
-            f"{PREFIX}_engine_busy_seconds",
-            "Time the engine thread spent serving requests (rate() of it is utilisation).",
-            registry=r,
-        )
         queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the engine.", registry=r)
         queue_depth.set_function(lambda: engine.queued)
         for tier in TIERS:  # every series exists from the start, at 0
@@ -109,11 +106,9 @@ class Metrics:
             self.restore_seconds.labels(tier)
         r.register(CacheCollector(engine))
 
-    def observe_request(
-        self, req: GenerationRequest, timings: Timings | None, busy_seconds: float
-    ) -> None:
-        """Engine thread, after each request (timings is None if it failed or never ran)."""
-        self.busy.inc(max(0.0, busy_seconds))
+    def observe_request(self, req: GenerationRequest, timings: Timings | None) -> None:
+        """Engine thread, as each request finishes (timings is None if it failed or never
+        ran), before its client gets the final event."""
         if timings is None:
             return
         t = timings
@@ -150,12 +145,18 @@ def _caches(prompt_cache: Any) -> list[Any]:
 
 
 class CacheCollector(Collector):
-    """The prompt cache's own counters, summed over namespaces, read at each scrape."""
+    """The engine's busy time and the prompt cache's own counters (summed over namespaces),
+    read at each scrape."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            f"{PREFIX}_engine_busy_seconds",
+            "Time the engine thread spent serving requests (rate() of it is utilisation).",
+            value=self.engine.busy_seconds,
+        )
         totals: dict[str, int] = {}
         for cache in _caches(self.engine.prompt_cache):
             for name, value in cache.counters().items():
