@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 
 from mlx_kvserve import paths
@@ -179,4 +182,17 @@ def serve(settings: Settings) -> int:
         "stopped cleanly%s",
         ": checkpoint writes flushed, clean shutdown recorded" if prompt_cache is not None else "",
     )
-    return 0
+    exit_now(0)
+    return 0  # not reached
+
+
+def exit_now(code: int) -> None:
+    """End the process without interpreter finalization. Everything that matters is done (the
+    engine thread joined, checkpoint writes flushed, the clean-shutdown mark written); what is
+    left is native teardown (MLX's stream threads, OpenBLAS's pool), which can abort (SIGABRT)
+    when its static destructors race, turning a clean stop into a crash for launchd/systemd."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
