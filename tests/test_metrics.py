@@ -109,6 +109,11 @@ def test_metrics_agree_with_usage_and_the_cache(start_server):
         assert ("mlx_kvserve_cache_evictions_total", (("reason", reason),)) in m
     assert value(m, "mlx_kvserve_queue_depth") == 0
     assert value(m, "mlx_kvserve_engine_busy_seconds_total") > 0
+    memory = stats["memory"]  # /v1/cache and /metrics read the same MLX figures
+    active = value(m, "mlx_kvserve_mlx_memory_bytes", kind="active")
+    peak = value(m, "mlx_kvserve_mlx_memory_bytes", kind="peak")
+    assert 0 < active <= peak and memory["mlx_peak_bytes"] <= peak
+    assert ("mlx_kvserve_mlx_memory_bytes", (("kind", "cache"),)) in m
     # The scrape itself was counted by the next one.
     again = scrape(base)
     assert value(again, requests, route="/metrics", protocol="none", status="200") == 1

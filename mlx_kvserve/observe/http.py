@@ -6,13 +6,19 @@ Labels stay bounded whatever clients send: the route is the matched route's temp
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlx_kvserve.engine.worker import EngineNotReady
 from mlx_kvserve.observe.metrics import Metrics
+
+MEMORY_READ_TIMEOUT = 2.0  # seconds; the engine runs calls between decode steps
 
 # Generation routes by wire protocol (the /v1-less aliases map the same way).
 PROTOCOLS = {
@@ -70,9 +76,15 @@ class RequestMetrics:
 
 async def metrics_endpoint(request: Request) -> Response:
     """Prometheus text format; behind the API key when one is set (like every path but
-    /health). Rendered off the event loop: reading the cache's counters takes its lock."""
+    /health). MLX's memory is read on the engine thread, which owns MLX (a prefill chunk or
+    decode step away at most); rendering runs off the event loop, as reading the cache's
+    counters takes its lock."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     metrics: Metrics = request.app.state.metrics
+    engine = request.app.state.engine
+    with contextlib.suppress(EngineNotReady, TimeoutError):  # then the last figures stand
+        read = engine.call(lambda: metrics.observe_memory(engine.memory.stats()))
+        await asyncio.wait_for(asyncio.wrap_future(read), MEMORY_READ_TIMEOUT)
     body = await run_in_threadpool(generate_latest, metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -95,6 +95,14 @@ class Metrics:
             buckets=RESTORE_BUCKETS,
             registry=r,
         )
+        self.mlx_memory = Gauge(
+            f"{PREFIX}_mlx_memory_bytes",
+            "MLX memory as last read on the engine thread (at each scrape, between decode "
+            "steps): active (in arrays), peak (since start) and cache (freed buffers kept for "
+            "reuse, bounded by --mlx-cache-limit).",
+            ["kind"],
+            registry=r,
+        )
         queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the engine.", registry=r)
         queue_depth.set_function(lambda: engine.queued)
         for tier in TIERS:  # every series exists from the start, at 0
@@ -105,6 +113,11 @@ class Metrics:
             self.restores.labels(tier)
             self.restore_seconds.labels(tier)
         r.register(CacheCollector(engine))
+
+    def observe_memory(self, stats: dict[str, Any]) -> None:
+        """Engine thread: the figures of `MemoryPolicy.stats()`."""
+        for kind in ("active", "peak", "cache"):
+            self.mlx_memory.labels(kind).set(stats[f"mlx_{kind}_bytes"])
 
     def observe_request(self, req: GenerationRequest, timings: Timings | None) -> None:
         """Engine thread, as each request finishes (timings is None if it failed or never
