@@ -54,6 +54,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--prefill-step", type=int, default=512, help="both servers' prefill chunk")
     p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="run nothing: print the tables (and --plots) of a JSON file written by --out",
+    )
+    p.add_argument(
         "--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}"
     )
     bc.add_run_options(p)
@@ -94,8 +99,36 @@ def problems(results: list[workloads.Result], hits: list[DiskHit]) -> list[str]:
     return out
 
 
+def print_report(
+    results: list[workloads.Result], hits: list[DiskHit], rows: list[dict], plots: str | None
+) -> None:
+    """Every table, then the plots (if asked for and matplotlib is there)."""
+    print()
+    if results:
+        print(report.workload_tables(results), end="\n\n")
+    session = next((r for r in results if r.name == "agent session"), None)
+    if session:
+        print(report.turn_table(session), end="\n\n")
+    if hits:
+        print(report.disk_table(hits), end="\n\n")
+    if rows:
+        print(report.sweep_table(rows), end="\n\n")
+    print(report.targets(results, hits, rows), end="\n\n")
+    if plots:
+        try:
+            for path in report.plots(Path(plots), session, hits, rows):
+                print(f"wrote {path}")
+        except ImportError:
+            print("no plots: matplotlib is not installed (pip install '.[bench]')")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    if args.from_json:
+        meta, results, hits, rows = report.load_json(Path(args.from_json))
+        print(f"{meta.get('command')} ({meta.get('date')}); machine: {meta.get('machine')}")
+        print_report(results, hits, rows, args.plots)
+        return 0
     bc.set_blas_threads(args.blas_threads)
     sz, step = args.sizes, args.prefill_step
     print(f"machine: {bc.machine()}; load average {bc.load_average()}")
@@ -122,21 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         model = bc.model_dir().name
     total = time.monotonic() - t0
 
-    rows = report.sweep_summary(sweep)
-    print()
-    if results:
-        print(report.workload_tables(results), end="\n\n")
-    session = next((r for r in results if r.name == "agent session"), None)
-    if session:
-        print(report.turn_table(session), end="\n\n")
-    if hits:
-        print(report.disk_table(hits), end="\n\n")
-    if rows:
-        print(report.sweep_table(rows), end="\n\n")
+    print_report(results, hits, report.sweep_summary(sweep), args.plots)
     print(f"(total {total:.0f} s; load average at start / before the sweep / end: {load})")
+    words = sys.argv[1:] if argv is None else argv
     meta = {
-        "command": "python scripts/bench_agents.py " + " ".join(sys.argv[1:] if argv is None
-                                                                 else argv),
+        "command": " ".join(["python scripts/bench_agents.py", *words]),
         "machine": bc.machine(),
         "python": platform.python_version(),
         "versions": _versions(),
@@ -146,16 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": load,
         "total_seconds": total,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-    }  # fmt: skip
+    }
     if args.out:
         report.write_json(Path(args.out), meta, results, hits, sweep)
         print(f"wrote {args.out}")
-    if args.plots:
-        try:
-            for path in report.plots(Path(args.plots), session, hits, rows):
-                print(f"wrote {path}")
-        except ImportError:
-            print("no plots: matplotlib is not installed (pip install '.[bench]')")
     found = problems(results, hits)
     for p in found:
         print("PROBLEM: " + p)

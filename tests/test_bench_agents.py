@@ -100,3 +100,18 @@ def test_quick_sizes_are_smaller():
     full, quick = Sizes(), Sizes.quick()
     assert quick.turns < full.turns and max(quick.long_sizes) < max(full.long_sizes)
     assert full.sweep == tuple(range(1, 9)) and full.agents == 4
+
+
+def test_json_round_trip(tmp_path):
+    r = Result("agent session", bytes_written=10, footprint={"disk_bytes": 5})
+    r.calls["ours"] = [_call("ours", 0, 0.5, 1, 1, event="after restart", source="disk")]
+    r.calls["peer"] = [_call("peer", 2, 3, 4, 4, cached=0)]
+    hit = DiskHit("agent session", 1, 40, 2**20, 2, 0.02, 0.01, 0.001, "drop_caches")
+    sweep = {"ours": {1: r.calls["ours"]}, "peer": {1: r.calls["peer"]}}
+    path = tmp_path / "out.json"
+    report.write_json(path, {"command": "x"}, [r], [hit], sweep)
+    meta, results, hits, rows = report.load_json(path)
+    assert meta["command"] == "x" and hits == [hit]
+    assert results[0].calls == r.calls and results[0].bytes_written == 10
+    assert rows[0]["agents"] == 1
+    assert "agent session" in report.targets(results, hits, rows)

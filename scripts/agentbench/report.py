@@ -153,6 +153,52 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def targets(results: list[Result], hits: list[DiskHit], rows: list[dict[str, Any]]) -> str:
+    """Issue 12's targets that this benchmark measures, as ratios from this run."""
+    by = {r.name: {k: summarise(v) for k, v in r.calls.items()} for r in results}
+    out = []
+    a = by.get("agents at once")
+    solo = next((r["ours"]["decode_tps"] for r in rows if r["agents"] == 1), float("nan"))
+    if a:
+        o, p = a["ours"], a["peer"]
+        out += [
+            ["4 agents: decode tok/s, ours / ours one at a time (sweep, 1 agent)", ">= 2.5x",
+             _x(ratio(o["decode_tps"], solo))],
+            ["4 agents: decode tok/s, ours / peer", ">= 1x", _x(ratio(o["decode_tps"],
+                                                                     p["decode_tps"]))],
+            ["4 agents: median TTFT, peer / ours", ">= 3x", _x(ratio(p["ttft_median"],
+                                                                     o["ttft_median"]))],
+        ]  # fmt: skip
+    s = by.get("agent session")
+    if s:
+        o, p = s["ours"], s["peer"]
+        out += [
+            ["agent session: prefilled tokens, ours / peer", "<= 0.2x",
+             _x(ratio(o["prefilled"], p["prefilled"]))],
+            ["agent session: median TTFT, peer / ours", ">= 5x",
+             _x(ratio(p["ttft_median"], o["ttft_median"]))],
+        ]  # fmt: skip
+    if hits:
+        worst = max(ratio(h.restore_s, h.cold_read_s) for h in hits)
+        out.append(["disk-hit restore / cold plain read (worst hit)", "<= 2x", _x(worst)])
+    return "## Issue 12's targets, measured\n\n" + _table(["target", "goal", "this run"], out)
+
+
+def load_json(path: Path) -> tuple[dict, list[Result], list[DiskHit], list[dict[str, Any]]]:
+    """What `write_json` wrote, back as objects and sweep rows (to print and plot again)."""
+    data = json.loads(path.read_text())
+    results = []
+    for w in data.get("workloads", []):
+        r = Result(w["name"], bytes_written=w["ours_bytes_written"], footprint=w["ours_footprint"],
+                   sources=w["ours_cache_sources"], restart_s=w["restart_seconds"])  # fmt: skip
+        r.calls = {k: [Call(**c) for c in v] for k, v in w["calls"].items()}
+        results.append(r)
+    hits = [DiskHit(**h) for h in data.get("disk_hits", [])]
+    meta = {k: v for k, v in data.items() if k not in ("workloads", "disk_hits", "sweep")}
+    meta.pop("sweep_calls", None)
+    return meta, results, hits, data.get("sweep", [])
+
+
 def write_json(path: Path, meta: dict, results: list[Result], hits: list[DiskHit],
                sweep: dict[str, dict[int, list[Call]]]) -> None:  # fmt: skip
     data = {
@@ -171,7 +217,9 @@ def write_json(path: Path, meta: dict, results: list[Result], hits: list[DiskHit
         ],
         "disk_hits": [asdict(h) for h in hits],
         "sweep": sweep_summary(sweep),
-    }
+        "sweep_calls": {k: {n: [asdict(c) for c in v] for n, v in per.items()}
+                        for k, per in sweep.items()},
+    }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
@@ -193,8 +241,8 @@ def plots(out: Path, session: Result | None, hits: list[DiskHit], rows: list[dic
         for c in session.calls["ours"]:
             if c.event:
                 ax.axvline(c.turn, color="grey", lw=0.8, ls=":")
-                ax.annotate(c.event, (c.turn, 0.98), xycoords=("data", "axes fraction"),
-                            rotation=90, va="top", ha="right", fontsize=8)  # fmt: skip
+                ax.annotate(c.event, (c.turn, 0.03), xycoords=("data", "axes fraction"),
+                            rotation=90, va="bottom", ha="right", fontsize=8)  # fmt: skip
         ax.set(yscale="log", xlabel="turn", ylabel="time to first token (s)",
                title="Agent session: TTFT per turn")  # fmt: skip
         ax.legend()

@@ -90,6 +90,18 @@ def fresh(work: Path, name: str, step: int, kinds: tuple[str, ...]) -> Iterator[
             side.stop()
 
 
+def _send(side: Side, res: Result, messages: list[dict], sz: Sizes, turn: int,
+          hits: list[DiskHit], **fields: object) -> Call:  # fmt: skip
+    """One request of a sequential workload, recorded in `res` with `fields` set on it."""
+    call = side.chat_probed(
+        messages, max_tokens=sz.max_tokens, workload=res.name, turn=turn, hits=hits
+    )
+    for name, value in fields.items():
+        setattr(call, name, value)
+    res.calls[side.name].append(call)
+    return call
+
+
 def _finish(result: Result, sides: list[Side]) -> None:
     for side in sides:
         result.restart_s[side.name] = side.restart_s
@@ -128,12 +140,7 @@ def agent_session(
                     h[:] = [short]
                 if new:
                     h += next_turn(last[side.name], new)
-                call = side.chat_probed(
-                    [system, *h], max_tokens=sz.max_tokens, workload=res.name, turn=n, hits=hits
-                )
-                call.event = event
-                last[side.name] = call.text
-                res.calls[side.name].append(call)
+                last[side.name] = _send(side, res, [system, *h], sz, n, hits, event=event).text
             _progress(res.name, n, res.calls)
         _finish(res, sides)
     return res
@@ -163,13 +170,7 @@ def shared_system(
                     h = convs[side.name][c]
                     if new:
                         h += next_turn(last[side.name, c], new)
-                    call = side.chat_probed(
-                        [system, *h], max_tokens=sz.max_tokens, workload=res.name, turn=n,
-                        hits=hits,
-                    )  # fmt: skip
-                    call.agent = c
-                    last[side.name, c] = call.text
-                    res.calls[side.name].append(call)
+                    last[side.name, c] = _send(side, res, [system, *h], sz, n, hits, agent=c).text
                 _progress(res.name, n, res.calls)
         _finish(res, sides)
     return res
@@ -199,12 +200,7 @@ def long_twice(
             for messages in prompts:
                 turn += 1
                 for side in sides:
-                    call = side.chat_probed(
-                        messages, max_tokens=sz.max_tokens, workload=res.name, turn=turn,
-                        hits=hits,
-                    )  # fmt: skip
-                    call.event = event
-                    res.calls[side.name].append(call)
+                    _send(side, res, messages, sz, turn, hits, event=event)
                 _progress(res.name, turn, res.calls)
         _finish(res, sides)
     return res
