@@ -109,7 +109,7 @@ def turn_table(result: Result) -> str:
         )  # fmt: skip
     head = ["turn", "event", "ours prompt", "ours cached", "ours source", "ours TTFT",
             "peer prompt", "peer cached", "peer TTFT", "TTFT ours/peer"]  # fmt: skip
-    return f"## {result.name}: per turn\n\n" + _table(head, rows, "rl" + "r" * 8)
+    return f"## {result.name}: per turn\n\n" + _table(head, rows, "rlrrlrrrrr")
 
 
 def disk_table(hits: list[DiskHit]) -> str:
@@ -230,6 +230,7 @@ def plots(out: Path, session: Result | None, hits: list[DiskHit], rows: list[dic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out.mkdir(parents=True, exist_ok=True)
     made = []
@@ -245,6 +246,7 @@ def plots(out: Path, session: Result | None, hits: list[DiskHit], rows: list[dic
                             rotation=90, va="bottom", ha="right", fontsize=8)  # fmt: skip
         ax.set(yscale="log", xlabel="turn", ylabel="time to first token (s)",
                title="Agent session: TTFT per turn")  # fmt: skip
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend()
         made.append(_save(fig, out / "agents-bench-ttft.png"))
     if rows:
