@@ -13,8 +13,9 @@ from mlx_kvserve.cache.errors import (
     EntryFormatError,
 )
 from mlx_kvserve.cache.fingerprint import hash_files, layout_versions, model_fingerprint
+from mlx_kvserve.cache.policy import default_disk_budget
 from mlx_kvserve.cache.state import make_probe, probe_matches
-from mlx_kvserve.cache.store import PromptCache, default_disk_budget
+from mlx_kvserve.cache.store import PromptCache
 
 __all__ = [
     "CacheError",

@@ -36,6 +36,9 @@ SCORE_HALF_LIFE_S = 6 * 3600.0
 
 _MAX_TOKEN = 2**32 - 1
 
+# Array name -> (dtype name, shape); a delta's shapes have 0 on the sequence axis.
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
 
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a uint32 array; raises ValueError for ids outside [0, 2**32)."""
@@ -98,7 +101,7 @@ class Entry:
     anchor: bool
     created: float
     run_id: str
-    layout: dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype, shape)
+    layout: Layout
     meta: dict[str, Any]  # kind-specific (snapshot: per-layer class + state tree)
     payload_bytes: int
     probe: dict[str, Any] | None = None

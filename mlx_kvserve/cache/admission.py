@@ -1,0 +1,216 @@
+"""Checkpoint admission: decide whether live caches become an entry, and store it.
+
+Entries are either **deltas** (every layer a plain KVCache: the entry stores only positions
+[parent_len, n) and names its parent, the longest existing on-disk delta whose tokens are a
+prefix of its own) or **snapshots** (whole per-layer state, for rotating windows, SSM layers and
+mixed models; usable only when their tokens are an exact prefix of the prompt). A growing
+conversation therefore writes each position once (O(N) bytes, not O(N^2)), and a shared system
+prompt is stored once and reused by every conversation that branches from it.
+
+With a disk, a delta's parent must itself be on disk (written or queued), so every file on disk
+has its whole chain on disk. Positions below `parent_len` come from the parent chain, not from
+the live cache: identical when the live cache was restored from that chain (the normal case);
+after a cold prefill they may differ in the last float bits, as any prefix cache does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mlx_kvserve.cache import codec, state
+from mlx_kvserve.cache.catalog import Catalog
+from mlx_kvserve.cache.codec import Slot
+from mlx_kvserve.cache.entry import (
+    DELTA,
+    DISK_NONE,
+    SNAPSHOT,
+    Entry,
+    Layout,
+    as_token_array,
+    entry_key,
+)
+from mlx_kvserve.cache.fingerprint import layout_versions
+from mlx_kvserve.cache.persistence import queue_write
+from mlx_kvserve.cache.policy import Policy
+
+_DIGEST_PLACEHOLDER = "0" * 64  # the writer thread fills in the payload's sha256
+DTYPE_SIZES = {name: dt.itemsize for name, dt in codec.DTYPES.items()}
+
+
+def admit_checkpoint(
+    catalog: Catalog,
+    policy: Policy,
+    tokens: Sequence[int],
+    caches: list,
+    reason: str,
+    *,
+    anchor: bool,
+    probe: Any,
+    run_id: str,
+) -> str | None:
+    """Store the live caches' state for `tokens` (see `PromptCache.checkpoint`)."""
+    counters = catalog.counters
+    try:
+        arr = as_token_array(tokens)
+    except ValueError as exc:
+        catalog.log.warning("prompt-cache checkpoint refused: %s", exc)
+        return None
+    n = arr.shape[0]
+    if n == 0 or not caches:
+        return None
+    offsets = state.cache_offsets(caches)
+    # Sliceable caches can be checkpointed at any prefix of what they hold (a delta is
+    # cut from them); other states only as the whole.
+    prefix_ok = state.is_sliceable(caches)
+    if any(off != n and not (prefix_ok and off > n) for off in offsets):
+        counters["refused"] += 1
+        catalog.log.warning(
+            "prompt-cache checkpoint refused: caches hold %s tokens, key has %d",
+            sorted(set(offsets)),
+            n,
+        )
+        return None
+    key = entry_key(catalog.fingerprint, arr)
+    if key in catalog.failed:
+        counters["refused"] += 1
+        return None
+    existing = catalog.entries.get(key)
+    if existing is not None:
+        counters["duplicates"] += 1
+        existing.last_used = catalog.clock()
+        if anchor and not existing.anchor:
+            existing.anchor = True
+        catalog.persist_slot(existing)
+        return None
+    if not anchor and state.is_sliceable(caches) and policy.is_dominated(arr):
+        # A longer trimmable entry already serves these tokens: storing them again
+        # would be a nested copy (invariant 4).
+        counters["dominated"] += 1
+        return None
+    try:
+        return _store(catalog, policy, arr, key, caches, reason, anchor, probe, run_id)
+    except Exception as exc:  # a checkpoint must never fail the request
+        counters["refused"] += 1
+        catalog.log.warning("prompt-cache checkpoint of %d tokens failed: %r", n, exc)
+        if key in catalog.entries:
+            catalog.remove_tree(key)
+        return None
+
+
+def _store(
+    catalog: Catalog,
+    policy: Policy,
+    arr: np.ndarray,
+    key: str,
+    caches: list,
+    reason: str,
+    anchor: bool,
+    probe: Any,
+    run_id: str,
+) -> str | None:
+    """Build the entry (delta off the longest stored prefix, or snapshot), queue its write,
+    then prune what it dominates and enforce the budgets, protecting it."""
+    n = arr.shape[0]
+    parent: Entry | None = None
+    if state.is_sliceable(caches):
+        live = layout_of(caches)
+        catalog.live_layout = live
+        parent = _delta_parent(catalog, arr, live)
+        start = parent.n_tokens if parent else 0
+        per_token = sum(
+            DTYPE_SIZES[dt] * shape[0] * shape[1] * shape[3] for dt, shape in live.values()
+        )
+        if not policy.fits(per_token * (n - start), parent, n):
+            return None
+        kind = DELTA
+        meta: dict[str, Any] = {"n_layers": len(caches)}
+        arrays = state.extract_delta(caches, start, n)
+    else:
+        kind = SNAPSHOT
+        meta, arrays = state.extract_snapshot(caches)
+        if arrays:  # the first array of layer 0's state: the rule PromptStates.kv_dtype uses
+            meta["kv_dtype"] = arrays[0].dtype
+    payload_bytes = sum(a.nbytes for a in arrays)
+    probe_doc = state.make_probe(probe, n - 1) if probe is not None else None
+    now = catalog.clock()
+    specs, _ = codec.array_specs(arrays)
+    header = {
+        "format": codec.FORMAT_VERSION,
+        "fingerprint": catalog.fingerprint,
+        "key": key,
+        "tokens": codec.encode_tokens(arr),
+        "n_tokens": n,
+        "kind": kind,
+        "parent": parent.key if parent else None,
+        "parent_len": parent.n_tokens if parent else 0,
+        "reason": str(reason),
+        "anchor": bool(anchor),
+        "created": now,
+        "run_id": run_id,
+        "meta": meta,
+        "arrays": specs,
+        "payload_bytes": payload_bytes,
+        "payload_sha256": _DIGEST_PLACEHOLDER,
+        "probe": probe_doc,
+        "versions": layout_versions(),
+    }
+    head_bytes = len(codec.pack_head(header, Slot()))
+    file_bytes = head_bytes + payload_bytes
+    if not policy.fits(file_bytes if catalog.disk else payload_bytes, parent, n):
+        return None
+    entry = Entry(
+        key=key,
+        tokens=arr,
+        kind=kind,
+        parent=parent.key if parent else None,
+        parent_len=parent.n_tokens if parent else 0,
+        reason=str(reason),
+        anchor=bool(anchor),
+        created=now,
+        run_id=run_id,
+        layout={a.name: (a.dtype, a.shape) for a in arrays},
+        meta=meta,
+        payload_bytes=payload_bytes,
+        probe=probe_doc,
+        last_used=now,
+    )
+    catalog.add(entry)
+    if payload_bytes <= catalog.ram.budget:
+        catalog.ram.put(key, arrays)
+    if catalog.disk is not None:
+        queue_write(catalog, entry, header, arrays, file_bytes)
+    catalog.counters["checkpoints"] += 1
+    policy.prune_dominated(entry)
+    protect = {key}
+    policy.enforce_disk_budget(protect)
+    policy.enforce_ram_budget(protect)
+    return key if key in catalog.entries else None
+
+
+def _delta_parent(catalog: Catalog, arr: np.ndarray, live: Layout) -> Entry | None:
+    """The longest stored strict prefix a delta of `arr` can chain to: a delta of the same
+    layout, and (with a disk) on disk or queued, so every file's chain is on disk too."""
+
+    def accept(k: str) -> bool:
+        e = catalog.entries[k]
+        return (
+            e.kind == DELTA
+            and (catalog.disk is None or e.disk != DISK_NONE)
+            and state.compatible_delta(e.layout, live)
+        )
+
+    found = catalog.index.longest_prefix(arr, accept, strict=True)
+    return catalog.entries[found[1]] if found else None
+
+
+def layout_of(caches: list) -> Layout:
+    """Array names, dtypes and shapes of a delta of plain KVCache layers (sequence axis 0)."""
+    layout: Layout = {}
+    for i, c in enumerate(caches):
+        for kv, arr in (("k", c.keys), ("v", c.values)):
+            shape = tuple(int(d) for d in arr.shape)
+            layout[f"{kv}.{i}"] = (state.dtype_name(arr.dtype), (*shape[:2], 0, shape[3]))
+    return layout

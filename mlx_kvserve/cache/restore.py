@@ -1,0 +1,207 @@
+"""Restore: fill a model's empty caches from a matched entry, checking everything it reads.
+
+Every problem, whatever its symptom (a missing payload, a changed file, a shape, dtype or class
+that does not fit, NaN or Inf), is raised as `CacheRestoreError` naming the entry to blame; the
+engine then evicts it and prefills cold, so a bad state cannot be served twice. The caches may
+be half filled by then: the caller discards them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mlx_kvserve.cache import codec, state
+from mlx_kvserve.cache.catalog import Catalog
+from mlx_kvserve.cache.codec import HostArray
+from mlx_kvserve.cache.entry import DELTA, DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
+from mlx_kvserve.cache.errors import CacheRestoreError, EntryFormatError
+from mlx_kvserve.cache.persistence import request_readback
+from mlx_kvserve.cache.policy import Policy
+
+
+def restore_match(
+    catalog: Catalog,
+    policy: Policy,
+    match: Match,
+    fresh_caches: list,
+    *,
+    tokens: Sequence[int] | None,
+    dtype: Any,
+) -> list:
+    """Fill `fresh_caches` with `match.usable` tokens of state (see `PromptCache.restore`)."""
+    if not match.hit:
+        return fresh_caches
+    key = match.key
+    assert key is not None
+    entry = catalog.entries.get(key)
+    if entry is None:
+        raise CacheRestoreError(key, "entry no longer exists")
+    usable = match.usable
+    if not 0 < usable <= entry.n_tokens or (entry.kind == SNAPSHOT and usable != entry.n_tokens):
+        raise CacheRestoreError(key, f"cannot restore {usable} of {entry.n_tokens} tokens")
+    if tokens is not None:
+        try:
+            arr = as_token_array(tokens)
+        except ValueError as exc:
+            raise ValueError(f"bad prompt tokens: {exc}") from None
+        if arr.shape[0] < usable + 1:
+            raise ValueError("at least one prompt token must be left to prefill")
+        if not np.array_equal(arr[:usable], entry.tokens[:usable]):
+            raise CacheRestoreError(key, "entry tokens do not match the prompt")
+    dtype_str = None
+    if dtype is not None:
+        dtype_str = dtype if isinstance(dtype, str) else state.dtype_name(dtype)
+    links = catalog.links(entry, usable)
+    # Pinned links are neither pruned nor evicted while they are being read.
+    for link in links:
+        catalog.pin(link.key)
+    started = time.perf_counter()
+    try:
+        if entry.kind == DELTA:
+            from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key)
+        else:
+            stored = entry.meta.get("kv_dtype")
+            if dtype_str is not None and stored is not None and stored != dtype_str:
+                problem = f"snapshot KV is {stored}, the model uses {dtype_str}"
+                raise _restore_error(catalog, key, state.StateError(problem), key)
+            from_disk = _restore_snapshot(catalog, policy, entry, fresh_caches, key)
+    finally:
+        for link in links:
+            catalog.unpin(link.key)
+    now = catalog.clock()
+    for link in links:
+        link.hits += 1
+        link.last_used = now
+        catalog.persist_slot(link)
+    catalog.counters["restores"] += 1
+    catalog.log.debug(
+        "restored %d tokens from %d link(s), %d read from disk, in %.3f s",
+        usable,
+        len(links),
+        len(from_disk),
+        time.perf_counter() - started,
+    )
+    request_readback(catalog, from_disk)
+    return fresh_caches
+
+
+def _restore_chain(
+    catalog: Catalog,
+    links: list[Entry],
+    caches: list,
+    usable: int,
+    dtype: str | None,
+    match_key: str,
+) -> list[Entry]:
+    """Delta links root..leaf into `caches`; returns the links that were read from disk.
+
+    RAM copies are copied into place; disk links are read straight into the caches'
+    buffers (see `state.DeltaBuilder`) and verified there, then promoted to RAM by the
+    writer thread, off the hot path.
+    """
+    try:
+        if catalog.live_layout is not None and not state.compatible_delta(
+            catalog.live_layout, links[0].layout
+        ):
+            raise state.StateError("dtype or geometry differs from this model's live KV")
+        builder = state.DeltaBuilder(
+            caches, links[0].layout, links[-1].n_tokens, usable, dtype=dtype
+        )
+    except Exception as exc:
+        raise _restore_error(catalog, links[0].key, exc, match_key) from None
+    from_disk = []
+    for link in links:
+        start, end = link.parent_len, link.n_tokens
+        arrays = catalog.payload_in_ram(link)
+        try:
+            if arrays is not None:
+                builder.put(start, end, arrays)  # checks names, spans, dtypes, geometry
+                continue
+            if catalog.disk is None or link.disk != DISK_WRITTEN:
+                raise EntryFormatError("payload is neither in RAM nor on disk")
+            header = catalog.disk.read_entry_into(link.key, builder.read_targets(start, end))
+            check_header(link, header)
+            builder.check_finite(start, end)
+        except Exception as exc:  # a bad stored entry, whatever the symptom
+            raise _restore_error(catalog, link.key, exc, match_key) from None
+        from_disk.append(link)
+        catalog.counters["bytes_read"] += link.file_bytes
+    try:
+        builder.finish()
+    except Exception as exc:
+        # Not attributable to one link: blame the chain root, so evicting it removes
+        # every entry that could reproduce the failure.
+        raise _restore_error(catalog, links[0].key, exc, match_key) from None
+    catalog.counters["restores_from_disk"] += len(from_disk)
+    return from_disk
+
+
+def _restore_snapshot(
+    catalog: Catalog, policy: Policy, entry: Entry, caches: list, match_key: str
+) -> list[Entry]:
+    """A whole-state entry into `caches`; returns [entry] if it was read from disk."""
+    arrays = catalog.payload_in_ram(entry)
+    from_disk = arrays is None
+    try:
+        if arrays is None:
+            if catalog.disk is None or entry.disk != DISK_WRITTEN:
+                raise EntryFormatError("payload is neither in RAM nor on disk")
+            header, loaded = catalog.disk.read_entry(entry.key)
+            check_loaded(entry, header, loaded)
+            arrays = tuple(loaded)
+        _check_snapshot_fits(entry, caches)
+    except Exception as exc:
+        raise _restore_error(catalog, entry.key, exc, match_key) from None
+    try:
+        state.restore_snapshot(caches, entry.meta, arrays, entry.n_tokens, check_finite=False)
+    except Exception as exc:
+        raise _restore_error(catalog, entry.key, exc, match_key) from None
+    if not from_disk:
+        return []
+    catalog.counters["restores_from_disk"] += 1
+    catalog.counters["bytes_read"] += entry.file_bytes
+    if sum(a.nbytes for a in arrays) <= catalog.ram.budget:
+        policy.admit_to_ram(entry.key, arrays)  # views of the verified file bytes
+    return [entry]
+
+
+def _restore_error(catalog: Catalog, key: str, exc: Exception, match_key: str) -> CacheRestoreError:
+    catalog.counters["restore_errors"] += 1
+    problem = str(exc) if isinstance(exc, (EntryFormatError, state.StateError)) else repr(exc)
+    return CacheRestoreError(key, problem, match_key=match_key)
+
+
+def check_loaded(entry: Entry, header: dict[str, Any], arrays: Sequence[HostArray]) -> None:
+    """A file read from disk must still be the indexed entry, with finite values."""
+    check_header(entry, header)
+    for a in arrays:
+        if not codec.host_finite(a):
+            raise EntryFormatError(f"{a.name} contains NaN or Inf")
+
+
+def check_header(entry: Entry, header: dict[str, Any]) -> None:
+    """A file read from disk must still be the entry the index knows."""
+    if entry.digest and header.get("payload_sha256") != entry.digest:
+        raise EntryFormatError("file content changed since it was indexed")
+    if (
+        header.get("kind") != entry.kind
+        or header.get("parent") != entry.parent
+        or header.get("parent_len") != entry.parent_len
+    ):
+        raise EntryFormatError("header no longer matches the indexed entry")
+
+
+def _check_snapshot_fits(entry: Entry, caches: list) -> None:
+    """A snapshot must have the model's layer count and classes (deltas: DeltaBuilder)."""
+    layers = entry.meta.get("layers") or []
+    if len(layers) != len(caches):
+        raise state.StateError(f"stores {len(layers)} layers, model has {len(caches)}")
+    for i, (c, layer) in enumerate(zip(caches, layers, strict=True)):
+        if layer.get("class") != type(c).__name__:
+            raise state.StateError(
+                f"layer {i}: stored {layer.get('class')}, model uses {type(c).__name__}"
+            )

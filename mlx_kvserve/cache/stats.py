@@ -1,0 +1,132 @@
+"""Counters, the `stats()` report, and the entries listing of a `PromptCache`.
+
+The counters are plain integers bumped by the policies as they act; the reports here only read
+them and the catalog, so they can be built under the cache's lock without side effects.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mlx_kvserve.cache.entry import EntryInfo
+
+if TYPE_CHECKING:
+    from mlx_kvserve.cache.catalog import Catalog
+
+
+def new_counters() -> dict[str, int]:
+    """Every counter at zero (the keys are also the names `counters()` reports)."""
+    return {
+        "hits": 0,
+        "misses": 0,
+        "cached_tokens": 0,
+        "lookup_tokens": 0,
+        "restores": 0,
+        "restores_from_disk": 0,
+        "restore_errors": 0,
+        "checkpoints": 0,
+        "refused": 0,
+        "duplicates": 0,
+        "dominated": 0,
+        "pruned": 0,
+        "evictions": 0,
+        "failure_evictions": 0,
+        "suspect_evictions": 0,  # the part of failure_evictions an unclean-start check made
+        "bytes_queued": 0,
+        "bytes_read": 0,  # entry files read from disk to restore
+        "write_waits": 0,
+    }
+
+
+def stats_report(
+    catalog: Catalog, *, disk_budget: int, unclean_start: bool, rebuild_seconds: float
+) -> dict[str, Any]:
+    """The full report of `PromptCache.stats()` (call after applying the writer's results)."""
+    c = catalog.counters
+    entries = catalog.entries.values()
+    looked = c["hits"] + c["misses"]
+    w = catalog.writer.stats if catalog.writer else None
+    return {
+        "fingerprint": catalog.fingerprint,
+        "directory": str(catalog.disk.dir) if catalog.disk else None,
+        "entries": len(catalog.entries),
+        "tokens": sum(e.own_tokens for e in entries),
+        "longest_entry_tokens": max((e.n_tokens for e in entries), default=0),
+        "anchors": sum(e.anchor for e in entries),
+        "suspect": sum(e.suspect for e in entries),
+        "disk_bytes": catalog.disk_bytes,
+        "disk_budget": disk_budget,
+        "ram_bytes": catalog.ram.nbytes,
+        "ram_budget": catalog.ram.budget,
+        "ram_entries": len(catalog.ram),
+        "pending_writes": len(catalog.pending),
+        "pending_bytes": catalog.pending_only_bytes(),
+        "write_waits": c["write_waits"],
+        "hits": c["hits"],
+        "misses": c["misses"],
+        "hit_rate": (c["hits"] / looked) if looked else 0.0,
+        "cached_tokens": c["cached_tokens"],
+        "lookup_tokens": c["lookup_tokens"],
+        "token_hit_rate": (c["cached_tokens"] / c["lookup_tokens"]) if c["lookup_tokens"] else 0.0,
+        "restores": c["restores"],
+        "restores_from_disk": c["restores_from_disk"],
+        "restore_errors": c["restore_errors"],
+        "checkpoints": c["checkpoints"],
+        "refused": c["refused"],
+        "duplicates": c["duplicates"],
+        "dominated": c["dominated"],
+        "pruned": c["pruned"],
+        "evictions": c["evictions"],
+        "failure_evictions": c["failure_evictions"],
+        "suspect_evictions": c["suspect_evictions"],
+        "bytes_queued": c["bytes_queued"],
+        "bytes_read": c["bytes_read"],
+        "bytes_written": w.bytes_written if w else 0,
+        "files_written": w.files_written if w else 0,
+        "write_errors": w.write_errors if w else 0,
+        "disk_writes_failing": w.failing if w else False,
+        "unclean_start": unclean_start,
+        "rebuild_seconds": rebuild_seconds,
+    }
+
+
+def counters_report(catalog: Catalog, *, disk_budget: int) -> dict[str, int]:
+    """Counters and sizes for monitoring, without applying the writer's results."""
+    w = catalog.writer.stats if catalog.writer else None
+    return {
+        **catalog.counters,
+        "entries": len(catalog.entries),
+        "disk_bytes": catalog.disk_bytes,
+        "disk_budget": disk_budget,
+        "ram_bytes": catalog.ram.nbytes,
+        "ram_budget": catalog.ram.budget,
+        "bytes_written": w.bytes_written if w else 0,
+        "write_errors": w.write_errors if w else 0,
+    }
+
+
+def entry_infos(catalog: Catalog) -> list[EntryInfo]:
+    """Every entry as a read-only `EntryInfo`, oldest first (ties: shorter first)."""
+    now = catalog.clock()
+    return [
+        EntryInfo(
+            key=e.key,
+            n_tokens=e.n_tokens,
+            kind=e.kind,
+            parent=e.parent,
+            parent_len=e.parent_len,
+            reason=e.reason,
+            anchor=e.anchor,
+            created=e.created,
+            last_used=e.last_used,
+            hits=e.hits,
+            payload_bytes=e.payload_bytes,
+            file_bytes=e.file_bytes,
+            disk=e.disk,
+            in_ram=e.key in catalog.ram,
+            suspect=e.suspect,
+            children=len(e.children),
+            score=e.score(now),
+        )
+        for e in sorted(catalog.entries.values(), key=lambda e: (e.created, e.n_tokens))
+    ]
