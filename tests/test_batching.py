@@ -198,3 +198,58 @@ def test_solo_pass_uses_plain_caches(model):
     driver.drain()
     assert tokens_of(req.text) == reference(model, PROMPT, 6)
     mx.eval([c.keys for s in driver.ended for c in s.live.caches])
+
+
+# ------------------------------------------------------------------------ the engine's loop --
+def serve_together(model, reqs, **engine_args) -> dict[str, int]:
+    """Submit `reqs` at once to a real Engine thread; the batch size each decoded in."""
+    import threading
+
+    from mlx_kvserve.engine.worker import Engine
+
+    peaks: dict[str, int] = {}
+    finished = threading.Semaphore(0)
+
+    def observe(req, timings) -> None:
+        peaks[req.request_id] = timings.batch_peak if timings else 0
+        finished.release()
+
+    engine = Engine(lambda: (model, StubTokenizer()), cache_enabled=False, **engine_args)
+    engine.add_observer(observe)
+    engine.start()
+    assert engine.ready.wait(60), engine.load_error
+    try:
+        for req in reqs:
+            engine.submit(req)
+        for _ in reqs:
+            assert finished.acquire(timeout=120)
+    finally:
+        engine.stop()
+    return peaks
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["kv", "rotating"])
+def test_engine_batches_what_it_can_and_answers_the_same(sliding):
+    from tests.test_cache_models import tiny_llama
+
+    mx.random.seed(1)
+    m = tiny_llama(sliding)
+    mx.eval(m.parameters())
+    lengths = [40, 30, 20, 25]
+    reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    peaks = serve_together(m, reqs, prefill_step=8)
+    for req, p, n in zip(reqs, PROMPTS, lengths, strict=True):
+        assert tokens_of(req.text) == reference(m, p, n)
+        assert req.done.completion_tokens == n
+    if sliding:  # rotating windows cannot be merged: one at a time, correctly
+        assert set(peaks.values()) == {1}
+    else:
+        assert max(peaks.values()) >= 2
+
+
+def test_engine_concurrency_cap():
+    m = tiny_model()
+    reqs = [request(p, max_tokens=30) for p in PROMPTS]
+    assert set(serve_together(m, reqs, max_concurrency=1).values()) == {1}
+    reqs = [request(p, max_tokens=30) for p in PROMPTS]
+    assert max(serve_together(m, reqs, max_concurrency=2).values()) == 2
