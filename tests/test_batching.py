@@ -253,3 +253,29 @@ def test_engine_concurrency_cap():
     assert set(serve_together(m, reqs, max_concurrency=1).values()) == {1}
     reqs = [request(p, max_tokens=30) for p in PROMPTS]
     assert max(serve_together(m, reqs, max_concurrency=2).values()) == 2
+
+
+def test_a_resident_is_not_cut_for_another_conversation(model):
+    """Two conversations share a prefix; the cache has that prefix too. The other
+    conversation's resident stays whole (the cache serves the shared part), though it is the
+    newest; a conversation whose own resident differs only in its last tokens gets it back."""
+    from mlx_kvserve.cache import PromptCache
+
+    cache = PromptCache(None, "tiny-residents", disk_budget=None, ram_budget=64 << 20)
+    states = PromptStates(model, cache, live_budget=64 << 20)
+    shared = PROMPT[:12]
+    a, b = shared + [1] * 18, shared + [2] * 18
+    for tokens in (a, b):  # a resident each, and the shared prefix as a checkpoint
+        start = states.cold()
+        model(mx.array([tokens]), cache=start.caches)
+        states.keep(tokens, start.caches)
+    start = states.cold()
+    model(mx.array([shared]), cache=start.caches)
+    cache.checkpoint(shared, start.caches, "anchor", anchor=True)
+    # A third conversation on the shared prefix: served by the cache, both residents stay.
+    got = states.acquire(shared + [3] * 5)
+    assert got.source == "ram" and got.usable == 12 and states.residents == 2
+    # A returns with its last two tokens re-rendered differently: its own resident, cut by 2.
+    got = states.acquire(a[:-2] + [4, 4, 5])
+    assert got.source == "live" and got.usable == len(a) - 2
+    assert states.residents == 1

@@ -131,24 +131,25 @@ class PromptStates:
     # ----------------------------------------------------------------------------------------
     def _take_live(self, prompt: list[int], match: Match) -> Start | None:
         """The resident that covers most of `prompt`, taken out of the residents (the caller
-        owns it). One that must be cut back is taken only if it is the newest (the usual
-        edited or retried message) or beats the prompt cache; else it stays for its own
-        conversation and the cache's copy serves this prompt."""
+        owns it). A resident cut back to less than half of itself is most likely another
+        conversation that shares a prefix (a system prompt) with this one: it is taken only if
+        it beats the prompt cache; else it stays for its own conversation and the cache's copy
+        serves this prompt. A retry or an edited last message keeps most of its resident."""
         best, best_usable = None, 0
-        for i, resident in enumerate(self._residents):
+        for resident in self._residents:
             usable = min(common_prefix(resident.tokens, prompt), len(prompt) - 1)
             if usable < resident.usable and not can_trim_prompt_cache(resident.caches):
                 continue  # rotating / SSM state: only an exact prefix is reusable
-            if usable < resident.usable and i > 0 and usable <= match.usable:
+            if 2 * usable < resident.usable and usable <= match.usable:
                 continue
             if usable > best_usable:
-                best, best_usable = i, usable
+                best, best_usable = resident, usable
         if best is None:
             return None
-        live = self._residents.pop(best)
-        if best_usable < live.usable:
-            trim_prompt_cache(live.caches, live.usable - best_usable)
-        return Start(live.caches, prompt[:best_usable], "live")
+        self._residents = [r for r in self._residents if r is not best]
+        if best_usable < best.usable:
+            trim_prompt_cache(best.caches, best.usable - best_usable)
+        return Start(best.caches, prompt[:best_usable], "live")
 
     def _restore(self, prompt: list[int], match: Match, *, again: bool = True) -> Start:
         assert self.cache is not None and match.key is not None
