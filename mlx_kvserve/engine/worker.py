@@ -118,7 +118,7 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() + (self._held is not None)
+        return self._queue.qsize() + isinstance(self._held, GenerationRequest)
 
     @property
     def running(self) -> int:
@@ -142,6 +142,8 @@ class Engine:
                 f"({req.params.max_tokens}) needs more KV memory than this server may use "
                 f"({most} tokens in all, --kv-budget); shorten the prompt or lower max_tokens."
             )
+        if self.queued >= self._queue.maxsize:  # the request held for room counts too
+            raise EngineBusy
         try:
             self._queue.put_nowait(req)
         except queue.Full:
@@ -173,7 +175,8 @@ class Engine:
         """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
         batch = self.batch
         active = list(batch.requests) if batch is not None else []
-        return active + [r for r in (self._held, self._prefilling) if r is not None]
+        waiting = (self._held, self._prefilling)
+        return active + [r for r in waiting if isinstance(r, GenerationRequest)]
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread (between requests, decode steps or prefill chunks)."""
@@ -288,6 +291,8 @@ class Engine:
         """The next request if there is room for it, _STOP, or None (step the batch / idle)."""
         assert self.batch is not None
         if self._held is None:
+            if self.batch and not self._can_join():
+                return None  # full by count: leave the queue as it is
             try:
                 if self.batch:
                     self._held = self._queue.get_nowait()
@@ -304,11 +309,15 @@ class Engine:
             self.generator_done(item)
         return None
 
+    def _can_join(self) -> bool:
+        assert self.batch is not None
+        return self._can_batch and len(self.batch) < self.max_concurrency
+
     def _has_room(self, req: GenerationRequest) -> bool:
         assert self.batch is not None
         if not self.batch:
             return True
-        if not self._can_batch or len(self.batch) >= self.max_concurrency:
+        if not self._can_join():
             return False
         needed = (self.batch.kv_tokens() * self.kv_bytes_per_token) + self.kv_need(req)
         return needed <= (self.kv_budget or needed)
@@ -326,13 +335,15 @@ class Engine:
             return
         self._prefilling = req
         try:
-            _, seq = self.generator.start(req)
+            timings, seq = self.generator.start(req)
         except Exception:
             self._failed([req])
             return
         finally:
             self._prefilling = None
-        if seq is not None:
+        if seq is None:  # cancelled during its prefill
+            log.info(timings.log_line(req))
+        else:
             self.batch.add(seq)
 
     def _between_chunks(self) -> None:
