@@ -85,6 +85,28 @@ class Settings:
             "released after long prefills and restores, e.g. 1GiB (0 = keep none)."
         },
     )
+    max_concurrency: int = field(
+        default=8,
+        metadata={
+            "help": "Most requests decoding together in one batch (1 = one at a time); fewer "
+            "run when their KV would not fit in --kv-budget."
+        },
+    )
+    kv_budget: str = field(
+        default="auto",
+        metadata={
+            "help": "KV memory the running requests may need together (prompt + max_tokens "
+            "each), e.g. 4GiB; auto = half of the memory left beside the model. A request that "
+            "needs more than this alone is refused with a 400."
+        },
+    )
+    live_budget: str = field(
+        default="1GiB",
+        metadata={
+            "help": "Live KV of recent conversations kept in MLX memory beside the newest one, so "
+            "returning to one restores nothing, e.g. 2GiB (0 = keep only the newest)."
+        },
+    )
     checkpoint_interval: int = field(
         default=2048,
         metadata={"help": "Checkpoint every N tokens of a long prefill (0 = only at boundaries)."},
@@ -251,7 +273,7 @@ def split_list(raw: Any) -> list[str]:
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections"}
+_POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace"}
 
@@ -270,7 +292,11 @@ def check_value(name: str, value: Any) -> Any:
         raise ValueError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
     if name == "kv_dtype" and value not in KV_DTYPES:
         raise ValueError(f"{value!r} is not one of {', '.join(KV_DTYPES)}")
-    if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit") and value is not None:
+    if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit", "live_budget") and (
+        value is not None
+    ):
+        parse_size(value)
+    if name == "kv_budget" and value != "auto":
         parse_size(value)
     return value
 

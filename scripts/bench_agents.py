@@ -16,6 +16,8 @@ Workloads (sizes in `agentbench.workloads.Sizes`, printed at the start):
 * agents at once: 4 agents with their own ~2k-token context, 6 turns each, sent concurrently;
 * shared system prompt: several conversations over one long system prompt;
 * long prompt twice: long prompts, both servers restarted, the same prompts again;
+* resident sessions: two conversations alternating in pairs of turns, so that half the turns
+  return to a conversation left for the other and half continue the one just served;
 * throughput sweep: aggregate decode tok/s with 1..8 agents at once.
 
 Per workload and server: prefilled tokens (prompt - cached, from each server's usage: both
@@ -43,7 +45,7 @@ import _bench_common as bc  # noqa: E402
 from agentbench import report, workloads  # noqa: E402
 from agentbench.side import DiskHit  # noqa: E402
 
-WORKLOADS = ("session", "agents", "shared", "long", "sweep")
+WORKLOADS = ("session", "agents", "shared", "long", "resident", "sweep")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(workloads.shared_system(work, step, sz, tok, hits))
         if "long" in args.only:
             results.append(workloads.long_twice(work, step, sz, tok, hits))
+        if "resident" in args.only:
+            results.append(workloads.resident(work, step, sz, tok, hits))
         load.append(bc.load_average())
         if "sweep" in args.only:
             sweep = workloads.sweep(work, step, sz)

@@ -61,7 +61,7 @@ def test_non_streaming_disconnect_cancels_generation(server):
 
 
 def test_queued_clients_that_leave_free_their_slots(start_server):
-    srv = start_server("--max-queue", "4")
+    srv = start_server("--max-queue", "4", "--max-concurrency", "1")  # the others must queue
     holding = threading.Event()
     release = threading.Event()
 

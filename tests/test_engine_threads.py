@@ -47,11 +47,11 @@ def test_call_runs_on_the_engine_thread_between_decode_steps(model):
         long = request(max_tokens=2000)
         engine.submit(long)
         deadline = time.monotonic() + 30
-        while engine._current is None:
+        while long not in engine._active():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         seen = engine.call(
-            lambda: (threading.current_thread().name, engine._current is long)
+            lambda: (threading.current_thread().name, long in engine._active())
         ).result(10)
         assert seen == ("mlx-engine", True)  # served while the request still runs
         long.cancel()

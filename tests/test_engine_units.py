@@ -179,7 +179,7 @@ def test_greedy_output_equals_mlx_lm(model, monkeypatch, pipelined):
     assert req.done.finish_reason == "length" and req.done.completion_tokens == 12
     assert timings.completion_tokens == 12
     # The live state: the prompt and every completion token fed back (not the last one).
-    live = gen.states._live
+    live = gen.states._residents[0]
     assert live.tokens == PROMPT + want[:-1]
     assert offsets(live.caches) == {len(live.tokens)}
 
@@ -197,7 +197,7 @@ def test_eos_counts_and_the_cache_matches_its_tokens(model, monkeypatch, pipelin
     assert req.done.finish_reason == "stop"
     assert req.done.completion_tokens == first + 1  # the EOS token counts, its text does not
     assert tokens_of(req.text) == want[:first]
-    live = gen.states._live
+    live = gen.states._residents[0]
     assert live.tokens[: len(PROMPT) + first] == PROMPT + want[:first]
     assert offsets(live.caches) == {len(live.tokens)}  # whatever was fed is accounted for
 
@@ -228,7 +228,7 @@ def test_cancel_stops_within_one_step_and_keeps_the_state(model):
     gen.run(req)
     assert req.done.finish_reason == "cancelled"
     assert req.done.completion_tokens <= 4
-    live = gen.states._live
+    live = gen.states._residents[0]
     assert live is not None and offsets(live.caches) == {len(live.tokens)}
     assert live.tokens[: len(PROMPT)] == PROMPT
 

@@ -44,7 +44,7 @@ def _queued(srv) -> int:
 
 def test_full_queue_answers_503_with_retry_after(start_server):
     """No race: the holder keeps reading its stream (the engine stays busy) until released."""
-    srv = start_server("--max-queue", "1")
+    srv = start_server("--max-queue", "1", "--max-concurrency", "1")
     long_body = {**COUNTING, "max_tokens": 4000, "stream": True}
     started, release = threading.Event(), threading.Event()
 

@@ -108,6 +108,7 @@ def test_metrics_agree_with_usage_and_the_cache(start_server):
     for reason in ("budget", "failed", "suspect"):
         assert ("mlx_kvserve_cache_evictions_total", (("reason", reason),)) in m
     assert value(m, "mlx_kvserve_queue_depth") == 0
+    assert value(m, "mlx_kvserve_running_requests") == 0
     assert value(m, "mlx_kvserve_engine_busy_seconds_total") > 0
     memory = stats["memory"]  # /v1/cache and /metrics read the same MLX figures
     active = value(m, "mlx_kvserve_mlx_memory_bytes", kind="active")

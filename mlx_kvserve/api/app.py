@@ -45,7 +45,13 @@ async def health(request: Request) -> Response:
             body["error"] = engine.load_error
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
     return JSONResponse(
-        {"status": "ok", "model": state.model_id, "version": __version__, "queued": engine.queued}
+        {
+            "status": "ok",
+            "model": state.model_id,
+            "version": __version__,
+            "queued": engine.queued,
+            "running": engine.running,
+        }
     )
 
 

@@ -29,6 +29,7 @@ from mlx_kvserve.engine import (
     EngineNotReady,
     GenerationRequest,
     Prefilled,
+    RequestTooLarge,
     SamplingParams,
     TextChunk,
 )
@@ -271,6 +272,8 @@ def _submit(
         raise busy from None
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
+    except RequestTooLarge as exc:
+        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
     return Generation(req, parser, served)
 
 

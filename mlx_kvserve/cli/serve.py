@@ -155,6 +155,9 @@ def serve(settings: Settings) -> int:
         checkpoint_interval=settings.checkpoint_interval,
         mlx_cache_limit=parse_size(settings.mlx_cache_limit),
         max_queue=settings.max_queue,
+        max_concurrency=settings.max_concurrency,
+        kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
+        live_budget=parse_size(settings.live_budget),
     )
     app = create_app(settings, engine, model_id)
     DrainingServer = _draining_server_class()

@@ -1,4 +1,4 @@
-"""The engine: one worker thread that owns every MLX object and runs requests one at a time."""
+"""The engine: one worker thread that owns every MLX object and decodes requests in a batch."""
 
 from mlx_kvserve.engine.requests import (
     Done,
@@ -8,7 +8,7 @@ from mlx_kvserve.engine.requests import (
     SamplingParams,
     TextChunk,
 )
-from mlx_kvserve.engine.worker import Engine, EngineBusy, EngineNotReady
+from mlx_kvserve.engine.worker import Engine, EngineBusy, EngineNotReady, RequestTooLarge
 
 __all__ = [
     "Done",
@@ -18,6 +18,7 @@ __all__ = [
     "EngineNotReady",
     "GenerationRequest",
     "Prefilled",
+    "RequestTooLarge",
     "SamplingParams",
     "TextChunk",
 ]

@@ -1,32 +1,28 @@
-"""Decode for one request: sampling, grammar masks, logprobs, stop strings, pipelining.
+"""Sampling for one sequence: grammar mask, sampler, logprobs, a per-request seed.
 
-Like mlx-lm's `generate_step`, the free-sampling path queues step k+1 on the device
-(`mx.async_eval`) before it reads token k back to Python, so detokenizing, stop-string checks and
-handing text to the event loop overlap the next forward pass instead of stalling the device.
-The token that step k+1 feeds is in the KV cache from then on, so it joins `live.tokens` at once,
-even if the request then ends on it (an EOS, a stop string): the cache and its token list never
-disagree, and the next turn, which resends that end-of-turn token, reuses it.
+Like mlx-lm's `generate_step`, free sampling is queued on the device (`mx.async_eval`) and read
+back later, so the batch can queue step k+1 before reading token k (engine/sequence.py says how
+the tokens flow). A grammar (tool calls, JSON output) needs token k to compute the mask for
+k+1, so constrained sequences read first; tokens the grammar forces skip sampling.
 
-A grammar (tool calls, JSON output) needs token k to compute the mask for k+1, so constrained
-requests run one step at a time; tokens the grammar forces skip sampling and share one pass.
+A seeded request draws each token from a seed derived from its own seed and the token's index,
+so its output does not depend on which other requests share the batch (MLX's random state is
+global). The global state is then reseeded from the OS, so unseeded requests stay random.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from mlx_kvserve.engine.requests import GenerationRequest, TextChunk, TokenLogprob
-from mlx_kvserve.engine.stops import StopMatcher
+from mlx_kvserve.engine.requests import GenerationRequest, TokenLogprob
 
-if TYPE_CHECKING:
-    from mlx_kvserve.engine.generate import Live, Timings
+_MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indexes over the seed space
 
 
 class Cancelled(Exception):
@@ -51,6 +47,8 @@ class Decoder:
         self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
         self.constraint = req.constraint
         self.want_logprobs = params.logprobs or params.top_logprobs > 0
+        self.seed = params.seed
+        self.draws = 0
 
     @property
     def pipelined(self) -> bool:
@@ -63,7 +61,13 @@ class Decoder:
         if self.constraint is not None:
             allowed = mx.array(self.constraint.allowed(logits.shape[-1]))
             candidates = mx.where(allowed, logprobs, -mx.inf)
-        step = Step(self.sampler(candidates), logprobs, logits)
+        if self.seed is not None and self.req.params.temperature > 0:
+            mx.random.seed((self.seed + self.draws * _MIX) % 2**64)
+            self.draws += 1
+            step = Step(self.sampler(candidates), logprobs, logits)
+            mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        else:
+            step = Step(self.sampler(candidates), logprobs, logits)
         mx.async_eval(step.token, step.logprobs)
         return step
 
@@ -100,88 +104,7 @@ class Decoder:
         return TokenLogprob(name(token), float(logprobs[token].item()), top)
 
 
-def decode(
-    model: Any,
-    tokenizer: Any,
-    logits: mx.array,
-    live: Live,
-    req: GenerationRequest,
-    timings: Timings,
-    check: Callable[[], None],
-) -> tuple[str, str | None, mx.array]:
-    """Sample until EOS, a stop string, a completed grammar or max_tokens.
-
-    Returns (finish reason, the stop string that ended it or None, and the logits after the
-    last token in `live.tokens`, the probe of the after-generation checkpoint).
-    """
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
-    if req.kind == "text":
-        _keep_leading_space(detok)
-    stops = StopMatcher(req.params.stop)
-    decoder = Decoder(req)
-    limit = req.params.max_tokens
-    pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
-    started = time.perf_counter()
-    finish = "length"
-
-    def emit(text: str) -> None:
-        if text or pending:
-            req.emit(TextChunk(text, tuple(pending)))
-            pending.clear()
-
-    def forward(tokens: list[int] | mx.array) -> mx.array:
-        batch = tokens[None] if isinstance(tokens, mx.array) else mx.array([tokens])
-        return model(batch, cache=live.caches)[:, -1, :]
-
-    step = decoder.start(logits)
-    while timings.completion_tokens < limit:
-        check()
-        ahead = None
-        if decoder.pipelined and timings.completion_tokens + 1 < limit:
-            ahead = decoder.start(forward(step.token))  # step k+1 queued before k is read
-        token, logprob = decoder.read(step)
-        if ahead is not None:
-            live.tokens.append(token)  # its KV is being computed by the queued step
-            logits = ahead.logits
-        if timings.completion_tokens == 0:
-            timings.ttft_seconds = time.perf_counter() - req.started
-            started = time.perf_counter()
-        if token in eos:
-            timings.completion_tokens += 1
-            finish = "stop"
-            break
-        if logprob is not None:
-            pending.append(logprob)
-        forced = decoder.forced_tokens(limit - timings.completion_tokens - 1)
-        for item in [token, *forced]:
-            timings.completion_tokens += 1
-            detok.add_token(item)
-            text, hit = stops.feed(detok.last_segment)
-            if text:
-                emit(text)
-            if hit:
-                emit("")
-                timings.decode_seconds = time.perf_counter() - started
-                return "stop", stops.matched, logits
-        if decoder.grammar_complete:
-            finish = "stop"
-            break
-        if ahead is not None:
-            step = ahead
-        elif timings.completion_tokens < limit:
-            logits = forward([token, *forced])  # forced tokens share the sampled one's pass
-            live.tokens.extend([token, *forced])
-            step = decoder.start(logits)
-    detok.finalize()
-    text, hit = stops.feed(detok.last_segment)
-    text += "" if hit else stops.flush()
-    emit(text)
-    timings.decode_seconds = time.perf_counter() - started
-    return ("stop" if hit else finish), stops.matched, logits
-
-
-def _keep_leading_space(detok: Any) -> None:
+def keep_leading_space(detok: Any) -> None:
     """mlx-lm's streaming detokenizers drop the first token's leading space, which suits a chat
     answer but not a text completion ("The capital is" + " Paris")."""
     if isinstance(detok, SPMStreamingDetokenizer):

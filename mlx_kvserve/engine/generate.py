@@ -27,9 +27,12 @@ import mlx.core as mx
 
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
-from mlx_kvserve.engine.decode import Cancelled, decode
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.decode import Cancelled
+from mlx_kvserve.engine.namespaces import states_for
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
+from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -50,6 +53,7 @@ class Timings:
     retried: bool = False
     restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
     failed_source: str | None = None  # where the state that failed and forced a retry came from
+    batch_peak: int = 1  # the most sequences it decoded beside (itself included)
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens
@@ -64,7 +68,8 @@ class Timings:
             f"cached_tokens={self.cached_tokens} cache={self.cache_source} "
             f"completion_tokens={self.completion_tokens} ttft={self.ttft_seconds:.3f}s "
             f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
-            f"finish={self.finish_reason}" + (" retried=cold" if self.retried else "")
+            f"batch={self.batch_peak} finish={self.finish_reason}"
+            + (" retried=cold" if self.retried else "")
         )
 
 
@@ -192,14 +197,30 @@ class Generator:
         self.before_done: Callable[[GenerationRequest, Timings], None] = lambda req, t: None
 
     def run(self, req: GenerationRequest) -> Timings:
-        """Generate for `req`, emitting TextChunk events and a final Done event."""
+        """Generate for `req` alone (scripts, tests): start it, decode it in a batch of one."""
+        ended: list[Sequence] = []
+        timings, seq = self.start(req)
+        if seq is None:
+            return timings
+        batch = DecodeBatch(self.model, ended.append)
+        batch.add(seq)
+        while batch.seqs:
+            self.between_steps()
+            batch.step()
+        self.finish(ended[0])
+        return timings
+
+    def start(self, req: GenerationRequest) -> tuple[Timings, Sequence | None]:
+        """Prefill `req` (reused state first, one cold retry if it fails) and sample its first
+        token; returns the sequence to decode, or None if it ended here (its Done is sent)."""
+        states = states_for(self.states, req.namespace)
         timings = Timings(prompt_tokens=len(req.prompt_tokens))
-        finished: tuple[Live, mx.array] | None = None
         try:
             try:
-                finished = self._attempt(req, timings, self.states.acquire(req.prompt_tokens))
+                start = states.acquire(req.prompt_tokens)
+                return timings, self._attempt(req, timings, states, start)
             except RestoredStateFailed as failure:
-                self.states.evict(failure.start, failure.problem)
+                states.evict(failure.start, failure.problem)
                 log.warning(
                     "request %s: reused KV state (%s) failed: %s; retrying from a cold prefill",
                     req.request_id,
@@ -211,9 +232,22 @@ class Generator:
                     retried=True,
                     failed_source=failure.start.source,
                 )
-                finished = self._attempt(req, timings, self.states.cold())
+                return timings, self._attempt(req, timings, states, states.cold())
         except Cancelled:
             timings.finish_reason = "cancelled"
+            self._done(req, timings)
+            return timings, None
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence left the batch: its Done, then (so the client never waits for it) its
+        after-generation checkpoint, or the partial one of a cancelled request."""
+        self._done(seq.req, seq.timings)
+        if seq.finish == "cancelled":
+            self._save(seq.states, seq.live, None, reason="partial")
+        else:
+            self._save(seq.states, seq.live, seq.last_logits, reason="generation")
+
+    def _done(self, req: GenerationRequest, timings: Timings) -> None:
         self.before_done(req, timings)
         req.emit(
             Done(
@@ -224,15 +258,11 @@ class Generator:
                 stop_sequence=timings.stop_sequence,
             )
         )
-        if finished is not None:  # after Done, so the client never waits for a checkpoint
-            self._save(*finished, reason="generation")
-        return timings
 
     def _attempt(
-        self, req: GenerationRequest, timings: Timings, start: Start
-    ) -> tuple[Live, mx.array]:
-        """One try at the request from `start`; returns the live state and its last logits."""
-        params = req.params
+        self, req: GenerationRequest, timings: Timings, states: PromptStates, start: Start
+    ) -> Sequence:
+        """One try at the prefill from `start`; returns the sequence, first token sampled."""
         prompt = req.prompt_tokens
         live = Live(start.caches, list(start.tokens))
         timings.cached_tokens, timings.cache_source = start.usable, start.source
@@ -241,12 +271,13 @@ class Generator:
         def check() -> None:
             self.between_steps()
             if req.cancelled.is_set():
-                self._save(live, None, reason="partial")
+                self._save(states, live, None, reason="partial")
                 raise Cancelled
 
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, self._save)
+        def store(live: Live, last_logits: mx.array | None, **kwargs) -> None:
+            self._save(states, live, last_logits, **kwargs)
+
+        checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, store)
         t0 = time.perf_counter()
         try:
             if start.usable:
@@ -264,21 +295,23 @@ class Generator:
             timings.prefill_seconds = time.perf_counter() - t0
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
-        finish, stop_sequence, last_logits = decode(
-            self.model, self.tokenizer, logits, live, req, timings, check
-        )
-        timings.finish_reason, timings.stop_sequence = finish, stop_sequence
-        return live, last_logits
+        return Sequence(req, self.tokenizer, live, logits, timings, states)
 
     def _save(
-        self, live: Live, last_logits: mx.array | None, *, reason: str, length: int | None = None
+        self,
+        states: PromptStates,
+        live: Live,
+        last_logits: mx.array | None,
+        *,
+        reason: str,
+        length: int | None = None,
     ) -> None:
         """Checkpoint the first `length` (default: all) live tokens if the cache is on; after a
-        generation or a disconnect, keep the live caches as the live state."""
-        cache = self.states.cache
+        generation or a disconnect, keep the live caches as a resident session."""
+        cache = states.cache
         tokens = live.tokens if length is None else live.tokens[:length]
         if cache is not None and tokens:
             anchor = reason == "anchor"
             cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
         if reason in {"generation", "partial"}:
-            self.states.keep(live.tokens, live.caches)
+            states.keep(live.tokens, live.caches)

@@ -12,16 +12,24 @@
   them. `mx.set_cache_limit(limit)` bounds what is kept, and after a prefill of more than one
   chunk or a restore the cache is released (`mx.clear_cache()`, as `generate_step` does after
   each prefill chunk) when it holds more than the limit.
+* **KV budget.** Requests decode together only while the KV they may need (prompt plus
+  max_tokens each, at the model's bytes per token) fits a budget; by default half of what is
+  left beside the weights and the resident sessions: the working set on Metal, physical memory
+  on the CPU.
 * **Figures** for /v1/cache: MLX active, peak and cache memory, read on this thread.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_reduce
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_kvserve.engine.batch import can_merge
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -46,9 +54,7 @@ class MemoryPolicy:
         except (RuntimeError, ValueError) as exc:  # above the system's wired limit
             log.warning("could not set the wired limit to %d bytes: %s", limit, exc)
             return
-        model_bytes = tree_reduce(
-            lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0
-        )
+        model_bytes = _model_bytes(model)
         log.info("wired limit %.1f GiB (model %.1f GiB)", limit / 2**30, model_bytes / 2**30)
         if model_bytes > 0.9 * limit:
             log.warning(
@@ -57,6 +63,14 @@ class MemoryPolicy:
                 model_bytes // 2**20,
                 limit // 2**20,
             )
+
+    def default_kv_budget(self, model: Any, live_budget: int) -> int:
+        """Half of the memory left beside the weights and the resident sessions."""
+        total = mx.device_info().get("max_recommended_working_set_size")
+        if not isinstance(total, int) or total <= 0:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        left = total - _model_bytes(model) - live_budget
+        return max(left // 2, 256 << 20)
 
     def stop(self) -> None:
         """Put the previous wired limit back, once no work is in flight."""
@@ -87,3 +101,21 @@ class MemoryPolicy:
             "mlx_cache_releases": self.releases,
             "mlx_wired_limit_set": self._old_wired is not None,
         }
+
+
+def _model_bytes(model: Any) -> int:
+    return tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
+
+
+def kv_layout(model: Any) -> tuple[int, bool]:
+    """(KV bytes per token, whether the caches can be batched), from a one-token pass."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    total = 0
+    for cache in caches:
+        keys = getattr(cache, "keys", None)
+        values = getattr(cache, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            # [batch, heads, positions allocated, dim]: one position's share of the buffer
+            total += (keys.nbytes + values.nbytes) // max(1, keys.shape[2])
+    return total, can_merge(caches)

@@ -71,10 +71,14 @@ class NamespacedStates:
     PromptStates, so the generator needs no change.
     """
 
-    def __init__(self, model: Any, caches: CacheSet, *, enabled: bool = True) -> None:
+    def __init__(
+        self, model: Any, caches: CacheSet, *, enabled: bool = True, live_budget: int = 0
+    ) -> None:
         from mlx_kvserve.engine.prompt_state import PromptStates
 
-        self._make = lambda cache: PromptStates(model, cache, enabled=enabled and cache is not None)
+        self._make = lambda cache: PromptStates(
+            model, cache, enabled=enabled and cache is not None, live_budget=live_budget
+        )
         self._caches = caches
         self._states: dict[str, Any] = {}
         self._none = self._make(None)  # no cache and no live reuse
@@ -97,16 +101,19 @@ class NamespacedStates:
         return getattr(self._active, name)
 
 
-def make_states(model: Any, prompt_cache: Any, *, enabled: bool) -> Any:
+def make_states(model: Any, prompt_cache: Any, *, enabled: bool, live_budget: int = 0) -> Any:
     """PromptStates for one shared cache, or NamespacedStates for per-key caches."""
     if isinstance(prompt_cache, CacheSet):
-        return NamespacedStates(model, prompt_cache, enabled=enabled)
+        return NamespacedStates(model, prompt_cache, enabled=enabled, live_budget=live_budget)
     from mlx_kvserve.engine.prompt_state import PromptStates
 
-    return PromptStates(model, prompt_cache, enabled=enabled)
+    return PromptStates(model, prompt_cache, enabled=enabled, live_budget=live_budget)
 
 
-def use_namespace(states: Any, namespace: str | None) -> None:
-    """Point `states` at `namespace` before a request runs (no-op without isolation)."""
+def states_for(states: Any, namespace: str | None) -> Any:
+    """The PromptStates a request in `namespace` acquires from and saves to (it keeps that
+    object for its whole life, even while requests of other namespaces run beside it)."""
     if isinstance(states, NamespacedStates):
         states.select(namespace)
+        return states._active
+    return states

@@ -1,7 +1,9 @@
-"""Where a prompt's prefill starts: the live state, a prompt-cache checkpoint, or nothing.
+"""Where a prompt's prefill starts: a resident session, a prompt-cache checkpoint, or nothing.
 
-The live state is the KV of the previous request (its prompt plus completion), kept in place so
-that the common "next turn of the same conversation" needs no copy at all. The prompt cache
+Resident sessions are the live KV of recent requests (prompt plus completion), kept in place so
+that the next turn of any recent conversation needs no copy at all: the newest always, older
+ones while they fit in the live budget (several agents take turns; each finds its own KV). The
+prompt cache
 (RAM and disk tiers) serves everything else. Both are trimmed back to the common prefix with the
 new prompt (trimmable caches) or used only as an exact prefix (rotating / SSM caches), and both
 always leave at least one prompt token to prefill, because the last token's logits are needed.
@@ -69,12 +71,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class PromptStates:
     """Owns the live KV state and the prompt cache; engine thread only."""
 
-    def __init__(self, model, cache: PromptCache | None, *, enabled: bool = True) -> None:
+    def __init__(
+        self, model, cache: PromptCache | None, *, enabled: bool = True, live_budget: int = 0
+    ) -> None:
         self.model = model
         self.cache = cache if enabled else None
         self.enabled = enabled
+        self.live_budget = live_budget  # bytes for resident sessions beside the newest
         self.kv_dtype = _kv_dtype(model)
-        self._live: Start | None = None
+        self._residents: list[Start] = []  # newest first
+
+    @property
+    def residents(self) -> int:
+        return len(self._residents)
+
+    def resident_bytes(self) -> int:
+        return sum(_nbytes(r.caches) for r in self._residents)
 
     def fresh(self) -> list:
         return make_prompt_cache(self.model)
@@ -86,8 +98,8 @@ class PromptStates:
         """Best starting state for `prompt`. The caller owns the returned caches."""
         if not self.enabled:
             return self.cold()
-        live = self._take_live(prompt)
         match = self.cache.lookup(prompt) if self.cache is not None else MISS
+        live = self._take_live(prompt, match)
         if live is not None and live.usable >= match.usable:
             return live
         if not match.hit:
@@ -95,12 +107,18 @@ class PromptStates:
         return self._restore(prompt, match)
 
     def keep(self, tokens: list[int], caches: list) -> None:
-        """Make `caches` (holding exactly `tokens`) the live state for the next request."""
-        if self.enabled and tokens:
-            self._live = Start(caches, list(tokens), "live")
+        """Make `caches` (holding exactly `tokens`) the newest resident session; the oldest
+        ones leave while the others exceed the live budget (their KV is in the prompt cache)."""
+        if not (self.enabled and tokens):
+            return
+        self._residents.insert(0, Start(caches, list(tokens), "live"))
+        older = self._residents[1:]
+        while older and sum(_nbytes(r.caches) for r in older) > self.live_budget:
+            older.pop()
+        self._residents[1:] = older
 
     def reset(self) -> None:
-        self._live = None
+        self._residents = []
 
     def evict(self, start: Start, problem: str) -> None:
         """Drop whatever `start` came from, after it failed during prefill."""
@@ -111,18 +129,27 @@ class PromptStates:
             log.warning("dropped the live KV state after a failure: %s", problem)
 
     # ----------------------------------------------------------------------------------------
-    def _take_live(self, prompt: list[int]) -> Start | None:
-        live, self._live = self._live, None
-        if live is None:
+    def _take_live(self, prompt: list[int], match: Match) -> Start | None:
+        """The resident that covers most of `prompt`, taken out of the residents (the caller
+        owns it). A resident cut back to less than half of itself is most likely another
+        conversation that shares a prefix (a system prompt) with this one: it is taken only if
+        it beats the prompt cache; else it stays for its own conversation and the cache's copy
+        serves this prompt. A retry or an edited last message keeps most of its resident."""
+        best, best_usable = None, 0
+        for resident in self._residents:
+            usable = min(common_prefix(resident.tokens, prompt), len(prompt) - 1)
+            if usable < resident.usable and not can_trim_prompt_cache(resident.caches):
+                continue  # rotating / SSM state: only an exact prefix is reusable
+            if 2 * usable < resident.usable and usable <= match.usable:
+                continue
+            if usable > best_usable:
+                best, best_usable = resident, usable
+        if best is None:
             return None
-        usable = min(common_prefix(live.tokens, prompt), len(prompt) - 1)
-        if usable <= 0:
-            return None
-        if usable < live.usable:
-            if not can_trim_prompt_cache(live.caches):
-                return None  # rotating / SSM state: only an exact prefix is reusable
-            trim_prompt_cache(live.caches, live.usable - usable)
-        return Start(live.caches, prompt[:usable], "live")
+        self._residents = [r for r in self._residents if r is not best]
+        if best_usable < best.usable:
+            trim_prompt_cache(best.caches, best.usable - best_usable)
+        return Start(best.caches, prompt[:best_usable], "live")
 
     def _restore(self, prompt: list[int], match: Match, *, again: bool = True) -> Start:
         assert self.cache is not None and match.key is not None
@@ -168,6 +195,10 @@ class PromptStates:
         mx.eval(row)
         start.tokens = prompt[: pos + 1]
         return bool(probe_matches(target.probe, row))
+
+
+def _nbytes(caches: list) -> int:
+    return sum(int(getattr(c, "nbytes", 0) or 0) for c in caches)
 
 
 def _kv_dtype(model) -> mx.Dtype:

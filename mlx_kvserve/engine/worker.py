@@ -1,4 +1,10 @@
-"""The engine thread: loads the model, then serves queued requests one at a time.
+"""The engine thread: loads the model, then serves queued requests in a continuous batch.
+
+The loop admits a waiting request when the batch has room (a count, `max_concurrency`, and the
+KV bytes the running requests may need, `kv_budget`), prefills it alone through the prompt
+cache, with one decode step of the batch between its prefill chunks, so nobody's tokens stall
+for more than a chunk, and then adds it to the batch (engine/batch.py). Otherwise it runs one
+decode step of the batch. A request that waits for room stays at the head of the queue.
 
 MLX arrays and streams belong to the thread that made them, so this thread creates and touches
 every MLX object; the event loop only enqueues requests and receives events. Since MLX 0.32 the
@@ -24,10 +30,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.generate import Generator, Timings
-from mlx_kvserve.engine.memory import MemoryPolicy
-from mlx_kvserve.engine.namespaces import make_states, use_namespace
+from mlx_kvserve.engine.memory import MemoryPolicy, kv_layout
+from mlx_kvserve.engine.namespaces import make_states
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.waitlist import WaitQueue
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -46,6 +54,10 @@ class EngineBusy(Exception):
     """The request queue is full."""
 
 
+class RequestTooLarge(Exception):
+    """The request's KV could never fit in the KV budget, even alone; the message says why."""
+
+
 class Engine:
     def __init__(
         self,
@@ -57,12 +69,16 @@ class Engine:
         checkpoint_interval: int = 2048,
         max_queue: int = 16,
         mlx_cache_limit: int = DEFAULT_MLX_CACHE_LIMIT,
+        max_concurrency: int = 8,
+        kv_budget: int | None = None,
+        live_budget: int = 1 << 30,
     ) -> None:
         """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
 
         `prompt_cache` (a PromptCache or None) is used from the engine thread only and closed
         (pending writes flushed) when the engine stops; `cache_enabled=False` also disables
         reuse of the previous request's live KV state, for cache-off comparisons.
+        `kv_budget` None means half the memory left beside the model (engine/memory.py).
         """
         self._loader = loader
         self.prompt_cache = prompt_cache
@@ -72,7 +88,14 @@ class Engine:
         self.generator: Generator | None = None
         self._queue: queue.Queue[Any] = WaitQueue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
-        self._current: GenerationRequest | None = None
+        self.max_concurrency = max(1, max_concurrency)
+        self.kv_budget = kv_budget
+        self.live_budget = live_budget
+        self.kv_bytes_per_token = 0
+        self.batch: DecodeBatch | None = None
+        self._prefilling: GenerationRequest | None = None
+        self._held: GenerationRequest | None = None  # next in line, waiting for room
+        self._can_batch = False
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self.ready = threading.Event()
@@ -84,7 +107,6 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.busy_seconds = 0.0  # time spent serving requests, for metrics
         self._observers: list[Callable[[GenerationRequest, Timings | None], None]] = []
-        self._observed = False  # the current request has been shown to the observers
 
     def add_observer(self, observer: Callable[[GenerationRequest, Timings | None], None]) -> None:
         """Call `observer(request, timings or None if it failed)` on the engine thread once per
@@ -96,7 +118,15 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + isinstance(self._held, GenerationRequest)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch) if self.batch is not None else 0
+
+    def kv_need(self, req: GenerationRequest) -> int:
+        """Bytes of KV `req` may hold at most: its prompt plus every token it may generate."""
+        return (len(req.prompt_tokens) + req.params.max_tokens) * self.kv_bytes_per_token
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request for the engine thread; raises instead of waiting when it cannot."""
@@ -104,6 +134,16 @@ class Engine:
             raise EngineNotReady("the server is shutting down")
         if not self.ready.is_set():
             raise EngineNotReady(self.load_error or "the model is still loading")
+        budget = self.kv_budget or 0
+        if budget and self.kv_need(req) > budget:
+            most = budget // max(1, self.kv_bytes_per_token)
+            raise RequestTooLarge(
+                f"The prompt ({len(req.prompt_tokens)} tokens) plus max_tokens "
+                f"({req.params.max_tokens}) needs more KV memory than this server may use "
+                f"({most} tokens in all, --kv-budget); shorten the prompt or lower max_tokens."
+            )
+        if self.queued >= self._queue.maxsize:  # the request held for room counts too
+            raise EngineBusy
         try:
             self._queue.put_nowait(req)
         except queue.Full:
@@ -128,9 +168,15 @@ class Engine:
                 break
             if isinstance(pending, GenerationRequest):
                 pending.emit(EngineError("the server is shutting down"))
-        current = self._current
-        if current is not None:
-            current.cancel()
+        for req in self._active():
+            req.cancel()
+
+    def _active(self) -> list[GenerationRequest]:
+        """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
+        batch = self.batch
+        active = list(batch.requests) if batch is not None else []
+        waiting = (self._held, self._prefilling)
+        return active + [r for r in waiting if isinstance(r, GenerationRequest)]
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread (between requests, decode steps or prefill chunks)."""
@@ -180,7 +226,12 @@ class Engine:
         try:
             self.model, self.tokenizer = self._loader()
             self.context_length = _context_length(self.model)
-            states = make_states(self.model, self.prompt_cache, enabled=self.cache_enabled)
+            states = make_states(
+                self.model,
+                self.prompt_cache,
+                enabled=self.cache_enabled,
+                live_budget=self.live_budget,
+            )
             self.generator = Generator(
                 self.model,
                 self.tokenizer,
@@ -188,16 +239,28 @@ class Engine:
                 prefill_step=self.prefill_step,
                 checkpoint_interval=self.checkpoint_interval,
             )
-            self.generator.between_steps = self._run_calls
+            self.generator.between_steps = self._between_chunks
             self.generator.after_prefill = self.memory.after_prefill
             self.generator.before_done = self._observe
             self.memory.start(self.model)
+            self.kv_bytes_per_token, self._can_batch = kv_layout(self.model)
+            if self.kv_budget is None:
+                self.kv_budget = self.memory.default_kv_budget(self.model, self.live_budget)
+            self.batch = DecodeBatch(self.model, self._ended)
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
             return
         self.ready.set()
-        log.info("model ready (context %s tokens)", self.context_length)
+        log.info(
+            "model ready (context %s tokens; up to %d requests decode together%s; KV budget "
+            "%.1f GiB, %d bytes per token)",
+            self.context_length,
+            self.max_concurrency if self._can_batch else 1,
+            "" if self._can_batch else ": this model's caches cannot be batched",
+            self.kv_budget / 2**30,
+            self.kv_bytes_per_token,
+        )
         try:
             self._loop()
         finally:
@@ -205,18 +268,133 @@ class Engine:
             self.memory.stop()
 
     def _loop(self) -> None:
+        assert self.batch is not None
         while True:
             self._run_calls()
-            try:
-                item = self._queue.get(timeout=IDLE_POLL)
-            except queue.Empty:
-                continue
-            if item is _STOP or self._stopping.is_set():
-                if isinstance(item, GenerationRequest):
-                    item.emit(EngineError("the server is shutting down"))
-                    continue
+            if self._stopping.is_set():
+                self._shut_down()
                 return
-            self._serve(item)
+            item = self._next()
+            started = time.perf_counter()
+            if isinstance(item, GenerationRequest):
+                self._admit(item)
+            elif item is _STOP:
+                self._shut_down()
+                return
+            elif self.batch:
+                self._step()
+            else:
+                continue
+            self.busy_seconds += time.perf_counter() - started
+
+    def _next(self) -> Any:
+        """The next request if there is room for it, _STOP, or None (step the batch / idle)."""
+        assert self.batch is not None
+        if self._held is None:
+            if self.batch and not self._can_join():
+                return None  # full by count: leave the queue as it is
+            try:
+                if self.batch:
+                    self._held = self._queue.get_nowait()
+                else:
+                    self._held = self._queue.get(timeout=IDLE_POLL)
+            except queue.Empty:
+                return None
+        item = self._held
+        if not isinstance(item, GenerationRequest) or self._has_room(item):
+            self._held = None
+            return item
+        if item.cancelled.is_set():  # gave up while waiting for room
+            self._held = None
+            self.generator_done(item)
+        return None
+
+    def _can_join(self) -> bool:
+        assert self.batch is not None
+        return self._can_batch and len(self.batch) < self.max_concurrency
+
+    def _has_room(self, req: GenerationRequest) -> bool:
+        assert self.batch is not None
+        if not self.batch:
+            return True
+        if not self._can_join():
+            return False
+        needed = (self.batch.kv_tokens() * self.kv_bytes_per_token) + self.kv_need(req)
+        return needed <= (self.kv_budget or needed)
+
+    def generator_done(self, req: GenerationRequest) -> None:
+        """End a request that never reached the generator (cancelled while queued)."""
+        self._observe(req, None)
+        req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
+
+    def _admit(self, req: GenerationRequest) -> None:
+        """Prefill `req` (batch steps run between its chunks), then add it to the batch."""
+        assert self.generator is not None and self.batch is not None
+        if req.cancelled.is_set():
+            self.generator_done(req)
+            return
+        self._prefilling = req
+        try:
+            timings, seq = self.generator.start(req)
+        except Exception:
+            self._failed([req])
+            return
+        finally:
+            self._prefilling = None
+        if seq is None:  # cancelled during its prefill
+            log.info(timings.log_line(req))
+        else:
+            self.batch.add(seq)
+
+    def _between_chunks(self) -> None:
+        """Between two prefill chunks: the engine's calls, and one step of the batch."""
+        self._run_calls()
+        if self.batch:
+            self._step()
+
+    def _step(self) -> None:
+        assert self.batch is not None
+        try:
+            self.batch.step()
+        except Exception:
+            self._failed([seq.req for seq in self.batch.fail_all()])
+
+    def _ended(self, seq: Sequence) -> None:
+        """A sequence left the batch: Done to its client, its log line, its checkpoint."""
+        assert self.generator is not None
+        log.info(seq.timings.log_line(seq.req))
+        try:
+            self.generator.finish(seq)
+        except Exception:  # after its Done: only the checkpoint is lost
+            log.exception("request %s: saving its KV failed", seq.req.request_id)
+
+    def _failed(self, reqs: list[GenerationRequest]) -> None:
+        log.error(
+            "request %s failed:\n%s",
+            ", ".join(r.request_id for r in reqs),
+            traceback.format_exc(),
+        )
+        for req in reqs:
+            self._observe(req, None)
+            req.emit(EngineError("internal error while generating; see the server log"))
+
+    def _shut_down(self) -> None:
+        """Stopping: whatever is queued, held or decoding ends now."""
+        assert self.batch is not None
+        for req in self._active():
+            req.cancel()
+        if self._held is not None:
+            self.generator_done(self._held)
+            self._held = None
+        while self.batch:
+            self._step()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, GenerationRequest):
+                item.emit(EngineError("the server is shutting down"))
 
     def _fail_calls(self) -> None:
         while self._calls:
@@ -225,35 +403,11 @@ class Engine:
                 future.set_exception(EngineNotReady("the engine stopped"))
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
-        self._observed = True
         for observer in self._observers:
             try:
                 observer(req, timings)
             except Exception:  # observing must never take the engine down
                 log.exception("metrics observer failed")
-
-    def _serve(self, req: GenerationRequest) -> None:
-        self._current = req
-        self._observed = False
-        started = time.perf_counter()
-        timings: Timings | None = None
-        try:
-            if req.cancelled.is_set():
-                self._observe(req, None)
-                req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
-                return
-            assert self.generator is not None
-            use_namespace(self.generator.states, req.namespace)
-            timings = self.generator.run(req)
-            log.info(timings.log_line(req))
-        except Exception:
-            log.error("request %s failed:\n%s", req.request_id, traceback.format_exc())
-            if not self._observed:
-                self._observe(req, None)
-            req.emit(EngineError("internal error while generating; see the server log"))
-        finally:
-            self._current = None
-            self.busy_seconds += time.perf_counter() - started
 
 
 def _context_length(model: Any) -> int | None:
@@ -265,4 +419,4 @@ def _context_length(model: Any) -> int | None:
     return None
 
 
-__all__ = ["Done", "Engine", "EngineBusy", "EngineNotReady"]
+__all__ = ["Done", "Engine", "EngineBusy", "EngineNotReady", "RequestTooLarge"]

@@ -105,6 +105,10 @@ class Metrics:
         )
         queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the engine.", registry=r)
         queue_depth.set_function(lambda: engine.queued)
+        running = Gauge(
+            f"{PREFIX}_running_requests", "Requests decoding in the batch now.", registry=r
+        )
+        running.set_function(lambda: engine.running)
         for tier in TIERS:  # every series exists from the start, at 0
             self.lookups.labels("hit", tier)
             self.lookups.labels("failed", tier)

@@ -178,6 +178,14 @@ def targets(results: list[Result], hits: list[DiskHit], rows: list[dict[str, Any
             ["agent session: median TTFT, peer / ours", ">= 5x",
              _x(ratio(p["ttft_median"], o["ttft_median"]))],
         ]  # fmt: skip
+    r = next((x for x in results if x.name == "resident sessions"), None)
+    if r:
+
+        def median_ttft(event: str) -> float:
+            return statistics.median([c.ttft for c in r.calls["ours"] if c.event == event])
+
+        back = ratio(median_ttft("return"), median_ttft("continue"))
+        out.append(["resident conversation: median TTFT, return / continue", "<= 1.2x", _x(back)])
     if hits:
         worst = max(ratio(h.restore_s, h.cold_read_s) for h in hits)
         out.append(["disk-hit restore / cold plain read (worst hit)", "<= 2x", _x(worst)])

@@ -46,13 +46,16 @@ class Sizes:
     long_sizes: tuple[int, ...] = (1000, 2000, 3000)
     sweep: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     sweep_tokens: int = 32
+    resident_context: int = 1500
+    resident_rounds: int = 3
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
             turns=6, system_tokens=200, tool_tokens=60, max_tokens=8, agent_context=250,
             agent_turns=2, agent_message=30, shared_system=300, shared_convs=3, shared_turns=1,
-            long_sizes=(300, 600), sweep=(1, 2, 4), sweep_tokens=8,
+            long_sizes=(300, 600), sweep=(1, 2, 4), sweep_tokens=8, resident_context=250,
+            resident_rounds=1,
         )  # fmt: skip
 
 
@@ -202,6 +205,46 @@ def long_twice(
                 for side in sides:
                     _send(side, res, messages, sz, turn, hits, event=event)
                 _progress(res.name, turn, res.calls)
+        _finish(res, sides)
+    return res
+
+
+def resident(
+    work: Path, step: int, sz: Sizes, tok: bc.Tokens, hits: list[DiskHit], seed: int = 4
+) -> Result:
+    """Two conversations with their own ~`sz.resident_context`-token contexts, alternating in
+    pairs of turns (A, A, B, B, ...): the first of each pair returns to a conversation that was
+    left for the other one (`event="return"`), the second continues the one just served
+    (`event="continue"`). Ours keeps both live (resident sessions), so the two should cost the
+    same."""
+    res = Result("resident sessions")
+    rng = random.Random(seed)
+    with fresh(work, "resident", step, ("kvserve", "mlx_lm")) as sides:
+        convs = {
+            s.name: [
+                [
+                    {"role": "system", "content": f"Conversation {c + 1}'s notes.\n\n"
+                     + tok.fit(bc.varied_chunks(random.Random(seed * 10 + c)),
+                               sz.resident_context)},
+                    {"role": "user", "content": TASK},
+                ]
+                for c in range(2)
+            ]
+            for s in sides
+        }  # fmt: skip
+        last: dict[tuple[str, int], str] = {}
+        plan = [(0, "first"), (1, "first")]
+        for _ in range(sz.resident_rounds):
+            plan += [(0, "return"), (0, "continue"), (1, "return"), (1, "continue")]
+        for n, (c, event) in enumerate(plan, start=1):
+            new = tool_output(rng, tok, n, sz.agent_message) if event != "first" else None
+            for side in sides:
+                h = convs[side.name][c]
+                if new:
+                    h += next_turn(last[side.name, c], new)
+                call = _send(side, res, h, sz, n, hits, agent=c, event=event)
+                last[side.name, c] = call.text
+            _progress(res.name, n, res.calls)
         _finish(res, sides)
     return res
 

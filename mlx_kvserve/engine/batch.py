@@ -1,0 +1,139 @@
+"""The running decode batch: one forward pass per step for every sequence in it. ENGINE THREAD.
+
+Decode is memory-bound: a pass reads every weight once whether it computes one row or eight, so
+sequences that decode together share that cost. Sequences join between steps (after their own
+prefill, which runs alone through the prompt cache exactly as before) and leave when they end.
+
+Two modes, chosen by size:
+- **solo** (one sequence): the pass runs on that sequence's own mlx-lm caches, exactly the loop
+  of a lone request, so batching costs a lone request nothing. A constrained sequence feeds a
+  sampled token and the tokens its grammar forces in one pass.
+- **merged** (two or more): the sequences' caches are merged layer by layer into mlx-lm's
+  `BatchKVCache` (left-padded rows, its own attention mask and per-row RoPE offsets; what
+  `mlx_lm.generate.BatchGenerator` runs on), and each row feeds exactly one token per pass.
+  A sequence that leaves is cut out with `BatchKVCache.extract` (its own `KVCache` again, for its
+  checkpoint and as a resident session) and the rest are kept with `filter`; when one is left it
+  goes back to solo mode.
+
+Only plain `KVCache` layers can be merged. Models with rotating windows or SSM layers, or KV
+quantized in place, run one sequence at a time (`can_batch` is False), which is always correct.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlx_kvserve.engine.sequence import Sequence
+
+log = logging.getLogger("mlx_kvserve.engine")
+
+
+def can_merge(caches: list) -> bool:
+    """Whether these per-layer caches can join a `BatchKVCache` (plain KVCache layers only)."""
+    return bool(caches) and all(type(c) is KVCache for c in caches)
+
+
+class DecodeBatch:
+    """The sequences decoding now, and the caches their next pass runs on."""
+
+    def __init__(self, model: Any, on_end: Callable[[Sequence], None]) -> None:
+        self.model = model
+        self.on_end = on_end  # called once per sequence that ended, after it left the batch
+        self.seqs: list[Sequence] = []
+        self._merged: list[BatchKVCache] | None = None  # merged mode's caches, row i = seqs[i]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def requests(self) -> list[Any]:
+        return [seq.req for seq in self.seqs]
+
+    def kv_tokens(self) -> int:
+        """Tokens the running sequences hold in KV, plus what they may still generate."""
+        return sum(len(s.live.tokens) + s.limit - s.timings.completion_tokens for s in self.seqs)
+
+    def add(self, seq: Sequence) -> None:
+        """Join between steps; the sequence's caches hold exactly its `live.tokens`."""
+        if seq.done:
+            self.on_end(seq)
+            return
+        if not self.seqs:
+            self.seqs.append(seq)
+            return
+        if self._merged is None:
+            solo = self.seqs[0]
+            self._merged = [
+                BatchKVCache.merge([a, b])
+                for a, b in zip(solo.live.caches, seq.live.caches, strict=True)
+            ]
+        else:
+            for batch_cache, cache in zip(self._merged, seq.live.caches, strict=True):
+                batch_cache.extend(BatchKVCache.merge([cache]))
+        self.seqs.append(seq)
+
+    def step(self) -> None:
+        """One decode step for every sequence: cancellations, one pass, reads, departures."""
+        for seq in self.seqs:
+            if seq.req.cancelled.is_set():
+                seq.cancel()
+            else:
+                seq.read_first()
+        self._leave()
+        if not self.seqs:
+            return
+        for seq in self.seqs:
+            seq.timings.batch_peak = max(seq.timings.batch_peak, len(self.seqs))
+        if any(seq.wants_forward() for seq in self.seqs):
+            self._forward()
+            for seq in self.seqs:
+                seq.read_after()
+        else:
+            for seq in self.seqs:
+                seq.read_unfed()
+        self._leave()
+
+    def fail_all(self) -> list[Sequence]:
+        """After a failed pass: the batch's state is unknown, so every sequence leaves."""
+        failed, self.seqs, self._merged = self.seqs, [], None
+        return failed
+
+    # ------------------------------------------------------------------------------------
+    def _forward(self) -> None:
+        if self._merged is None:
+            (seq,) = self.seqs
+            tokens = seq.inputs(one=False)[None]
+            seq.after_pass(self.model(tokens, cache=seq.live.caches)[:, -1, :])
+            return
+        tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
+        logits = self.model(tokens, cache=self._merged)[:, -1, :]
+        for i, seq in enumerate(self.seqs):
+            seq.after_pass(logits[i : i + 1])
+
+    def _leave(self) -> None:
+        """Cut the sequences that ended out of the batch, then report them."""
+        ended = [i for i, seq in enumerate(self.seqs) if seq.done]
+        if not ended:
+            return
+        gone = [self.seqs[i] for i in ended]
+        if self._merged is not None:
+            for i in ended:
+                self.seqs[i].live.caches = [c.extract(i) for c in self._merged]
+            keep = [i for i in range(len(self.seqs)) if i not in ended]
+            if len(keep) == 1:
+                (last,) = keep
+                self.seqs[last].live.caches = [c.extract(last) for c in self._merged]
+                self._merged = None
+            elif keep:
+                for c in self._merged:
+                    c.filter(keep)
+            else:
+                self._merged = None
+        self.seqs = [seq for seq in self.seqs if not seq.done]
+        for seq in gone:
+            self.on_end(seq)
