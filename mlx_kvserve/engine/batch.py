@@ -60,9 +60,6 @@ class DecodeBatch:
 
     def add(self, seq: Sequence) -> None:
         """Join between steps; the sequence's caches hold exactly its `live.tokens`."""
-        if seq.done:
-            self.on_end(seq)
-            return
         if not self.seqs:
             self.seqs.append(seq)
             return

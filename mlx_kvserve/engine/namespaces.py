@@ -85,17 +85,19 @@ class NamespacedStates:
         self._active = self._none
         self._active_namespace: str | None = None
 
-    def select(self, namespace: str | None) -> None:
+    def select(self, namespace: str | None) -> Any:
+        """Point at `namespace`'s PromptStates and return it."""
         if namespace == self._active_namespace and self._active is not self._none:
-            return
+            return self._active
         self._active.reset()  # another key's live KV must never serve this request
         cache = self._caches.get(namespace)
         if cache is None:
             self._active, self._active_namespace = self._none, None
-            return
+            return self._active
         if namespace not in self._states:
             self._states[namespace] = self._make(cache)
         self._active, self._active_namespace = self._states[namespace], namespace
+        return self._active
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._active, name)
@@ -113,7 +115,4 @@ def make_states(model: Any, prompt_cache: Any, *, enabled: bool, live_budget: in
 def states_for(states: Any, namespace: str | None) -> Any:
     """The PromptStates a request in `namespace` acquires from and saves to (it keeps that
     object for its whole life, even while requests of other namespaces run beside it)."""
-    if isinstance(states, NamespacedStates):
-        states.select(namespace)
-        return states._active
-    return states
+    return states.select(namespace) if isinstance(states, NamespacedStates) else states

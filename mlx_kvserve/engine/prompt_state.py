@@ -85,9 +85,6 @@ class PromptStates:
     def residents(self) -> int:
         return len(self._residents)
 
-    def resident_bytes(self) -> int:
-        return sum(_nbytes(r.caches) for r in self._residents)
-
     def fresh(self) -> list:
         return make_prompt_cache(self.model)
 

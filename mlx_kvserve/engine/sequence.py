@@ -97,11 +97,11 @@ class Sequence:
     def after_pass(self, row: mx.array) -> None:
         """`row` is this sequence's prediction after what it just fed: sample from it."""
         self.last_logits = row
-        if not self.feed and self.unread_continues():
+        last_token_unread = (
+            self.unread is not None and self.timings.completion_tokens + 1 >= self.limit
+        )
+        if not self.feed and not last_token_unread:
             self.step = self.decoder.start(row)
-
-    def unread_continues(self) -> bool:
-        return self.unread is None or self.timings.completion_tokens + 1 < self.limit
 
     def read_after(self) -> None:
         """Read the step fed by this pass (pipelined sequences), now that the next is queued."""
@@ -154,7 +154,6 @@ class Sequence:
             self._end("length")
         elif not fed:
             self.feed = [token, *forced]
-        self.step = None if self.done else self.step
 
     def _end(self, finish: str, *, flush: bool = True) -> None:
         if flush:

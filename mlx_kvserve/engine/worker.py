@@ -306,7 +306,7 @@ class Engine:
             return item
         if item.cancelled.is_set():  # gave up while waiting for room
             self._held = None
-            self.generator_done(item)
+            self._end_unstarted(item)
         return None
 
     def _can_join(self) -> bool:
@@ -322,7 +322,7 @@ class Engine:
         needed = (self.batch.kv_tokens() * self.kv_bytes_per_token) + self.kv_need(req)
         return needed <= (self.kv_budget or needed)
 
-    def generator_done(self, req: GenerationRequest) -> None:
+    def _end_unstarted(self, req: GenerationRequest) -> None:
         """End a request that never reached the generator (cancelled while queued)."""
         self._observe(req, None)
         req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
@@ -331,7 +331,7 @@ class Engine:
         """Prefill `req` (batch steps run between its chunks), then add it to the batch."""
         assert self.generator is not None and self.batch is not None
         if req.cancelled.is_set():
-            self.generator_done(req)
+            self._end_unstarted(req)
             return
         self._prefilling = req
         try:
@@ -384,7 +384,7 @@ class Engine:
         for req in self._active():
             req.cancel()
         if self._held is not None:
-            self.generator_done(self._held)
+            self._end_unstarted(self._held)
             self._held = None
         while self.batch:
             self._step()
