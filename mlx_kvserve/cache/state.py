@@ -114,8 +114,8 @@ class DeltaBuilder:
     everything again to grow the buffer). Links are copied, or read from their file, directly
     into it through a NumPy view of the MLX buffer (MLX documents such views as shared and
     writable). One allocation and one copy per restore: on small machines page faults on fresh
-    memory, not arithmetic, dominate restore time (see `_buffer`). Positions past `usable` are
-    unused capacity, as after a trim.
+    memory, not arithmetic, dominate restore time. Positions past `usable` are unused capacity,
+    as after a trim.
     """
 
     def __init__(
@@ -139,31 +139,25 @@ class DeltaBuilder:
         self.usable = usable
         self.capacity = max(positions, _padded_length(usable, getattr(caches[0], "step", 256)))
         self._filled = dict.fromkeys(layout, 0)
+        buffers: dict[str, mx.array] = {}
         for name, (dt, shape) in layout.items():
             if len(shape) != 4:
                 raise StateError(f"{name}: shape {shape} is not (batch, heads, positions, dim)")
             if dtype is not None and dt != dtype:
                 raise StateError(f"{name}: dtype {dt}, model uses {dtype}")
+            storage = mx.uint16 if dt == "bfloat16" else _MX_DTYPES[dt]
+            buffers[name] = mx.zeros((shape[0], shape[1], self.capacity, shape[3]), storage)
+        mx.eval(list(buffers.values()))
         # The NumPy array each link is written into, and the MLX array it becomes (None: the
         # view was refused, not seen with MLX 0.32, so a host copy is converted at the end).
         self._host: dict[str, np.ndarray] = {}
         self._mx: dict[str, mx.array | None] = {}
-
-    def _buffer(self, name: str) -> np.ndarray:
-        """Array `name`'s buffer, allocated when a link first reaches it rather than all up
-        front: during a disk read, the page faults of one layer's fresh memory then overlap the
-        kernel's readahead and the hashing of the layers before it."""
-        host = self._host.get(name)
-        if host is None:
-            dt, shape = self.layout[name]
-            storage = mx.uint16 if dt == "bfloat16" else _MX_DTYPES[dt]
-            buf = mx.zeros((shape[0], shape[1], self.capacity, shape[3]), storage)
-            mx.eval(buf)
+        for name, buf in buffers.items():
             view = _writable_view(buf)
-            host = view if view is not None else np.zeros(buf.shape, DTYPES[dt])
-            self._host[name] = host
+            self._host[name] = (
+                view if view is not None else np.zeros(buf.shape, DTYPES[layout[name][0]])
+            )
             self._mx[name] = buf if view is not None else None
-        return host
 
     def slot(self, name: str, dtype: str, shape: Sequence[int], start: int) -> np.ndarray:
         """The buffer region for array `name` (dtype, shape) of a link starting at `start`."""
@@ -179,7 +173,7 @@ class DeltaBuilder:
         if start != self._filled[name] or end > self.capacity:
             raise StateError(f"{name}: link at {start} does not continue the chain")
         self._filled[name] = end
-        return self._buffer(name)[:, :, start:end, :]
+        return self._host[name][:, :, start:end, :]
 
     def put(self, start: int, end: int, arrays: Sequence[HostArray]) -> None:
         """Copy one link's host arrays (positions [start, end)) into place."""
