@@ -21,10 +21,11 @@ from tests.test_cache_disk import T, build_chain, entry_path, open_cache, rewrit
 CHUNK = 256
 
 
-@pytest.fixture(autouse=True)
-def pipelined(monkeypatch):
-    """Every read goes through the helper thread, in pieces of CHUNK bytes."""
-    monkeypatch.setattr(pipeline, "CHUNK", CHUNK)
+@pytest.fixture(autouse=True, params=[CHUNK, 1 << 20], ids=["tiny-pieces", "whole-blocks"])
+def pipelined(request, monkeypatch):
+    """Every read goes through the helper thread, in pieces of CHUNK bytes (or, with the real
+    1 MiB, one piece per (batch, head) block)."""
+    monkeypatch.setattr(pipeline, "CHUNK", request.param)
     monkeypatch.setattr(pipeline, "PIPELINE_FROM", 0)
 
 
@@ -66,7 +67,7 @@ def test_a_flipped_byte_in_any_piece_is_refused(tmp_path, where, link):
     keys = build_chain(tmp_path)
     path = entry_path(tmp_path, keys[link])
     start, size = payload_offset(path)
-    assert size > 8 * CHUNK  # many pieces, so "second" and "middle" differ from the ends
+    assert size > 8 * CHUNK  # many pieces (blocks), so "second" and "middle" are inner ones
     at = {"first": 0, "second-piece": CHUNK + 7, "middle": size // 2, "last": size - 1}[where]
     raw = bytearray(path.read_bytes())
     raw[start + at] ^= 0x01  # the low mantissa bit: still a finite float

@@ -105,7 +105,7 @@ def read_verified(
     hasher = _Hasher(threaded=payload_bytes >= PIPELINE_FROM)
     try:
         for view, check in targets:
-            for piece in pieces(view, CHUNK):
+            for piece in (view,) if view.nbytes <= CHUNK else pieces(view, CHUNK):
                 read_into(f, piece)
                 if check is not None:
                     check(piece)
