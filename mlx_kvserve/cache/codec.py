@@ -16,8 +16,9 @@ The header holds everything that identifies the entry: format, fingerprint, key,
 (base64 of uint32 LE), n_tokens, kind (delta|snapshot), parent key and length, reason, anchor,
 created, run_id, per-array name/dtype/shape/offset/nbytes, payload size and sha256, and the
 optional behaviour probe. The header is covered by its own sha256 in the fixed prefix; the
-payload by the sha256 in the header (sha256 runs at ~1.8 GB/s with SHA-NI / ARMv8 crypto, well
-above disk read speed, so a weaker checksum buys nothing).
+payload by the sha256 in the header (sha256 runs at ~1.5-1.8 GB/s with SHA-NI / ARMv8 crypto,
+about as fast as a cold read from a fast disk: restores hash in a helper thread while they read,
+see `pipeline`).
 
 The 32-byte slot is the only part ever rewritten in place: counters (hits, last use) and flags
 (suspect, anchor). It is outside both checksums and carries its own crc32; a torn or garbled
