@@ -133,3 +133,18 @@ def test_probe():
     assert not probe_matches(probe, mx.zeros(100))
     assert not probe_matches(probe, mx.full((100,), float("nan")))
     assert probe_matches(probe, np.array(logits))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_host_finite_on_every_float_dtype(dtype):
+    top = {mx.float32: 3.0e38, mx.float16: 65504.0, mx.bfloat16: 3.0e38}[dtype]
+    finite = mx.array([0.0, -0.0, 1e-40, -1.5, top, -top, 1e-7]).astype(dtype)
+    assert codec.host_finite(to_host("x", finite))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values = mx.concatenate([finite, mx.array([bad]).astype(dtype)])
+        host = to_host("x", values)
+        assert not codec.host_finite(host)
+        check = codec.finite_check("x", host.dtype)
+        with pytest.raises(EntryFormatError, match="x contains NaN or Inf"):
+            check(memoryview(host.data).cast("B"))
+    assert codec.finite_check("x", "int32") is None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import itertools
 import json
 import logging
@@ -39,6 +38,7 @@ from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.dirs import private_subdir
 from mlx_kvserve.cache.entry import DELTA, KEY_RE, SNAPSHOT, entry_key
 from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
+from mlx_kvserve.cache.pipeline import Check, read_verified
 from mlx_kvserve.durable import fsync_fd, fsync_path
 
 SUFFIX = ".kvc"
@@ -75,16 +75,6 @@ def _read_head(f: BinaryIO) -> tuple[dict[str, Any], Slot | None, int, int]:
     if len(body) != header_len:
         raise EntryFormatError("file truncated inside its header")
     return codec.parse_header(body, digest), slot, codec.payload_start(header_len), size
-
-
-def _read_into(f: BinaryIO, view: memoryview) -> None:
-    """Fill `view` from the file's current position; a short file is a format error."""
-    done = 0
-    while done < view.nbytes:
-        got = f.readinto(view[done:])
-        if not got:
-            raise EntryFormatError("file truncated")
-        done += got
 
 
 def _fault(point: str) -> None:
@@ -316,20 +306,25 @@ class DiskTier:
 
         `target(spec)` returns, for each array spec in file order, writable byte views whose
         lengths add up to the array's size; the file's bytes land there without an intermediate
-        copy, and the payload checksum is computed over them. Returns the header. If this
-        raises, the buffers hold partial data and must be discarded.
+        copy. The payload checksum is computed over them (overlapped with the reads, see
+        `pipeline`) and float arrays are scanned for NaN/Inf as they land, while the bytes are
+        still in the CPU cache. Returns the header. If this raises, the buffers hold partial
+        data and must be discarded.
         """
-        hasher = hashlib.sha256()
-        with self._open_entry(key) as (f, header):
-            for spec in codec.check_array_specs(header):
+
+        def targets(specs: list[dict[str, Any]]) -> Iterator[tuple[memoryview, Check | None]]:
+            for spec in specs:
                 views = target(spec)
                 if sum(v.nbytes for v in views) != spec["nbytes"]:
                     raise EntryFormatError(f"array {spec['name']}: buffer size mismatch")
+                check = codec.finite_check(str(spec["name"]), str(spec["dtype"]))
                 for view in views:
-                    _read_into(f, view)
-                    hasher.update(view)
-        if hasher.hexdigest() != header.get("payload_sha256"):
-            raise EntryFormatError("payload checksum mismatch")
+                    yield view, check
+
+        with self._open_entry(key) as (f, header):
+            specs = codec.check_array_specs(header)
+            digest = header.get("payload_sha256")
+            read_verified(f, targets(specs), header["payload_bytes"], digest)
         return header
 
     def write_entry(self, key: str, head: bytes, arrays: tuple[HostArray, ...], job: Any) -> int:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray, host_finite
+from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
 
 _MX_DTYPES: dict[str, Any] = {
     name: (mx.bool_ if name == "bool" else getattr(mx, name)) for name in DTYPES
@@ -197,13 +197,6 @@ class DeltaBuilder:
             ]
 
         return target
-
-    def check_finite(self, start: int, end: int) -> None:
-        """Raise if any float value of positions [start, end) is NaN or Inf."""
-        for name, (dt, _) in self.layout.items():
-            region = self._host[name][:, :, start:end, :]
-            if not host_finite(HostArray(name, dt, region.shape, region)):
-                raise StateError(f"{name} contains NaN or Inf")
 
     def finish(self) -> None:
         """Hand the buffers to the caches, each holding `usable` positions."""
