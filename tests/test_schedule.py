@@ -43,11 +43,12 @@ def scheduler(*tasks: SimpleNamespace, chunk: int = 512) -> Scheduler:
     return s
 
 
-def test_unlooked_up_and_cancelled_tasks_go_first_then_short_ones_then_the_oldest():
+def test_unlooked_up_and_cancelled_tasks_go_first_then_the_shortest_short_one_then_the_oldest():
     old, young = task(5000), task(3000)
     assert scheduler(old, young).choose(decoding=False) is old
-    short = task(100)
+    short, shorter = task(400), task(100)
     assert scheduler(old, young, short).choose(decoding=False) is short
+    assert scheduler(old, short, shorter).choose(decoding=False) is shorter
     fresh = task(9000, started=False)
     assert scheduler(old, short, fresh).choose(decoding=False) is fresh
     gone = task(9000, cancelled=True)
@@ -72,15 +73,19 @@ def test_decoders_get_a_slice_as_long_as_the_next_chunk():
     assert s.choose(decoding=True) is None  # a new slice
 
 
-def test_a_short_prefill_gets_a_short_slice_and_one_step_is_always_owed():
-    short = task(50)
-    s = scheduler(short)
-    s.prefilled(100, 1.0)
-    s.decoded(0.4)  # 0.4 s < 50 tokens at 10 ms
-    assert s.choose(decoding=True) is None
-    s.decoded(0.2)
-    assert s.choose(decoding=True) is short
-    s = scheduler(task(5000))  # nothing measured yet: one decode step between chunks
+def test_short_prefills_run_at_once_within_one_chunk_between_decode_steps():
+    first_, second = task(300), task(300)
+    s = scheduler(first_, second)
+    assert s.choose(decoding=True) is first_  # short: no slice to wait for
+    s.prefilled(300, 3.0)
+    s.remove(first_)
+    assert s.choose(decoding=True) is None  # 600 tokens would stall the batch two chunks
+    s.decoded(0.1)  # one step: not yet a slice as long as 300 tokens, but a step since
+    assert s.choose(decoding=True) is second
+
+
+def test_one_decode_step_is_always_owed_between_two_long_chunks():
+    s = scheduler(task(5000))  # nothing measured yet
     assert s.choose(decoding=True) is None
     s.decoded(0.001)
     assert s.choose(decoding=True) is not None

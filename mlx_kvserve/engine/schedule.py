@@ -2,18 +2,20 @@
 
 Several requests may be prefilling while others decode. Two rules share the machine:
 
-- **Decode slices.** While some sequences decode and others wait to prefill, the batch decodes
-  for at least `decode_share` times the expected duration of the next prefill chunk before that
-  chunk runs (expected from the seconds per token of recent chunks). Running sequences thus
-  keep about half the machine while a newcomer prefills (share 1), a sequence that has just got
-  its first token is not stalled by someone else's chunk straight away, and a short answer
-  finishes in one slice. No decode stalls for more than one chunk, and no prefill waits for
-  more than one slice.
-- **Short prefills first.** A prefill that ends within one chunk (the next turn of an agent
-  whose history is cached: typically its newest message) runs before the next chunk of a long
-  one, so a conversation's short turn never waits behind another's whole 30k-token prefill.
-  Otherwise the oldest runs. A request not looked up yet goes first (the lookup is cheap and
-  tells how much it has left), and so does a cancelled one (its next advance ends it).
+- **Short prefills first, at once.** A prefill that ends in one pass (the next turn of an agent
+  whose history is cached, typically its newest message, or a short new prompt) runs before the
+  next chunk of a long one, the shortest first, so a conversation's short turn never waits
+  behind another's whole 30k-token prefill. It runs straight away while the prefill tokens
+  since the batch's last decode step stay within one chunk: newcomers that arrive together are
+  prefilled back to back and then decode together, and the batch never stalls for more than
+  one chunk.
+- **Decode slices** for long prefills. Before each chunk of a long prefill, the batch decodes
+  for at least `decode_share` times the chunk's expected duration (from the seconds per token
+  of recent chunks). Running sequences thus keep about half the machine while a newcomer's long
+  prompt prefills (share 1), a sequence that has just got its first token is not stalled by
+  someone else's chunk straight away, and a short answer finishes within one slice.
+- Otherwise the oldest prefill runs. A request not looked up yet goes first (the lookup is
+  cheap and tells how much it has left), and so does a cancelled one (its next advance ends it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Scheduler:
         self.tasks: list[PrefillTask] = []  # oldest first
         self._decoded = 0.0  # seconds the batch has decoded since the last prefill chunk
         self._steps = 0  # decode steps since the last prefill chunk
+        self._since_step = 0  # tokens prefilled since the batch's last decode step
         self._per_token: float | None = None  # seconds per prefilled token, recent chunks
 
     def __len__(self) -> int:
@@ -56,6 +59,8 @@ class Scheduler:
         task = self._pick()
         if not decoding or not task.started or task.req.cancelled.is_set():
             return task
+        if task.remaining <= self.chunk_tokens - self._since_step:
+            return task  # short: at once, within one chunk's stall of the batch
         slice_ = self.decode_share * self._expected_seconds(task)
         if self._steps == 0 or self._decoded < slice_:
             return None  # at least one decode step between two chunks
@@ -65,11 +70,13 @@ class Scheduler:
         """The batch ran a decode step of `seconds`."""
         self._decoded += seconds
         self._steps += 1
+        self._since_step = 0
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` took `seconds`: a new slice for the decoders."""
         if tokens <= 0:
             return  # a lookup or restore, not a chunk
+        self._since_step += tokens
         self._decoded, self._steps = 0.0, 0
         rate = seconds / tokens
         self._per_token = rate if self._per_token is None else (self._per_token + rate) / 2
@@ -79,9 +86,9 @@ class Scheduler:
         for task in self.tasks:
             if not task.started or task.req.cancelled.is_set():
                 return task
-        for task in self.tasks:
-            if task.remaining <= self.one_pass:
-                return task
+        short = [task for task in self.tasks if task.remaining <= self.one_pass]
+        if short:
+            return min(short, key=lambda task: task.remaining)  # the oldest of equals
         return self.tasks[0]
 
     def _expected_seconds(self, task: PrefillTask) -> float:
