@@ -27,12 +27,18 @@ from tests.test_engine_units import (
 
 
 # ------------------------------------------------------------------------- the rules alone --
-def task(remaining: int, *, started: bool = True, cancelled: bool = False) -> SimpleNamespace:
+def task(
+    remaining: int, *, started: bool = True, cancelled: bool = False, of: int | None = None
+) -> SimpleNamespace:
+    """A prefill task with `remaining` tokens left of `of` (default: the same)."""
     flag = threading.Event()
     if cancelled:
         flag.set()
     return SimpleNamespace(
-        remaining=remaining, started=started, req=SimpleNamespace(cancelled=flag)
+        remaining=remaining,
+        to_prefill=remaining if of is None else of,
+        started=started,
+        req=SimpleNamespace(cancelled=flag),
     )
 
 
@@ -63,13 +69,13 @@ def test_decoders_get_a_slice_as_long_as_the_next_chunk():
     long = task(5000)
     s = scheduler(long)
     assert s.choose(decoding=False) is long  # nobody decodes: prefill straight on
-    s.prefilled(512, 5.12)  # 10 ms a token
+    s.prefilled(long, 512, 5.12)  # 10 ms a token
     assert s.choose(decoding=True) is None  # the slice starts: decode first
     s.decoded(3.0)
     assert s.choose(decoding=True) is None
     s.decoded(2.2)  # 5.2 s >= the 5.12 s the next chunk should take
     assert s.choose(decoding=True) is long
-    s.prefilled(512, 5.12)
+    s.prefilled(long, 512, 5.12)
     assert s.choose(decoding=True) is None  # a new slice
 
 
@@ -77,7 +83,7 @@ def test_short_prefills_run_at_once_within_one_chunk_between_decode_steps():
     first_, second = task(300), task(300)
     s = scheduler(first_, second)
     assert s.choose(decoding=True) is first_  # short: no slice to wait for
-    s.prefilled(300, 3.0)
+    s.prefilled(first_, 300, 3.0)
     s.remove(first_)
     assert s.choose(decoding=True) is None  # 600 tokens would stall the batch two chunks
     s.decoded(0.1)  # one step: not yet a slice as long as 300 tokens, but a step since
@@ -92,11 +98,25 @@ def test_one_decode_step_is_always_owed_between_two_long_chunks():
 
 
 def test_a_lookup_is_not_a_chunk():
-    s = scheduler(task(5000))
-    s.prefilled(512, 5.12)
+    long = task(5000)
+    s = scheduler(long)
+    s.prefilled(long, 512, 5.12)
     s.decoded(5.2)
-    s.prefilled(0, 0.3)  # a restore: the decoders' slice is not reset
-    assert s.choose(decoding=True) is not None
+    s.prefilled(long, 0, 0.3)  # a restore: the decoders' slice is not reset
+    assert s.choose(decoding=True) is long
+
+
+def test_long_prefills_take_turns():
+    a, b, c = task(5000), task(4000), task(3000)
+    s = scheduler(a, b, c)
+    order = []
+    for _ in range(6):
+        t = s.choose(decoding=False)
+        order.append(t)
+        s.prefilled(t, 512, 5.0)
+    assert order == [a, b, c, a, b, c]
+    tail = task(300, of=5000)  # the last pass of a long prefill is not a short prefill
+    assert scheduler(a, tail).choose(decoding=False) is a
 
 
 # ------------------------------------------------------------------------- the engine loop --

@@ -188,14 +188,15 @@ class PrefillTask:
     """One request's prefill, advanced a chunk at a time by the engine (engine/schedule.py).
 
     `remaining` is the number of prompt tokens still to prefill (the whole prompt until the
-    first `advance()` has looked up the cache); `result` is (timings, sequence or None) once
-    `advance()` has returned True. `seconds` adds up the time of its own chunks only, so the
-    log line's prefill speed is the model's, whatever ran in between.
+    first `advance()` has looked up the cache), `to_prefill` what the lookup left; `result` is
+    (timings, sequence or None) once `advance()` has returned True. `seconds` adds up the time
+    of its own chunks only, so the log line's prefill speed is the model's, whatever ran in
+    between.
     """
 
     def __init__(self, req: GenerationRequest, steps: Generator_[int, None, Result]) -> None:
         self.req = req
-        self.remaining = len(req.prompt_tokens)
+        self.remaining = self.to_prefill = len(req.prompt_tokens)
         self.started = False
         self.seconds = 0.0
         self.result: Result | None = None
@@ -207,6 +208,8 @@ class PrefillTask:
         t0 = time.perf_counter()
         try:
             self.remaining = next(self._steps)
+            if not self.started:
+                self.to_prefill = self.remaining
             return False
         except StopIteration as stop:
             self.result = stop.value

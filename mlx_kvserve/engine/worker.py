@@ -341,7 +341,7 @@ class Engine:
             self.schedule.remove(task)
             self._failed([task.req])
             return
-        self.schedule.prefilled(before - task.remaining, time.perf_counter() - started)
+        self.schedule.prefilled(task, before - task.remaining, time.perf_counter() - started)
         if not finished:
             return
         self.schedule.remove(task)
