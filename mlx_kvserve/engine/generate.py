@@ -1,8 +1,9 @@
 """Prefill and decode for one request, on the engine thread.
 
 Prefill starts after whatever prefix `PromptStates` could reuse and runs in chunks of
-`prefill_step` tokens, checking for cancellation between chunks; decode checks after every
-token. Earlier chunks evaluate only the KV state, so MLX's lazy graph never runs the vocabulary
+`prefill_step` tokens, as a task the engine resumes chunk by chunk (`PrefillTask`), so other
+requests' chunks and decode steps run in between; it checks for cancellation before every
+chunk. Earlier chunks evaluate only the KV state, so MLX's lazy graph never runs the vocabulary
 projection for them (except at a checkpoint, whose last logits row is kept as a behaviour probe).
 
 Checkpoints (why these boundaries):
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Generator as Generator_
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,6 +37,8 @@ from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
+
+Result = tuple["Timings", "Sequence | None"]  # a prefill's end: its timings, the sequence or None
 
 
 @dataclass
@@ -137,20 +141,27 @@ def plan_chunks(
     return list(zip(bounds[:-1], bounds[1:], strict=True)), bounds[-1]
 
 
-def prefill(
+def prefill_steps(
     model,
     live: Live,
     prompt: list[int],
     step: int,
     checkpoints: Checkpoints,
     check: Callable[[], None],
-) -> mx.array:
-    """Feed prompt[len(live.tokens):] into the caches; return the last position's logits."""
+) -> Iterator[int]:
+    """Feed prompt[len(live.tokens):] into the caches, a chunk per resumption.
+
+    Before each chunk it yields the number of prompt tokens still to prefill, so the engine can
+    run other work (decode steps, another request's chunk) in between; it returns the last
+    position's logits (`logits = yield from prefill_steps(...)`). `check()` runs after every
+    resumption: it raises to abandon the prefill (a cancelled request).
+    """
     start, end = len(live.tokens), len(prompt)
     chunks, last_from = plan_chunks(
         start, end, step, checkpoints, foldable=is_sliceable(live.caches)
     )
     for lo, hi in chunks:
+        yield end - lo
         check()
         out = model(mx.array(prompt[lo:hi])[None], cache=live.caches)
         reason = checkpoints.reason_at(hi)
@@ -159,6 +170,7 @@ def prefill(
         live.tokens.extend(prompt[lo:hi])
         if reason:
             checkpoints.store(live, last, reason=reason)
+    yield end - last_from
     check()
     faults.maybe_fail("prefill")
     out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
@@ -170,6 +182,44 @@ def prefill(
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]
+
+
+class PrefillTask:
+    """One request's prefill, advanced a chunk at a time by the engine (engine/schedule.py).
+
+    `remaining` is the number of prompt tokens still to prefill (the whole prompt until the
+    first `advance()` has looked up the cache), `to_prefill` what the lookup left; `result` is
+    (timings, sequence or None) once `advance()` has returned True. `seconds` adds up the time
+    of its own chunks only, so the log line's prefill speed is the model's, whatever ran in
+    between.
+    """
+
+    def __init__(self, req: GenerationRequest, steps: Generator_[int, None, Result]) -> None:
+        self.req = req
+        self.remaining = self.to_prefill = len(req.prompt_tokens)
+        self.started = False
+        self.seconds = 0.0
+        self.result: Result | None = None
+        self._steps = steps
+
+    def advance(self) -> bool:
+        """Run up to the next chunk boundary (the first call: the cache lookup and restore);
+        True once the prefill has ended, with `result` set."""
+        t0 = time.perf_counter()
+        try:
+            self.remaining = next(self._steps)
+            if not self.started:
+                self.to_prefill = self.remaining
+            return False
+        except StopIteration as stop:
+            self.result = stop.value
+            self.remaining = 0
+            return True
+        finally:
+            self.started = True
+            self.seconds += time.perf_counter() - t0
+            if self.result is not None:
+                self.result[0].prefill_seconds = self.seconds
 
 
 class Generator:
@@ -189,7 +239,8 @@ class Generator:
         self.states = states
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
-        # Set by the engine: its calls, run at every step boundary; its memory policy.
+        # Run between prefill chunks and decode steps by `run()` (the engine schedules those
+        # itself); set by the engine: its memory policy.
         self.between_steps: Callable[[], None] = lambda: None
         self.after_prefill: Callable[[int, bool], None] = lambda prefilled, restored: None
         # Set by the engine: sees the finished request's timings just before its Done event,
@@ -197,7 +248,7 @@ class Generator:
         self.before_done: Callable[[GenerationRequest, Timings], None] = lambda req, t: None
 
     def run(self, req: GenerationRequest) -> Timings:
-        """Generate for `req` alone (scripts, tests): start it, decode it in a batch of one."""
+        """Generate for `req` alone (scripts, tests): prefill it, decode it in a batch of one."""
         ended: list[Sequence] = []
         timings, seq = self.start(req)
         if seq is None:
@@ -210,7 +261,20 @@ class Generator:
         self.finish(ended[0])
         return timings
 
-    def start(self, req: GenerationRequest) -> tuple[Timings, Sequence | None]:
+    def start(self, req: GenerationRequest) -> Result:
+        """Prefill `req` to the end (`between_steps` between its chunks): (timings, the
+        sequence to decode, or None if it ended here)."""
+        task = self.begin(req)
+        while not task.advance():
+            self.between_steps()
+        assert task.result is not None
+        return task.result
+
+    def begin(self, req: GenerationRequest) -> PrefillTask:
+        """The prefill of `req`, to be advanced chunk by chunk (see `PrefillTask`)."""
+        return PrefillTask(req, self._prefill(req))
+
+    def _prefill(self, req: GenerationRequest) -> Generator_[int, None, Result]:
         """Prefill `req` (reused state first, one cold retry if it fails) and sample its first
         token; returns the sequence to decode, or None if it ended here (its Done is sent)."""
         states = states_for(self.states, req.namespace)
@@ -218,7 +282,8 @@ class Generator:
         try:
             try:
                 start = states.acquire(req.prompt_tokens)
-                return timings, self._attempt(req, timings, states, start)
+                seq = yield from self._attempt(req, timings, states, start)
+                return timings, seq
             except RestoredStateFailed as failure:
                 states.evict(failure.start, failure.problem)
                 log.warning(
@@ -232,7 +297,8 @@ class Generator:
                     retried=True,
                     failed_source=failure.start.source,
                 )
-                return timings, self._attempt(req, timings, states, states.cold())
+                seq = yield from self._attempt(req, timings, states, states.cold())
+                return timings, seq
         except Cancelled:
             timings.finish_reason = "cancelled"
             self._done(req, timings)
@@ -261,7 +327,7 @@ class Generator:
 
     def _attempt(
         self, req: GenerationRequest, timings: Timings, states: PromptStates, start: Start
-    ) -> Sequence:
+    ) -> Generator_[int, None, Sequence]:
         """One try at the prefill from `start`; returns the sequence, first token sampled."""
         prompt = req.prompt_tokens
         live = Live(start.caches, list(start.tokens))
@@ -269,7 +335,6 @@ class Generator:
         timings.restore_seconds = start.restore_seconds
 
         def check() -> None:
-            self.between_steps()
             if req.cancelled.is_set():
                 self._save(states, live, None, reason="partial")
                 raise Cancelled
@@ -278,11 +343,12 @@ class Generator:
             self._save(states, live, last_logits, **kwargs)
 
         checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, store)
-        t0 = time.perf_counter()
         try:
             if start.usable:
                 faults.maybe_fail("prefill_after_restore")
-            logits = prefill(self.model, live, prompt, self.prefill_step, checkpoints, check)
+            logits = yield from prefill_steps(
+                self.model, live, prompt, self.prefill_step, checkpoints, check
+            )
             if start.usable and not bool(mx.all(mx.isfinite(logits)).item()):
                 raise RestoredStateFailed(start, "non-finite logits after restoring")
         except (Cancelled, RestoredStateFailed):
@@ -291,8 +357,6 @@ class Generator:
             if start.usable:
                 raise RestoredStateFailed(start, f"prefill failed: {exc!r}") from exc
             raise
-        finally:
-            timings.prefill_seconds = time.perf_counter() - t0
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
         return Sequence(req, self.tokenizer, live, logits, timings, states)

@@ -119,3 +119,13 @@ def kv_layout(model: Any) -> tuple[int, bool]:
             # [batch, heads, positions allocated, dim]: one position's share of the buffer
             total += (keys.nbytes + values.nbytes) // max(1, keys.shape[2])
     return total, can_merge(caches)
+
+
+def context_length(model: Any) -> int | None:
+    """The model's context window as its config states it, if it does."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,10 +1,11 @@
 """The engine thread: loads the model, then serves queued requests in a continuous batch.
 
-The loop admits a waiting request when the batch has room (a count, `max_concurrency`, and the
-KV bytes the running requests may need, `kv_budget`), prefills it alone through the prompt
-cache, with one decode step of the batch between its prefill chunks, so nobody's tokens stall
-for more than a chunk, and then adds it to the batch (engine/batch.py). Otherwise it runs one
-decode step of the batch. A request that waits for room stays at the head of the queue.
+The loop admits a waiting request when there is room (a count, `max_concurrency`, and the
+KV bytes the running requests may need, `kv_budget`) and starts its prefill through the prompt
+cache. Each turn of the loop then runs one piece of work, chosen by engine/schedule.py: a
+chunk of one request's prefill, or one decode step of the batch (engine/batch.py), which a
+request joins once its prefill is done. A request that waits for room stays at the head of the
+queue.
 
 MLX arrays and streams belong to the thread that made them, so this thread creates and touches
 every MLX object; the event loop only enqueues requests and receives events. Since MLX 0.32 the
@@ -25,16 +26,17 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from mlx_kvserve.engine.batch import DecodeBatch
-from mlx_kvserve.engine.generate import Generator, Timings
-from mlx_kvserve.engine.memory import MemoryPolicy, kv_layout
+from mlx_kvserve.engine.calls import CallQueue
+from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
+from mlx_kvserve.engine.memory import MemoryPolicy, context_length, kv_layout
 from mlx_kvserve.engine.namespaces import make_states
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.waitlist import WaitQueue
 
@@ -93,7 +95,7 @@ class Engine:
         self.live_budget = live_budget
         self.kv_bytes_per_token = 0
         self.batch: DecodeBatch | None = None
-        self._prefilling: GenerationRequest | None = None
+        self.schedule = Scheduler(prefill_step)  # the prefills in flight
         self._held: GenerationRequest | None = None  # next in line, waiting for room
         self._can_batch = False
         self._stopping = threading.Event()
@@ -104,7 +106,7 @@ class Engine:
         self.tokenizer: Any = None
         self.context_length: int | None = None
         self.memory = MemoryPolicy(mlx_cache_limit, prefill_step)
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._calls = CallQueue()
         self.busy_seconds = 0.0  # time spent serving requests, for metrics
         self._observers: list[Callable[[GenerationRequest, Timings | None], None]] = []
 
@@ -122,7 +124,8 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self.batch) if self.batch is not None else 0
+        """Requests prefilling or decoding."""
+        return len(self.schedule) + (len(self.batch) if self.batch is not None else 0)
 
     def kv_need(self, req: GenerationRequest) -> int:
         """Bytes of KV `req` may hold at most: its prompt plus every token it may generate."""
@@ -175,17 +178,14 @@ class Engine:
         """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
         batch = self.batch
         active = list(batch.requests) if batch is not None else []
-        waiting = (self._held, self._prefilling)
-        return active + [r for r in waiting if isinstance(r, GenerationRequest)]
+        active += [task.req for task in self.schedule]
+        return active + ([self._held] if isinstance(self._held, GenerationRequest) else [])
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread (between requests, decode steps or prefill chunks)."""
-        future: Future = Future()
-        if self._stopping.is_set() or not self.ready.is_set() or not self._thread.is_alive():
-            future.set_exception(EngineNotReady(self.load_error or "the engine is not running"))
-        else:
-            self._calls.append((fn, future))
-        return future
+        down = self._stopping.is_set() or not self.ready.is_set() or not self._thread.is_alive()
+        refuse = EngineNotReady(self.load_error or "the engine is not running") if down else None
+        return self._calls.put(fn, refuse)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new work, fail queued requests, cancel the running one, join the thread."""
@@ -212,20 +212,10 @@ class Engine:
         if self.prompt_cache is not None and not self._thread.is_alive():
             self.prompt_cache.close()  # flush pending checkpoint writes, mark a clean exit
 
-    def _run_calls(self) -> None:
-        while self._calls:
-            fn, future = self._calls.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # the caller gets it; the engine carries on
-                future.set_exception(exc)
-
     def _run(self) -> None:
         try:
             self.model, self.tokenizer = self._loader()
-            self.context_length = _context_length(self.model)
+            self.context_length = context_length(self.model)
             states = make_states(
                 self.model,
                 self.prompt_cache,
@@ -239,7 +229,6 @@ class Engine:
                 prefill_step=self.prefill_step,
                 checkpoint_interval=self.checkpoint_interval,
             )
-            self.generator.between_steps = self._between_chunks
             self.generator.after_prefill = self.memory.after_prefill
             self.generator.before_done = self._observe
             self.memory.start(self.model)
@@ -264,37 +253,43 @@ class Engine:
         try:
             self._loop()
         finally:
-            self._fail_calls()
+            self._calls.fail_all(EngineNotReady("the engine stopped"))
             self.memory.stop()
 
     def _loop(self) -> None:
         assert self.batch is not None
         while True:
-            self._run_calls()
+            self._calls.run()
             if self._stopping.is_set():
                 self._shut_down()
                 return
             item = self._next()
-            started = time.perf_counter()
-            if isinstance(item, GenerationRequest):
-                self._admit(item)
-            elif item is _STOP:
+            if item is _STOP:
                 self._shut_down()
                 return
+            started = time.perf_counter()
+            if isinstance(item, GenerationRequest):
+                self._begin(item)
+            task = self.schedule.choose(decoding=bool(self.batch))
+            if task is not None:
+                self._advance(task)
             elif self.batch:
                 self._step()
-            else:
+            elif not isinstance(item, GenerationRequest):
                 continue
             self.busy_seconds += time.perf_counter() - started
 
-    def _next(self) -> Any:
-        """The next request if there is room for it, _STOP, or None (step the batch / idle)."""
+    def _busy(self) -> bool:
         assert self.batch is not None
+        return bool(self.batch) or bool(self.schedule)
+
+    def _next(self) -> Any:
+        """The next request if there is room for it, _STOP, or None (run work / idle)."""
         if self._held is None:
-            if self.batch and not self._can_join():
+            if self._busy() and not self._can_join():
                 return None  # full by count: leave the queue as it is
             try:
-                if self.batch:
+                if self._busy():
                     self._held = self._queue.get_nowait()
                 else:
                     self._held = self._queue.get(timeout=IDLE_POLL)
@@ -310,16 +305,16 @@ class Engine:
         return None
 
     def _can_join(self) -> bool:
-        assert self.batch is not None
-        return self._can_batch and len(self.batch) < self.max_concurrency
+        return self._can_batch and self.running < self.max_concurrency
 
     def _has_room(self, req: GenerationRequest) -> bool:
         assert self.batch is not None
-        if not self.batch:
+        if not self._busy():
             return True
         if not self._can_join():
             return False
-        needed = (self.batch.kv_tokens() * self.kv_bytes_per_token) + self.kv_need(req)
+        needed = self.batch.kv_tokens() * self.kv_bytes_per_token + self.kv_need(req)
+        needed += sum(self.kv_need(task.req) for task in self.schedule)
         return needed <= (self.kv_budget or needed)
 
     def _end_unstarted(self, req: GenerationRequest) -> None:
@@ -327,35 +322,42 @@ class Engine:
         self._observe(req, None)
         req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
 
-    def _admit(self, req: GenerationRequest) -> None:
-        """Prefill `req` (batch steps run between its chunks), then add it to the batch."""
-        assert self.generator is not None and self.batch is not None
+    def _begin(self, req: GenerationRequest) -> None:
+        """Start `req`'s prefill; the scheduler runs it chunk by chunk beside the batch."""
+        assert self.generator is not None
         if req.cancelled.is_set():
             self._end_unstarted(req)
-            return
-        self._prefilling = req
+        else:
+            self.schedule.add(self.generator.begin(req))
+
+    def _advance(self, task: PrefillTask) -> None:
+        """One chunk of `task`'s prefill; when it is done the request joins the batch."""
+        assert self.batch is not None
+        before = task.remaining if task.started else 0
+        started = time.perf_counter()
         try:
-            timings, seq = self.generator.start(req)
+            finished = task.advance()
         except Exception:
-            self._failed([req])
+            self.schedule.remove(task)
+            self._failed([task.req])
             return
-        finally:
-            self._prefilling = None
+        self.schedule.prefilled(task, before - task.remaining, time.perf_counter() - started)
+        if not finished:
+            return
+        self.schedule.remove(task)
+        assert task.result is not None
+        timings, seq = task.result
         if seq is None:  # cancelled during its prefill
-            log.info(timings.log_line(req))
+            log.info(timings.log_line(task.req))
         else:
             self.batch.add(seq)
 
-    def _between_chunks(self) -> None:
-        """Between two prefill chunks: the engine's calls, and one step of the batch."""
-        self._run_calls()
-        if self.batch:
-            self._step()
-
     def _step(self) -> None:
         assert self.batch is not None
+        started = time.perf_counter()
         try:
             self.batch.step()
+            self.schedule.decoded(time.perf_counter() - started)
         except Exception:
             self._failed([seq.req for seq in self.batch.fail_all()])
 
@@ -388,6 +390,9 @@ class Engine:
             self._held = None
         while self.batch:
             self._step()
+        for task in self.schedule:  # each ends at its next check, cancelled
+            while task in self.schedule.tasks:
+                self._advance(task)
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -396,27 +401,12 @@ class Engine:
             if isinstance(item, GenerationRequest):
                 item.emit(EngineError("the server is shutting down"))
 
-    def _fail_calls(self) -> None:
-        while self._calls:
-            _, future = self._calls.popleft()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineNotReady("the engine stopped"))
-
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         for observer in self._observers:
             try:
                 observer(req, timings)
             except Exception:  # observing must never take the engine down
                 log.exception("metrics observer failed")
-
-
-def _context_length(model: Any) -> int | None:
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 __all__ = ["Done", "Engine", "EngineBusy", "EngineNotReady", "RequestTooLarge"]

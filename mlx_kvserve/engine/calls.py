@@ -1,0 +1,47 @@
+"""Work other threads hand to the engine thread: MLX objects belong to the thread that made them.
+
+The /v1/cache figures, tests' probes and anything else that touches the prompt cache or MLX run
+as a call on the engine thread, between two pieces of its work (a decode step, a prefill chunk)
+or within `IDLE_POLL` seconds when it is idle. The caller gets a `Future`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class CallQueue:
+    """Calls waiting for the engine thread, run in order by `run()` on that thread."""
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+
+    def put(self, fn: Callable[[], Any], refuse: Exception | None = None) -> Future:
+        """Queue `fn`; with `refuse` (the engine is not running) the future fails at once."""
+        future: Future = Future()
+        if refuse is not None:
+            future.set_exception(refuse)
+        else:
+            self._calls.append((fn, future))
+        return future
+
+    def run(self) -> None:
+        """Run the calls queued so far (one queued by a call runs at the next boundary)."""
+        for _ in range(len(self._calls)):
+            fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller gets it; the engine carries on
+                future.set_exception(exc)
+
+    def fail_all(self, error: Exception) -> None:
+        """The engine stopped: every call still waiting fails with `error`."""
+        while self._calls:
+            _, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
