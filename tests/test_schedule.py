@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from mlx_kvserve.engine.memory import kv_layout
@@ -227,3 +228,27 @@ def test_prefills_count_against_the_kv_budget(model):
     assert tokens_of(b.text) == reference(model, LONG[::-1], 4)
     a, b = Ordered("a", [], LONG, 4), Ordered("b", [], LONG[::-1], 4)
     assert run_paused(model, [a, b], prefill_step=4, kv_budget=3 * budget) == 2
+
+
+def test_a_request_cancelled_before_its_lookup_restores_nothing(model):
+    """Its prefill ends at once, cancelled: the checkpoint that would serve it is not read."""
+    from mlx_kvserve.cache import PromptCache
+    from mlx_kvserve.engine.generate import Generator
+    from mlx_kvserve.engine.prompt_state import PromptStates
+
+    cache = PromptCache(None, "tiny-cancelled", disk_budget=None, ram_budget=64 << 20)
+    states = PromptStates(model, cache)
+    start = states.cold()
+    prompt = LONG[:40]
+    model(mx.array([prompt[:32]]), cache=start.caches)
+    cache.checkpoint(prompt[:32], start.caches, "message")
+    gen = Generator(model, StubTokenizer(), states, prefill_step=8)
+    req = Ordered("gone", [], prompt, 4)
+    req.cancel()
+    timings, seq = gen.start(req)
+    assert seq is None and timings.finish_reason == "cancelled"
+    assert req.done.finish_reason == "cancelled" and req.done.completion_tokens == 0
+    assert cache.stats()["restores"] == 0
+    live = Ordered("live", [], prompt, 4)  # the checkpoint still serves the next one
+    gen.run(live)
+    assert cache.stats()["restores"] == 1 and live.done.cached_tokens == 32

@@ -280,6 +280,8 @@ class Generator:
         states = states_for(self.states, req.namespace)
         timings = Timings(prompt_tokens=len(req.prompt_tokens))
         try:
+            if req.cancelled.is_set():  # gone before its turn came: no lookup, no restore
+                raise Cancelled
             try:
                 start = states.acquire(req.prompt_tokens)
                 seq = yield from self._attempt(req, timings, states, start)
