@@ -60,13 +60,10 @@ class Scheduler:
         if not self.tasks:
             return None
         task = self._pick()
-        if not decoding or not task.started or task.req.cancelled.is_set():
+        if not decoding or self._urgent(task):
             return task
-        if (
-            task.to_prefill <= self.one_pass
-            and task.remaining <= self.chunk_tokens - self._since_step
-        ):
-            return task  # short: at once, within one chunk's stall of the batch
+        if self._short(task) and task.remaining <= self.chunk_tokens - self._since_step:
+            return task  # at once, within one chunk's stall of the batch
         slice_ = self.decode_share * self._expected_seconds(task)
         if self._steps == 0 or self._decoded < slice_:
             return None  # at least one decode step between two chunks
@@ -83,9 +80,8 @@ class Scheduler:
         the decoders get a new slice."""
         if tokens <= 0:
             return  # a lookup or restore, not a chunk
-        if task in self.tasks:
-            self.tasks.remove(task)
-            self.tasks.append(task)
+        self.tasks.remove(task)
+        self.tasks.append(task)
         self._since_step += tokens
         self._decoded, self._steps = 0.0, 0
         rate = seconds / tokens
@@ -94,12 +90,21 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     def _pick(self) -> PrefillTask:
         for task in self.tasks:
-            if not task.started or task.req.cancelled.is_set():
+            if self._urgent(task):
                 return task
-        short = [task for task in self.tasks if task.to_prefill <= self.one_pass]
+        short = [task for task in self.tasks if self._short(task)]
         if short:
-            return min(short, key=lambda task: task.remaining)  # the oldest of equals
+            return min(short, key=lambda task: task.remaining)  # first in line of equals
         return self.tasks[0]
+
+    @staticmethod
+    def _urgent(task: PrefillTask) -> bool:
+        """Not looked up yet (cheap, and tells how much is left), or cancelled (ends at once)."""
+        return not task.started or task.req.cancelled.is_set()
+
+    def _short(self, task: PrefillTask) -> bool:
+        """One pass from the start: an agent's next turn, or a short new prompt."""
+        return task.to_prefill <= self.one_pass
 
     def _expected_seconds(self, task: PrefillTask) -> float:
         if self._per_token is None:
