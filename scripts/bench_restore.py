@@ -41,27 +41,13 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from mlx_kvserve.cache import PromptCache  # noqa: E402
 from mlx_kvserve.cache.testing import kv_arrays, make_kv  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pagecache import evict_page_cache  # noqa: E402
+
 MiB = 1 << 20
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4
 FINGERPRINT = "bench-restore"
-
-
-def drop_page_cache(files: list[Path]) -> str:
-    """Empty the page cache for `files`; returns how ("drop_caches" or "fadvise")."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
 
 
 def plain_read(files: list[Path], buf: memoryview) -> int:
@@ -114,12 +100,12 @@ def measure(root: Path, mib: int, links: int, repeats: int) -> dict[str, float]:
             assert np.array_equal(a, b)
         del got, want
         for _ in range(repeats):
-            method = drop_page_cache(files)
+            method = evict_page_cache(files)
             wall, cpu = restore_once(pc, tokens, n_tokens)[:2]  # caches freed at once
             times["restore"].append(wall)
             times["restore_cpu"].append(cpu)
             times["warm_restore"].append(restore_once(pc, tokens, n_tokens)[0])
-            drop_page_cache(files)
+            evict_page_cache(files)
             started = time.perf_counter()
             assert plain_read(files, view) == total
             times["read"].append(time.perf_counter() - started)

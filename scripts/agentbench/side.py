@@ -9,7 +9,6 @@ every disk restore beside a plain read of the same checkpoint files (`chat_probe
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import _bench_common as bc
 import httpx
+from _pagecache import evict_page_cache
 
 WARM = [{"role": "user", "content": "Say hello in French."}]
 _SERIES = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(?P<value>\S+)")
@@ -74,24 +74,6 @@ def parse_prometheus(text: str) -> dict[str, float]:
             with contextlib.suppress(ValueError):
                 out[m["name"]] = float(m["value"])
     return out
-
-
-def evict_page_cache(paths: list[Path]) -> str:
-    """Drop files from the page cache so that the next read comes from the device.
-
-    As root: sync + /proc/sys/vm/drop_caches (the whole page cache). Otherwise (or if that
-    fails) posix_fadvise(DONTNEED) on each file, which needs no privilege for clean pages.
-    """
-    method = "fadvise DONTNEED"
-    if os.geteuid() == 0:
-        with contextlib.suppress(OSError):
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("1\n")
-            method = "drop_caches"
-    for p in paths:
-        with contextlib.suppress(OSError), open(p, "rb") as f:  # checkpoints are fsynced
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return method
 
 
 def plain_read(paths: list[Path]) -> float:
