@@ -91,6 +91,7 @@ class Result:
     calls: list[ToolCall]
     finished: Finished
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: str = ""  # the reasoning section, apart from `content` (empty: none)
 
 
 class Generation:

@@ -30,6 +30,13 @@ class ContentDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    """Text the model wrote in its reasoning (thinking) section, apart from the answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallStarted:
     index: int
     id: str
@@ -48,7 +55,7 @@ class ToolCallFinished:
     call: ToolCall
 
 
-OutputEvent = ContentDelta | ToolCallStarted | ToolCallDelta | ToolCallFinished
+OutputEvent = ContentDelta | ReasoningDelta | ToolCallStarted | ToolCallDelta | ToolCallFinished
 
 
 class _JsonValueEnd:

@@ -38,6 +38,10 @@ class Message:
     tool_call_id: str | None = None  # on role "tool": the call this message answers
     name: str | None = None  # on role "tool": the function's name, when the client sent it
     origin: str | None = None  # where the client sent it (e.g. "input[3]"), for error messages
+    # On role "assistant": the reasoning the model wrote before this turn's answer, as the client
+    # replayed it (OpenAI `reasoning_content`/`reasoning`, Anthropic `thinking` blocks, Responses
+    # `reasoning` items). Templates that render past reasoning read it as `reasoning_content`.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,24 @@ class OutputFormat:
     name: str | None = None
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """What the client asked of the model's reasoning, in protocol-neutral terms.
+
+    OpenAI `reasoning_effort` / Responses `reasoning.effort`, Anthropic `thinking` and
+    `output_config.effort` all land here; the templating layer maps it onto what the model's
+    template understands (`enable_thinking`, gpt-oss `reasoning_effort`), and a model without
+    reasoning controls ignores it.
+    """
+
+    enabled: bool | None = None  # None: the template's own default
+    effort: Effort | None = None
+    budget: int | None = None  # reasoning tokens at most; None: no limit
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 1.0
@@ -96,6 +118,10 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     output: OutputFormat = field(default_factory=OutputFormat)
     sampling: Sampling = field(default_factory=Sampling)
+    thinking: Thinking = field(default_factory=Thinking)
+    # Extra variables for the chat template (OpenAI-compatible `chat_template_kwargs`), over the
+    # server's `--chat-template-kwargs` default.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tools_active(self) -> bool:
