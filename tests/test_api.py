@@ -27,6 +27,14 @@ def test_health_reports_model_and_version(server):
     assert data["version"] == __version__
 
 
+def test_root_answers_probes(server):
+    """Claude Code sends `HEAD /` before its first request; it and GET get a 200."""
+    assert httpx.head(server.base_url + "/").status_code == 200
+    reply = httpx.get(server.base_url + "/")
+    assert reply.status_code == 200 and "running" in reply.text
+    assert httpx.post(server.base_url + "/", json={}).status_code == 405
+
+
 def test_models_list_and_lookup(server, openai_client):
     models = openai_client.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -117,6 +117,7 @@ def test_api_key_required_when_configured(start_server):
     ok = post(srv, CHAT, json=body, headers={"Authorization": "Bearer sekrit"})
     assert ok.status_code == 200
     assert httpx.get(srv.base_url + "/health").status_code == 200  # probes need no key
+    assert httpx.head(srv.base_url + "/").status_code == 200  # Claude Code's first probe
     bad = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

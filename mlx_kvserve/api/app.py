@@ -55,6 +55,12 @@ async def health(request: Request) -> Response:
     )
 
 
+async def root(request: Request) -> Response:
+    """A liveness answer at `/`, as Ollama and llama.cpp give one: Claude Code probes the base URL
+    with `HEAD /` (no API key) before its first request."""
+    return Response("mlx-kvserve is running\n", media_type="text/plain")
+
+
 CACHE_STATS_TIMEOUT = 30.0
 
 
@@ -145,6 +151,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     metrics = Metrics(engine, cache_enabled=engine.cache_enabled)
     engine.add_observer(metrics.observe_request)
     routes = [
+        Route("/", root, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),

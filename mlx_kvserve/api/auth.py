@@ -30,8 +30,12 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return found
 
 
+OPEN_PATHS = frozenset({"/health", "/"})
+
+
 class BearerAuth:
-    """Guard every path but /health with one of the configured keys (/health is for probes)."""
+    """Guard every path but the probes (/health, and `/`, which says only that the server runs)
+    with one of the configured keys."""
 
     def __init__(
         self, app: ASGIApp, api_keys: Iterable[str] = (), *, isolate: bool = False
@@ -49,7 +53,7 @@ class BearerAuth:
         return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.keys or scope["type"] != "http" or scope["path"] == "/health":
+        if not self.keys or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = presented_key(scope["headers"])
