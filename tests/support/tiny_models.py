@@ -1,0 +1,262 @@
+"""Tiny random-weight mlx-lm model directories of mlx-lm's own architectures, for tests.
+
+`make_model_dir(dest, "gemma3_text")` writes what `mlx_lm.load` and `serve --model DIR` read: a
+``config.json`` (``model_type`` plus tiny dimensions), ``model.safetensors`` with the parameters of
+``mlx_lm.models.<type>.Model`` built from a fixed seed, and the default model's tokenizer files
+(SmolLM2's, 49152 tokens; every config's vocabulary covers it). Hidden size 64 and two to four
+layers, so a CPU serves them faster than the real default model.
+
+Each family keeps the cache types its real models build: ``llama`` plain ``KVCache``,
+``qwen3_next`` / ``qwen3_5`` linear-attention ``ArraysCache`` layers with one full-attention
+layer, ``gemma3_text`` / ``gemma3`` sliding windows (``RotatingKVCache``), ``gpt_oss`` sliding
+windows with attention sinks and experts, ``deepseek_v3`` MLA latent KV, ``mamba`` / ``mamba2``
+SSM state only, ``falcon_h1`` ``CacheList(ArraysCache, KVCache)``, ``llama4`` ``ChunkedKVCache``.
+The wrappers (``qwen3_5``, ``gemma3``) write their dimensions under ``text_config`` as the Hugging
+Face configs do; keyword overrides go where the family keeps them (``max_position_embeddings=...``
+lands in ``text_config`` for a wrapper).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+VOCAB = 49152  # SmolLM2's tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+_ATTN = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+}
+
+_QWEN_LINEAR = {
+    **_ATTN,
+    "num_hidden_layers": 4,  # layers 0-2 linear attention (ArraysCache), layer 3 full (KVCache)
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+
+_GEMMA3_TEXT = {
+    **_ATTN,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 1,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 32,  # small, so a short conversation already slides
+    "sliding_window_pattern": 3,  # layers 0-1 sliding (RotatingKVCache), layer 2 global
+    "max_position_embeddings": 32768,
+}
+
+# Per family: the config.json a conversion of a real checkpoint would carry, shrunk.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_next": {
+        **_QWEN_LINEAR,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "qwen3_5": {
+        "text_config": {
+            **_QWEN_LINEAR,
+            "model_type": "qwen3_5_text",
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+            },
+        },
+    },
+    "gemma3_text": dict(_GEMMA3_TEXT),
+    "gemma3": {"text_config": {**_GEMMA3_TEXT, "model_type": "gemma3_text"}, "vocab_size": VOCAB},
+    "gpt_oss": {
+        **_ATTN,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 150000,
+        # As the real configs: no context field mlx-lm reads, but these two for the server.
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+    },
+    "deepseek_v3": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "max_position_embeddings": 16384,
+    },
+    "mamba": {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "state_size": 16,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+        "tie_word_embeddings": True,
+    },
+    "mamba2": {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "expand": 1,  # transformers checks hidden_size * expand == num_heads * head_dim
+        "state_size": 16,
+        "num_hidden_layers": 2,
+        "layer_norm_epsilon": 1e-5,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "tie_word_embeddings": True,
+        "time_step_limit": [0.0, 1e9],
+        "time_step_rank": "auto",
+        "max_position_embeddings": 8192,
+    },
+    "falcon_h1": {
+        **_ATTN,
+        "num_hidden_layers": 2,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_heads": 4,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 16,
+        "max_position_embeddings": 8192,
+    },
+    "llama4": {
+        "text_config": {
+            **_ATTN,
+            "num_hidden_layers": 4,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "model_type": "llama4_text",
+            "attention_bias": False,
+            "rope_scaling": None,
+            "attention_chunk_size": 32,
+            "use_qk_norm": True,
+            "attn_temperature_tuning": True,
+            "floor_scale": 8192,
+            "attn_scale": 0.1,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 16384,
+        },
+    },
+}
+
+WRAPPERS = frozenset(k for k, v in CONFIGS.items() if "text_config" in v)
+
+
+@functools.cache
+def default_tokenizer_dir() -> Path:
+    """The converted default model (converted once into the shared data dir, as tests do)."""
+    from mlx_kvserve import paths
+    from mlx_kvserve.models.default_model import default_model_dir, ensure_default_model
+
+    found = default_model_dir(paths.data_dir())
+    if not (found / "tokenizer.json").is_file():
+        found = ensure_default_model(paths.data_dir(), progress=False)
+    return found
+
+
+def model_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """The config.json of a tiny `model_type`; overrides go into `text_config` for a wrapper."""
+    if model_type not in CONFIGS:
+        raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(CONFIGS)}")
+    config = copy.deepcopy(CONFIGS[model_type])
+    target = config["text_config"] if model_type in WRAPPERS else config
+    target.update(overrides)
+    config["model_type"] = model_type
+    return config
+
+
+def make_model_dir(
+    dest: Path,
+    model_type: str,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random-weight `model_type` model into `dest` (created) and return it.
+
+    `dtype` casts the floating parameters as `mlx_lm.convert` does, so a model's
+    ``cast_predicate`` keeps its deliberate float32 tensors (Qwen3.5's ``A_log``, DeepSeek-V3's
+    router bias) in float32.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+
+    config = model_config(model_type, **config_overrides)
+    if dtype != "float32":
+        config["torch_dtype"] = dtype
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    target = getattr(mx, dtype)
+    keep = getattr(model, "cast_predicate", lambda _path: True)
+
+    def cast(path: str, value: Any) -> Any:
+        if keep(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(target)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    source = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, dest / name)
+    return dest
