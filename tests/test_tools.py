@@ -92,6 +92,29 @@ def test_forced_calls_always_validate(openai_client, named):
         assert_valid_call(call)
 
 
+def test_unimplemented_schema_keywords_are_ignored_in_tools(openai_client):
+    """Claude Code's tools use `propertyNames`, which the grammar library does not implement: the
+    keyword is ignored (as non-strict OpenAI tools ignore what they do not enforce), the rest of
+    the schema still constrains the call."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
+    reply = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tag this."}],
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=60,
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    assert list(json.loads(call.function.arguments)) == ["tags"]
+
+
 def test_streamed_call_reassembles_to_the_non_streamed_one(openai_client):
     kwargs = dict(
         model=MODEL,

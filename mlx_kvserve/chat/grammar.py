@@ -32,6 +32,11 @@ from mlx_kvserve.chat.tool_format import ToolFormat
 
 MAX_PARALLEL_CALLS = 4
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Tool schemas guide a call, and agents send keywords the library does not implement (Claude
+# Code's `propertyNames`, for one); as on OpenAI's non-strict tools, those keywords are ignored
+# rather than refusing the request. A response_format schema stays strict: there the client
+# asked for exactly that schema.
+TOOL_STYLE = {**JSON_STYLE, "lenient": True}
 
 
 class Constraint:
@@ -135,7 +140,8 @@ class GrammarCompiler:
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
-            self._compile(_json_grammar(_parameters(tool)), f"tools[{i}].function.parameters")
+            grammar = _json_grammar(_parameters(tool), TOOL_STYLE)
+            self._compile(grammar, f"tools[{i}].function.parameters")
 
     def _compile(self, grammar: str, param: str) -> Constraint:
         import llguidance
@@ -168,7 +174,7 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
         for t in tools
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_STYLE}
+    return {**schema, "x-guidance": TOOL_STYLE}
 
 
 def _calls_rule(req: ChatRequest, fmt: ToolFormat) -> str:
@@ -196,10 +202,10 @@ def _output_param(req: ChatRequest) -> str:
     )
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
+def _json_grammar(schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
 
 
 def _lark(*parts: str) -> str:
