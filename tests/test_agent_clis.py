@@ -51,7 +51,10 @@ def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 
 
 def served(exchanges: list[Exchange]) -> None:
-    """Every request the CLI sent was answered 2xx."""
+    """Every request the CLI sent was answered 2xx (and a line per request for the record)."""
+    for e in exchanges:
+        print(f"{e.method} {e.path}{'?' + e.query if e.query else ''} -> {e.status}", end=" ")
+        print("(prompt, cached) =", e.cached_tokens())
     failed = [(e.method, e.path, e.query, e.status, e.response[:300]) for e in exchanges]
     failed = [f for f in failed if not 200 <= f[3] < 300]
     assert exchanges and not failed, failed

@@ -36,6 +36,36 @@ class Exchange:
     status: int = 0
     response: bytes = b""
 
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON payloads of a server-sent-event response, or the one JSON body."""
+        text = self.response.decode("utf-8", "replace")
+        lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        out = []
+        for payload in lines or [text]:
+            try:
+                out.append(json.loads(payload))
+            except ValueError:
+                continue
+        return out
+
+    def cached_tokens(self) -> tuple[int, int] | None:
+        """(prompt tokens, tokens read from the prompt cache) as this response reported them:
+        Anthropic's `message_start` usage, or the Responses / chat `usage`."""
+        for event in self.events():
+            if not isinstance(event, dict):
+                continue
+            usage = (event.get("message") or event.get("response") or event).get("usage")
+            if not isinstance(usage, dict):
+                continue
+            if "cache_read_input_tokens" in usage:
+                read = usage["cache_read_input_tokens"] or 0
+                return usage["input_tokens"] + read, read
+            details = usage.get("input_tokens_details") or usage.get("prompt_tokens_details")
+            if details is not None:
+                total = usage.get("input_tokens", usage.get("prompt_tokens", 0))
+                return total, details.get("cached_tokens", 0)
+        return None
+
 
 @dataclass
 class Recorder:
