@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import httpx
@@ -95,6 +96,14 @@ def test_context_overflow_is_400(server):
     long_prompt = "word " * 9000  # more tokens than the model's 8192-token context
     error = assert_error(post(server, "/v1/completions", json={"prompt": long_prompt}), 400)
     assert error["code"] == "context_length_exceeded"
+    # Claude Code's own pattern for this error, on which it compacts the conversation.
+    found = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", error["message"])
+    assert found and int(found[1]) > 8191 and int(found[2]) == 8191, error["message"]
+    body = {"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": long_prompt}]}
+    reply = post(server, "/v1/messages", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert re.search(r"prompt is too long[^0-9]*\d+\s*tokens?\s*>\s*8191", reply.text)
 
 
 def test_oversize_body_is_413(start_server):

@@ -286,8 +286,10 @@ def _sampling(
     if room is not None and room < 1:
         raise APIError(
             400,
-            f"The prompt is {prompt_tokens} tokens, which leaves no room in the model's "
-            f"context of {context} tokens.",
+            # Worded as Anthropic words it: Claude Code reads "prompt is too long: N tokens > M"
+            # and compacts its history; Codex reads the code.
+            f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum (the model's "
+            f"context is {context} tokens and the answer needs at least one).",
             param="prompt" if kind == "text" else "messages",
             code="context_length_exceeded",
         )
