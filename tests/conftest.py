@@ -138,6 +138,18 @@ def nocache_server(session_dir: Path) -> Iterator[ServerProcess]:
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def agent_server(session_dir: Path) -> Iterator[ServerProcess]:
+    """A server on a tiny random-weight llama with a 128k context, for the agents' long prompts
+    (tests/support/agent_clis.py); shared by the real-CLI tests and the replayed request shapes."""
+    from tests.support.agent_clis import agent_model_dir
+
+    model = agent_model_dir(session_dir / "tiny-agent")
+    proc = ServerProcess(session_dir, "--model", str(model), "--served-model-name", "tiny-agent")
+    yield proc.wait_ready()
+    proc.stop()
+
+
 def client_for(server: ServerProcess):
     import openai
 

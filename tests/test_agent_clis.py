@@ -11,16 +11,13 @@ redacted request fixtures that tests/test_cli_shapes.py replays without npm.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ServerProcess
 from tests.support.agent_clis import (
     CLAUDE_CODE,
     CODEX,
     Clis,
-    agent_model_dir,
     install_clis,
     run_claude,
     run_codex,
@@ -39,15 +36,6 @@ def clis() -> Clis:
     if isinstance(found, str):
         pytest.skip(f"the agent CLIs cannot be installed here: {found}")
     return found
-
-
-@pytest.fixture(scope="module")
-def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("agent-server")
-    model = agent_model_dir(workdir / "tiny-agent")
-    proc = ServerProcess(workdir, "--model", str(model), "--served-model-name", "tiny-agent")
-    yield proc.wait_ready()
-    proc.stop()
 
 
 def served(exchanges: list[Exchange]) -> None:
