@@ -131,6 +131,12 @@ def serve(settings: Settings) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot prepare the model: %s", exc)
         return 2
+    from mlx_kvserve.models.preflight import model_dir_problem
+
+    problem = model_dir_problem(model_dir)
+    if problem:
+        log.error("cannot serve the model: %s", problem)
+        return 2
     from mlx_kvserve.models.context import read_context_length
     from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
 
