@@ -67,3 +67,40 @@ def test_a_snapshot_is_never_restored_into_another_dtype(tmp_path):
         cache.restore(match, make_prompt_cache(model), tokens=prompt, dtype=mx.float16)
     cache.restore(match, make_prompt_cache(model), tokens=prompt, dtype=mx.float32)
     cache.close()
+
+
+def _tiny(tmp_path, model_type: str, dtype: str):
+    from mlx_lm import load
+
+    from tests.support.tiny_models import make_model_dir
+
+    model, _ = load(str(make_model_dir(tmp_path / model_type, model_type, dtype=dtype)))
+    return model
+
+
+def _dtypes(model) -> dict[str, mx.Dtype]:
+    from mlx.utils import tree_flatten
+
+    return {k: v.dtype for k, v in tree_flatten(model.parameters())}
+
+
+def test_auto_leaves_a_bf16_model_with_deliberate_float32_tensors_alone(tmp_path):
+    """Qwen3.5 keeps `A_log` in float32 on purpose; the model still computes in bfloat16, so
+    "auto" changes nothing (it once recast the whole model to float16)."""
+    model = _tiny(tmp_path, "qwen3_5", "bfloat16")
+    before = _dtypes(model)
+    kept = [k for k, d in before.items() if d == mx.float32]
+    assert kept and all(k.endswith("A_log") for k in kept)
+    assert not apply_kv_dtype(model, HALF, only_if_float32=True)
+    assert _dtypes(model) == before
+    assert PromptStates(model, None).kv_dtype == mx.bfloat16
+
+
+def test_a_cast_keeps_the_tensors_mlx_lm_keeps_in_float32(tmp_path):
+    """A float32 model is halved by "auto", but not the tensors its `cast_predicate` keeps."""
+    model = _tiny(tmp_path, "qwen3_5", "float32")
+    assert apply_kv_dtype(model, HALF, only_if_float32=True)
+    after = _dtypes(model)
+    assert {d for k, d in after.items() if k.endswith("A_log")} == {mx.float32}
+    assert {d for k, d in after.items() if not k.endswith("A_log")} == {getattr(mx, HALF)}
+    assert PromptStates(model, None).kv_dtype == getattr(mx, HALF)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from mlx_kvserve.engine.memory import kv_layout
+from mlx_kvserve.cache.kinds import describe_model
 from mlx_kvserve.engine.requests import Done, Prefilled, SamplingParams
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.worker import Engine
@@ -221,7 +221,7 @@ def test_a_request_cancelled_while_waiting_to_prefill_ends_at_once(model):
 def test_prefills_count_against_the_kv_budget(model):
     """Two requests whose KV cannot fit together never run at once, not even both prefilling;
     with room for both they do."""
-    per_token, _ = kv_layout(model)
+    per_token = describe_model(model).bytes_per_token
     budget = int(per_token * (len(LONG) + 4) * 1.5)
     a, b = Ordered("a", [], LONG, 4), Ordered("b", [], LONG[::-1], 4)
     assert run_paused(model, [a, b], prefill_step=4, kv_budget=budget) == 1

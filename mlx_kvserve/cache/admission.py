@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_kvserve.cache import codec, state
+from mlx_kvserve.cache import codec, kinds, state
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.codec import Slot
 from mlx_kvserve.cache.entry import (
@@ -131,8 +131,9 @@ def _store(
     else:
         kind = SNAPSHOT
         meta, arrays = state.extract_snapshot(caches)
-        if arrays:  # the first array of layer 0's state: the rule PromptStates.kv_dtype uses
-            meta["kv_dtype"] = arrays[0].dtype
+        stored = kinds.kv_dtype(caches)  # the rule PromptStates.kv_dtype uses
+        if stored is not None:
+            meta["kv_dtype"] = state.dtype_name(stored)
     payload_bytes = sum(a.nbytes for a in arrays)
     probe_doc = state.make_probe(probe, n - 1) if probe is not None else None
     now = catalog.clock()

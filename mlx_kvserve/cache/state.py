@@ -2,12 +2,14 @@
 
 Two shapes of stored state:
 
-* **delta** (every layer a plain `KVCache`): arrays `k.<layer>` / `v.<layer>` holding positions
-  [start, end) of each layer's keys/values, sliced out of the padded buffer (KVCache grows in
-  steps of 256, and `state` returns the padding too). Restore copies a chain into one buffer.
-* **snapshot** (anything else: RotatingKVCache, ArraysCache/SSM, QuantizedKVCache, mixed): each
-  layer's class name plus its `state` tree, with arrays replaced by references into the payload.
-  Padded KV buffers are sliced to their real length first; everything else is stored as is.
+* **delta** (every layer plain position-indexed KV, `kinds.is_sliceable`): arrays `k.<layer>` /
+  `v.<layer>` holding positions [start, end) of each layer's keys/values, sliced out of the
+  padded buffer (KVCache grows in steps of 256, and `state` returns the padding too). Restore
+  copies a chain into one buffer.
+* **snapshot** (anything else: RotatingKVCache, ArraysCache/SSM, QuantizedKVCache,
+  ChunkedKVCache, CacheList, mixed, and classes this project does not know): each layer's class
+  name plus its `state` tree, with arrays replaced by references into the payload. Padded KV
+  buffers are sliced to their real length first; everything else is stored as is.
 
 Dtypes are kept exactly; bfloat16 travels as its uint16 bit pattern.
 """
@@ -19,9 +21,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models import cache as mlx_cache
 
 from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
+from mlx_kvserve.cache.kinds import is_sliceable
+
+__all__ = ["is_sliceable"]  # re-exported: the engine and admission ask it here
 
 _MX_DTYPES: dict[str, Any] = {
     name: (mx.bool_ if name == "bool" else getattr(mx, name)) for name in DTYPES
@@ -72,11 +77,6 @@ def cache_offsets(caches: Sequence[Any]) -> list[int]:
         if isinstance(off, int) and not isinstance(off, bool):
             out.append(off)
     return out
-
-
-def is_sliceable(caches: Sequence[Any]) -> bool:
-    """Deltas need every layer to be a plain KVCache (position-sliceable, trimmable)."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
 
 
 # -- deltas ---------------------------------------------------------------------------------
@@ -237,21 +237,48 @@ def _padded_length(usable: int, step: int) -> int:
 
 
 # -- snapshots ------------------------------------------------------------------------------
+# A layer's `state` with its KV buffers cut to the positions in use (KVCache and ChunkedKVCache
+# allocate 256 positions ahead; a RotatingKVCache that has not wrapped yet, up to its window).
+# Per class, because `state` returns the padding too; any other class is stored as its `state`.
+def _cut_kv(c: Any) -> Any:
+    off = c.offset
+    return (c.keys[..., :off, :], c.values[..., :off, :], off)
+
+
+def _cut_quantized(c: Any) -> Any:
+    off = c.offset
+    cut = tuple(x[..., :off, :] for x in c.keys), tuple(x[..., :off, :] for x in c.values)
+    return (*cut, off, c.group_size, c.bits)
+
+
+def _cut_rotating(c: Any) -> Any:
+    if c.offset != c._idx:  # wrapped: the whole window is in use, in rotated order
+        return c.state
+    idx = c._idx
+    return (c.keys[..., :idx, :], c.values[..., :idx, :], c.offset, c.keep, c.max_size, idx)
+
+
+def _cut_chunked(c: Any) -> Any:
+    held = c.offset - c.start_position
+    return (c.keys[..., :held, :], c.values[..., :held, :], *c.state[2:])
+
+
+_CUT: dict[type, Callable[[Any], Any]] = {
+    mlx_cache.KVCache: _cut_kv,
+    mlx_cache.QuantizedKVCache: _cut_quantized,
+    mlx_cache.RotatingKVCache: _cut_rotating,
+    mlx_cache.ChunkedKVCache: _cut_chunked,
+}
+
+
 def _layer_state(c: Any) -> Any:
     """A layer's `state` with padded KV buffers cut to their real length."""
-    name = type(c).__name__
-    off = getattr(c, "offset", None)
-    if name == "KVCache" and c.keys is not None:
-        return (c.keys[..., :off, :], c.values[..., :off, :], off)
-    if name == "QuantizedKVCache" and c.keys is not None:
-        cut = tuple(x[..., :off, :] for x in c.keys), tuple(x[..., :off, :] for x in c.values)
-        return (*cut, off, c.group_size, c.bits)
-    if name == "RotatingKVCache" and c.keys is not None and c.offset == c._idx:
-        # Not wrapped yet: positions beyond _idx are unused buffer.
-        idx = c._idx
-        return (c.keys[..., :idx, :], c.values[..., :idx, :], off, c.keep, c.max_size, idx)
-    if name == "CacheList":
-        return [(_layer_state(sub), type(sub).__name__) for sub in c.caches]
+    parts = getattr(c, "caches", None)
+    if isinstance(parts, (list, tuple)):  # CacheList: its state setter takes (state, class)
+        return [(_layer_state(sub), type(sub).__name__) for sub in parts]
+    cut = _CUT.get(type(c))
+    if cut is not None and getattr(c, "keys", None) is not None:
+        return cut(c)
     return c.state
 
 
@@ -327,18 +354,53 @@ def restore_snapshot(
         raise StateError(f"restored offsets {sorted(set(offsets))} != {n_tokens} tokens")
 
 
+def _check_rotating(c: Any, state: Any, i: int) -> None:
+    if not isinstance(state, tuple) or len(state) != 6:
+        raise StateError(f"layer {i}: malformed RotatingKVCache state")
+    if (state[3], state[4]) != (c.keep, c.max_size):
+        raise StateError(f"layer {i}: window {state[3:5]} != model's {(c.keep, c.max_size)}")
+
+
+def _check_arrays(c: Any, state: Any, i: int) -> None:
+    if not isinstance(state, tuple) or len(state) != 3 or len(state[0]) != len(c.cache):
+        raise StateError(f"layer {i}: malformed ArraysCache state")
+
+
+def _check_tuple(length: int) -> Callable[[Any, Any, int], None]:
+    def check(c: Any, state: Any, i: int) -> None:
+        if not isinstance(state, tuple) or len(state) != length:
+            raise StateError(f"layer {i}: malformed {type(c).__name__} state")
+
+    return check
+
+
+def _check_list(c: Any, state: Any, i: int) -> None:
+    parts = c.caches
+    if not isinstance(state, list) or len(state) != len(parts):
+        raise StateError(f"layer {i}: malformed CacheList state")
+    for sub, item in zip(parts, state, strict=True):
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or item[1] != type(sub).__name__:
+            raise StateError(
+                f"layer {i}: stored part {item[1:]!r}, model uses {type(sub).__name__}"
+            )
+        _check_geometry(sub, item[0], i)
+
+
+_CHECKS: dict[type, Callable[[Any, Any, int], None]] = {
+    mlx_cache.KVCache: _check_tuple(3),
+    mlx_cache.QuantizedKVCache: _check_tuple(5),
+    mlx_cache.ChunkedKVCache: _check_tuple(5),
+    mlx_cache.RotatingKVCache: _check_rotating,
+    mlx_cache.ArraysCache: _check_arrays,
+    mlx_cache.CacheList: _check_list,
+}
+
+
 def _check_geometry(c: Any, state: Any, i: int) -> None:
-    name = type(c).__name__
-    if name == "RotatingKVCache":
-        if not isinstance(state, tuple) or len(state) != 6:
-            raise StateError(f"layer {i}: malformed RotatingKVCache state")
-        if (state[3], state[4]) != (c.keep, c.max_size):
-            raise StateError(f"layer {i}: window {state[3:5]} != model's {(c.keep, c.max_size)}")
-    elif name == "ArraysCache":
-        if not isinstance(state, tuple) or len(state) != 3 or len(state[0]) != len(c.cache):
-            raise StateError(f"layer {i}: malformed ArraysCache state")
-    elif name == "KVCache" and (not isinstance(state, tuple) or len(state) != 3):
-        raise StateError(f"layer {i}: malformed KVCache state")
+    """The stored state has the shape of the layer's class (and a window its window)."""
+    check = _CHECKS.get(type(c))
+    if check is not None:
+        check(c, state, i)
 
 
 def _assert_finite(arrays: Sequence[mx.array]) -> None:

@@ -131,6 +131,13 @@ def serve(settings: Settings) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot prepare the model: %s", exc)
         return 2
+    from mlx_kvserve.models.preflight import model_dir_problem
+
+    problem = model_dir_problem(model_dir)
+    if problem:
+        log.error("cannot serve the model: %s", problem)
+        return 2
+    from mlx_kvserve.models.context import read_context_length
     from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
@@ -158,6 +165,7 @@ def serve(settings: Settings) -> int:
         max_concurrency=settings.max_concurrency,
         kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
         live_budget=parse_size(settings.live_budget),
+        context_length=read_context_length(model_dir),
     )
     app = create_app(settings, engine, model_id)
     DrainingServer = _draining_server_class()

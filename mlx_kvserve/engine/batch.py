@@ -26,16 +26,18 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
+from mlx_kvserve.cache.kinds import KVLayout
 from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
 
 
-def can_merge(caches: list) -> bool:
-    """Whether these per-layer caches can join a `BatchKVCache` (plain KVCache layers only)."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
+def can_batch(layout: KVLayout) -> bool:
+    """Whether rows of this model decode together here: every layer plain position-indexed KV,
+    which `BatchKVCache` merges."""
+    return layout.mergeable and layout.sliceable
 
 
 class DecodeBatch:

@@ -27,9 +27,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_reduce
-from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_kvserve.engine.batch import can_merge
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -105,27 +102,3 @@ class MemoryPolicy:
 
 def _model_bytes(model: Any) -> int:
     return tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
-
-
-def kv_layout(model: Any) -> tuple[int, bool]:
-    """(KV bytes per token, whether the caches can be batched), from a one-token pass."""
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    total = 0
-    for cache in caches:
-        keys = getattr(cache, "keys", None)
-        values = getattr(cache, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array):
-            # [batch, heads, positions allocated, dim]: one position's share of the buffer
-            total += (keys.nbytes + values.nbytes) // max(1, keys.shape[2])
-    return total, can_merge(caches)
-
-
-def context_length(model: Any) -> int | None:
-    """The model's context window as its config states it, if it does."""
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

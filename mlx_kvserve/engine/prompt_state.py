@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, PromptCache, probe_matches
+from mlx_kvserve.cache.kinds import describe_model
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -199,10 +200,6 @@ def _nbytes(caches: list) -> int:
 
 
 def _kv_dtype(model) -> mx.Dtype:
-    """The dtype the model's KV cache holds, found by one tiny forward pass."""
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    state = caches[0].state
-    first = state[0] if isinstance(state, (list, tuple)) else state
-    mx.eval(first)
-    return first.dtype
+    """The dtype the model's KV cache holds, asked of its caches after a one-token pass (the
+    rule checkpoints record theirs by, see `cache.kinds.kv_dtype`)."""
+    return describe_model(model).kv_dtype

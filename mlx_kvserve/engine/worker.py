@@ -30,15 +30,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.cache.kinds import KVLayout, describe_model
+from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
-from mlx_kvserve.engine.memory import MemoryPolicy, context_length, kv_layout
+from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.namespaces import make_states
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.waitlist import WaitQueue
+from mlx_kvserve.models.context import context_from_model
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -74,6 +76,7 @@ class Engine:
         max_concurrency: int = 8,
         kv_budget: int | None = None,
         live_budget: int = 1 << 30,
+        context_length: int | None = None,
     ) -> None:
         """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
 
@@ -81,6 +84,8 @@ class Engine:
         (pending writes flushed) when the engine stops; `cache_enabled=False` also disables
         reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
+        `context_length` is the window the model's config states (models/context.py); None
+        falls back to the model object's args.
         """
         self._loader = loader
         self.prompt_cache = prompt_cache
@@ -93,7 +98,9 @@ class Engine:
         self.max_concurrency = max(1, max_concurrency)
         self.kv_budget = kv_budget
         self.live_budget = live_budget
-        self.kv_bytes_per_token = 0
+        self.kv_bytes_per_token = 0  # what one more token adds (layers whose KV grows)
+        self.kv_fixed_bytes = 0  # what a sequence holds at any length (windows, SSM states)
+        self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
         self.schedule = Scheduler(prefill_step)  # the prefills in flight
         self._held: GenerationRequest | None = None  # next in line, waiting for room
@@ -104,7 +111,7 @@ class Engine:
         self.load_error: str | None = None
         self.model: Any = None
         self.tokenizer: Any = None
-        self.context_length: int | None = None
+        self.context_length: int | None = context_length
         self.memory = MemoryPolicy(mlx_cache_limit, prefill_step)
         self._calls = CallQueue()
         self.busy_seconds = 0.0  # time spent serving requests, for metrics
@@ -128,8 +135,10 @@ class Engine:
         return len(self.schedule) + (len(self.batch) if self.batch is not None else 0)
 
     def kv_need(self, req: GenerationRequest) -> int:
-        """Bytes of KV `req` may hold at most: its prompt plus every token it may generate."""
-        return (len(req.prompt_tokens) + req.params.max_tokens) * self.kv_bytes_per_token
+        """Bytes of KV `req` may hold at most: its prompt plus every token it may generate, in
+        the layers that grow per token, and the full windows and states of the others."""
+        tokens = len(req.prompt_tokens) + req.params.max_tokens
+        return tokens * self.kv_bytes_per_token + self.kv_fixed_bytes
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request for the engine thread; raises instead of waiting when it cannot."""
@@ -139,7 +148,7 @@ class Engine:
             raise EngineNotReady(self.load_error or "the model is still loading")
         budget = self.kv_budget or 0
         if budget and self.kv_need(req) > budget:
-            most = budget // max(1, self.kv_bytes_per_token)
+            most = (budget - self.kv_fixed_bytes) // max(1, self.kv_bytes_per_token)
             raise RequestTooLarge(
                 f"The prompt ({len(req.prompt_tokens)} tokens) plus max_tokens "
                 f"({req.params.max_tokens}) needs more KV memory than this server may use "
@@ -215,7 +224,20 @@ class Engine:
     def _run(self) -> None:
         try:
             self.model, self.tokenizer = self._loader()
-            self.context_length = context_length(self.model)
+            if self.context_length is None:
+                self.context_length = context_from_model(self.model)
+            if self.context_length is None:
+                log.warning(
+                    "the model's config states no context length: prompts are not checked "
+                    "against a window and requests without max_tokens get the default cap"
+                )
+            self.layout = describe_model(self.model)
+            if self.layout.unknown:
+                log.warning(
+                    "cache class(es) %s unknown to mlx-kvserve: their state is checkpointed "
+                    "whole (snapshots) and requests run one at a time",
+                    ", ".join(self.layout.unknown),
+                )
             states = make_states(
                 self.model,
                 self.prompt_cache,
@@ -232,7 +254,9 @@ class Engine:
             self.generator.after_prefill = self.memory.after_prefill
             self.generator.before_done = self._observe
             self.memory.start(self.model)
-            self.kv_bytes_per_token, self._can_batch = kv_layout(self.model)
+            self.kv_bytes_per_token = self.layout.bytes_per_token
+            self.kv_fixed_bytes = self.layout.fixed_bytes
+            self._can_batch = can_batch(self.layout)
             if self.kv_budget is None:
                 self.kv_budget = self.memory.default_kv_budget(self.model, self.live_budget)
             self.batch = DecodeBatch(self.model, self._ended)
@@ -242,13 +266,15 @@ class Engine:
             return
         self.ready.set()
         log.info(
-            "model ready (context %s tokens; up to %d requests decode together%s; KV budget "
-            "%.1f GiB, %d bytes per token)",
+            "model ready (context %s tokens; layers: %s; up to %d requests decode together%s; "
+            "KV budget %.1f GiB, %d bytes per token + %d per sequence)",
             self.context_length,
+            self.layout.summary(),
             self.max_concurrency if self._can_batch else 1,
             "" if self._can_batch else ": this model's caches cannot be batched",
             self.kv_budget / 2**30,
             self.kv_bytes_per_token,
+            self.kv_fixed_bytes,
         )
         try:
             self._loop()
@@ -314,6 +340,7 @@ class Engine:
         if not self._can_join():
             return False
         needed = self.batch.kv_tokens() * self.kv_bytes_per_token + self.kv_need(req)
+        needed += len(self.batch) * self.kv_fixed_bytes
         needed += sum(self.kv_need(task.req) for task in self.schedule)
         return needed <= (self.kv_budget or needed)
 

@@ -22,6 +22,7 @@ import copy
 import functools
 import importlib
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,18 @@ def model_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def _long_memory(path: str, value: Any) -> Any:
+    """SSM time steps as Mamba initialises them (softplus(dt_bias) in [0.001, 0.1]), not
+    mlx-lm's placeholder ones (a step of about 1.3, which forgets a token within a few): a
+    state restored wrongly must change the answers, as it would with real weights."""
+    import mlx.core as mx
+
+    if not (path.endswith("dt_bias") or path.endswith("dt_proj.bias")):
+        return value
+    dt = mx.exp(mx.random.uniform(math.log(0.001), math.log(0.1), value.shape))
+    return mx.log(mx.expm1(dt)).astype(value.dtype)  # the inverse of softplus
+
+
 def make_model_dir(
     dest: Path,
     model_type: str,
@@ -240,6 +253,7 @@ def make_model_dir(
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map_with_path(_long_memory, model.parameters()))
     target = getattr(mx, dtype)
     keep = getattr(model, "cast_predicate", lambda _path: True)
 

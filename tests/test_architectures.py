@@ -1,0 +1,145 @@
+"""Every cache type mlx-lm builds, served end to end: tiny random-weight models of mlx-lm's own
+architectures (tests/support/tiny_models.py) behind real servers.
+
+Per architecture: the server starts and describes its layers; greedy answers with the prompt
+cache equal a `--no-cache` server's over a four-turn conversation, with a restart of the cached
+server in the middle whose next turn is served from disk. A prefill chunk of 16 tokens and a
+checkpoint every 64 make every turn prefill in several chunks and checkpoint inside them; the
+windows of the tiny models (32) are slid past by every prompt.
+
+The matrix: llama (plain KVCache, deltas, batched), qwen3_5 (linear attention: ArraysCache +
+KVCache, wrapped in text_config), gemma3_text (RotatingKVCache windows), gpt_oss (windows, sinks,
+experts, no context field mlx-lm reads), deepseek_v3 (MLA latent KV), mamba2 (SSM state only),
+falcon_h1 (CacheList of SSM state and KV), llama4 (ChunkedKVCache).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, client_for
+from tests.support.tiny_models import make_model_dir
+
+pytestmark = pytest.mark.slow
+
+# What the start-up log says of each model's layers, and the context window its config states.
+MATRIX = {
+    "llama": ("2 tokens", 8192),
+    "qwen3_5": ("3 state + 1 tokens", 32768),
+    "gemma3_text": ("2 window of 32 + 1 tokens", 32768),
+    "gpt_oss": ("1 window of 32 + 1 tokens", 131072),
+    "deepseek_v3": ("2 tokens", 16384),
+    "mamba2": ("2 state", 8192),
+    "falcon_h1": ("2 list (tokens)", 8192),
+    "llama4": ("3 window of 32 + 1 tokens", 16384),
+}
+SLICEABLE = {"llama", "deepseek_v3"}
+FLAGS = ("--prefill-step", "16", "--checkpoint-interval", "64")
+SYSTEM = {
+    "role": "system",
+    "content": "You are the help desk of a small bicycle shop in a river town. Answer briefly. "
+    "We repair city bikes, road bikes and cargo bikes, sell tyres, lights, locks and bells, "
+    "rent tandems on weekends, and are closed on Mondays and public holidays.",
+}
+QUESTIONS = [
+    "Can you fix a flat tyre today?",
+    "How much is a tandem for a Saturday?",
+    "Do you sell front lights that charge over USB?",
+    "Are you open on Easter Monday?",
+]
+
+
+@dataclass
+class Arch:
+    name: str
+    model_dir: Path
+    work: Path
+    reference: ServerProcess  # --no-cache
+
+
+@pytest.fixture(scope="module", params=list(MATRIX))
+def arch(request, tmp_path_factory) -> Iterator[Arch]:
+    work = tmp_path_factory.mktemp(request.param)
+    model_dir = make_model_dir(work / "model", request.param)
+    reference = ServerProcess(work, "--model", str(model_dir), "--no-cache", *FLAGS)
+    try:
+        reference.wait_ready()
+        yield Arch(request.param, model_dir, work, reference)
+    finally:
+        reference.stop()
+
+
+def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 12):
+    resp = client_for(server).chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=max_tokens
+    )
+    return resp.choices[0].message.content, resp.usage
+
+
+def cached_server(arch: Arch) -> ServerProcess:
+    env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv")}
+    return ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
+
+
+def test_starts_and_describes_its_layers(arch: Arch):
+    layers, context = MATRIX[arch.name]
+    ready = arch.reference.wait_for_log("model ready")
+    line = next(x for x in ready.splitlines() if "model ready" in x)
+    assert f"layers: {layers};" in line
+    assert f"context {context} tokens" in line
+    assert httpx.get(arch.reference.base_url + "/health").json()["status"] == "ok"
+
+
+def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
+    server = cached_server(arch)
+    messages, usages = [SYSTEM], []
+    try:
+        for turn, question in enumerate(QUESTIONS):
+            if turn == 2:  # restart: the next turn must come from the disk tier
+                assert server.stop() == 0
+                server = cached_server(arch)
+            messages = [*messages, {"role": "user", "content": question}]
+            answer, usage = chat(server, messages)
+            expected, ref_usage = chat(arch.reference, messages)
+            assert answer == expected, f"turn {turn}"
+            assert usage.prompt_tokens == ref_usage.prompt_tokens
+            assert ref_usage.prompt_tokens_details.cached_tokens == 0
+            usages.append(usage)
+            messages = [*messages, {"role": "assistant", "content": answer}]
+            if turn == 2:
+                stats = httpx.get(server.base_url + "/v1/cache").json()
+                assert stats["restores_from_disk"] >= 1
+        cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+        assert cached[0] == 0
+        if arch.name in SLICEABLE:  # deltas: the whole previous prompt is reused
+            for prev, now in zip(usages, cached[1:], strict=False):
+                assert now >= prev.prompt_tokens
+        else:
+            # Snapshots serve exact prefixes only, and a newer snapshot prunes the older ones
+            # it extends (cache/policy.py): when the answer does not re-tokenize as generated,
+            # what is left for the next turn may be only the system prompt's anchor.
+            assert min(cached[1:]) > 0
+        log = server.log()
+        assert "Traceback" not in log
+        assert re.search(r"cache=disk", log)
+    finally:
+        server.stop()
+
+
+def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
+    model_dir = make_model_dir(tmp_path / "model", "llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    proc = ServerProcess(tmp_path, "--model", str(model_dir))
+    assert proc.proc.wait(120) == 2
+    log = proc.log()
+    proc.stop()
+    assert "cannot load model_type 'no_such_arch'" in log
+    assert "Traceback" not in log
