@@ -198,6 +198,9 @@ def test_next_turn_hits_the_cache_where_the_template_strips_the_reasoning(
     opened, and the cache serves everything before it."""
     first = chat(r1, messages=[{"role": "user", "content": "A question about caches."}])
     msg = message(first)
+    entries = httpx.get(r1.base_url + "/v1/cache", timeout=60).json()["entries_list"]
+    opened = first["usage"]["prompt_tokens"] - 2  # before `<think>\n`
+    assert {"thinking": opened} in [{e["reason"]: e["n_tokens"]} for e in entries], entries
     history = [
         {"role": "user", "content": "A question about caches."},
         {"role": "assistant", "content": msg["content"], "reasoning_content": msg["reasoning"]},
