@@ -24,6 +24,7 @@ markers. Explicit `chat_template_kwargs` win over this mapping, which wins over 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -80,18 +81,28 @@ def opens_reasoning(markers: ThinkMarkers | None, prompt: list[int]) -> int | No
 
 
 def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
-    n = len(seq)
-    for i in range(len(tokens) - n, -1, -1):
-        if tuple(tokens[i : i + n]) == seq:
-            return i
-    return -1
+    """The last position of `seq` in `tokens`, or -1 (list.index does the scanning: prompts are
+    long)."""
+    backwards, n, at = tokens[::-1], len(seq), 0
+    while True:
+        try:
+            j = backwards.index(seq[0], at)
+        except ValueError:
+            return -1
+        pos = len(tokens) - 1 - j
+        if tuple(tokens[pos : pos + n]) == seq:
+            return pos
+        at = j + 1
 
 
 def template_variables(tokenizer: Any) -> frozenset[str]:
     """The undeclared variables of the model's chat template (what it can be told)."""
     source = getattr(tokenizer, "chat_template", None)
-    if not isinstance(source, str):
-        return frozenset()
+    return _variables(source) if isinstance(source, str) else frozenset()
+
+
+@functools.lru_cache(maxsize=4)
+def _variables(source: str) -> frozenset[str]:
     try:
         import jinja2
         from jinja2 import meta

@@ -10,6 +10,8 @@ Checkpoints (why these boundaries):
 - "anchor": the end of the system prompt, shared by every conversation that uses it;
 - "message": the end of the conversation before its newest message, so an edited or retried
   last message, or a branch, restarts from there;
+- "thinking": where the generation prompt opens the model's reasoning (`<think>`), which the next
+  turn's prompt does not repeat when the template strips past reasoning;
 - "interval": every `checkpoint_interval` tokens of a long prefill, so a disconnect or crash
   midway loses at most one interval of work;
 - "generation": prompt plus completion after the answer, which the next turn resends;
