@@ -272,3 +272,33 @@ def test_fuzzed_chat_bodies_never_break_a_thinking_model(
             body,
             r.text[:300],
         )
+
+
+def test_a_forced_call_follows_the_reasoning(r1: ServerProcess) -> None:
+    """R1 distills have no tool format mlx-lm knows: the Hermes fallback, constrained. The
+    grammar waits for the reasoning to end (the server's budget of 6), then forces the call."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "string", "maxLength": 8}},
+                    "required": ["zone"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    body = {"tools": tools, "tool_choice": "required", "max_tokens": 80}
+    answer = chat(r1, **body)
+    msg = message(answer)
+    free = chat(r1, tools=tools, tool_choice="none", max_tokens=6)  # the same prompt, no grammar
+    assert msg["reasoning_content"] == message(free)["reasoning_content"]
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert set(json.loads(call["function"]["arguments"])) == {"zone"}
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    reasoning, _, finish = streamed(r1, **body)
+    assert (reasoning, finish) == (msg["reasoning_content"], "tool_calls")
