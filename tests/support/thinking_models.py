@@ -1,7 +1,7 @@
 """Tiny random-weight models whose tokenizers and chat templates are a thinking family's own.
 
 `build_thinking_model(dest, family)` writes an mlx-lm model directory that `serve --model DIR`
-loads: a llama of tiny dimensions with random weights (seeded), the default model's tokenizer
+loads: a tiny random-weight model (tests/support/tiny_models.py), the default model's tokenizer
 with `<think>` and `</think>` added as tokens (so mlx-lm detects the reasoning markers as it
 does for Qwen3 and DeepSeek-R1), and the family's real chat template from tests/fixtures.
 
@@ -16,6 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
+from tests.support.tiny_models import VOCAB, make_model_dir
+
 TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
 FAMILIES = {
     "qwen3": "qwen3.jinja",
@@ -25,27 +27,19 @@ FAMILIES = {
 THINK_TOKENS = ("<think>", "</think>")
 
 
-def default_model_dir() -> Path:
-    """The converted default model (its tokenizer files are the base), converted if needed."""
-    from mlx_kvserve.models.default_model import ensure_default_model
-    from mlx_kvserve.paths import data_dir
+def build_thinking_model(
+    dest: Path, family: str, *, architecture: str = "llama", seed: int = 0
+) -> Path:
+    """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
-    return ensure_default_model(data_dir(), progress=False)
-
-
-def build_thinking_model(dest: Path, family: str, *, seed: int = 0) -> Path:
-    """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    base = default_model_dir()
-    dest.mkdir(parents=True, exist_ok=True)
-    tokenizer = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
+    `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
+    cannot be trimmed)."""
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(THINK_TOKENS))
+    tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
         [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
     )
-    config = json.loads((base / "tokenizer_config.json").read_text(encoding="utf-8"))
     decoder = config.setdefault("added_tokens_decoder", {})
     for text in THINK_TOKENS:
         next_id += 1
@@ -60,34 +54,11 @@ def build_thinking_model(dest: Path, family: str, *, seed: int = 0) -> Path:
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
+    assert next_id < VOCAB + len(THINK_TOKENS)
     config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    for stale in ("chat_template.jinja", "chat_template.json"):
-        (dest / stale).unlink(missing_ok=True)
-
-    args = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": next_id + 1,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(args))
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (dest / "config.json").write_text(
-        json.dumps({**args, "architectures": ["LlamaForCausalLM"]}), encoding="utf-8"
-    )
+    (dest / "chat_template.jinja").unlink(missing_ok=True)  # it would win over the config's
     return dest
 
 
