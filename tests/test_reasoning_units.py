@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_kvserve.chat import ChatRequest, Message, Thinking, Tool, ToolChoice
 from mlx_kvserve.chat.errors import InvalidRequest
@@ -183,3 +185,38 @@ def test_chat_template_kwargs_setting_from_every_source(
             resolve_settings({"chat_template_kwargs": bad}, config)
     with pytest.raises(ConfigError, match="thinking_budget"):
         resolve_settings({"thinking_budget": -1}, config)
+
+
+fragments = st.lists(
+    st.sampled_from(
+        ["<think>", "</think>", "</th", "<thi", "a", "b c", " ", "\n", "\n\n", CALL, "<tool_call>"]
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    parts=fragments,
+    cuts=st.lists(st.integers(min_value=1, max_value=9), max_size=40),
+    opened=st.booleans(),
+)
+def test_any_chunking_gives_the_same_split(parts: list[str], cuts: list[int], opened: bool) -> None:
+    """Streamed deltas concatenate to what one whole feed gives, however the text is cut."""
+    text = "".join(parts)
+    whole = OutputParser(HERMES, [Tool("f")], markers=MARKERS, reasoning=opened)
+    whole.feed(text)
+    whole.finish()
+    parser = OutputParser(HERMES, [Tool("f")], markers=MARKERS, reasoning=opened)
+    events, at = [], 0
+    for n in [*cuts, len(text)]:
+        events += parser.feed(text[at : at + n])
+        at += n
+    events += parser.feed(text[at:]) + parser.finish()
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert reasoning == parser.reasoning == whole.reasoning
+    assert content == parser.content
+    assert content.strip() == whole.content.strip()  # whitespace before a call may be held
+    assert [c.name for c in parser.calls] == [c.name for c in whole.calls]
+    assert "</think>" not in reasoning
