@@ -200,7 +200,7 @@ def test_next_turn_hits_the_cache_where_the_template_strips_the_reasoning(
     msg = message(first)
     entries = httpx.get(r1.base_url + "/v1/cache", timeout=60).json()["entries_list"]
     opened = first["usage"]["prompt_tokens"] - 2  # before `<think>\n`
-    assert {"thinking": opened} in [{e["reason"]: e["n_tokens"]} for e in entries], entries
+    assert {"prompt": opened} in [{e["reason"]: e["n_tokens"]} for e in entries], entries
     history = [
         {"role": "user", "content": "A question about caches."},
         {"role": "assistant", "content": msg["content"], "reasoning_content": msg["reasoning"]},
@@ -302,3 +302,52 @@ def test_a_forced_call_follows_the_reasoning(r1: ServerProcess) -> None:
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     reasoning, _, finish = streamed(r1, **body)
     assert (reasoning, finish) == (msg["reasoning_content"], "tool_calls")
+
+
+def _rotating(tmp: Path, family: str) -> Iterator[ServerProcess]:
+    """A family's template on a model with sliding-window layers, whose caches cannot be
+    trimmed."""
+    model = build_thinking_model(tmp / "m", family, architecture="gemma3_text")
+    proc = ServerProcess(tmp, "--model", str(model)).wait_ready()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_rotating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from _rotating(tmp_path_factory.mktemp("qwen3_rotating"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def r1_rotating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from _rotating(tmp_path_factory.mktemp("r1_rotating"), "deepseek-r1")
+
+
+def cache_entries(server: ServerProcess) -> list[tuple[str, int]]:
+    entries = httpx.get(server.base_url + "/v1/cache", timeout=60).json()["entries_list"]
+    return [(e["reason"], e["n_tokens"]) for e in entries]
+
+
+@pytest.mark.parametrize(("family", "departs"), [("qwen3_rotating", 0), ("r1_rotating", 2)])
+def test_the_next_turn_resumes_where_it_departs_on_untrimmable_caches(
+    family: str, departs: int, request: pytest.FixtureRequest
+) -> None:
+    """Both templates drop the reasoning of earlier turns, so the next prompt departs from the
+    last one at its end (Qwen3) or at the `<think>` its generation prompt opened (R1). A
+    sliding-window cache cannot be cut back there from the generation's checkpoint, so that point
+    is a checkpoint of its own, which the generation's does not replace."""
+    server = request.getfixturevalue(family)
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    first = chat(server, messages=turn, max_tokens=4)
+    at = first["usage"]["prompt_tokens"] - departs
+    assert ("prompt", at) in cache_entries(server)
+    answered = {"role": "assistant", "content": "Because.", "reasoning_content": "Hmm, why."}
+    second = chat(server, messages=[*turn, answered, {"role": "user", "content": "Sure?"}])
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == at
+
+
+def test_trimmable_caches_keep_no_prompt_end_checkpoint(qwen3: ServerProcess) -> None:
+    """They are cut back from the generation's checkpoint instead."""
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    chat(qwen3, messages=turn, max_tokens=4)
+    assert cache_entries(qwen3) and not [e for e in cache_entries(qwen3) if e[0] == "prompt"]

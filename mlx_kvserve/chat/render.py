@@ -4,10 +4,11 @@ Two boundaries matter: the end of the leading system messages, tool list include
 every conversation with that system prompt and those tools shares), and the end of everything
 before the newest message (where an edited last message, a branch, or an agent's next turn
 restarts). Each is found by rendering the template on that prefix of the messages; it counts only
-when its tokens are an exact prefix of the full prompt's tokens. A third, "thinking", is where a
-generation prompt opens the reasoning (`<think>` at the end of the prompt): templates that strip
-past reasoning render the next turn's assistant message without it, so the next prompt
-diverges exactly there (mlx-lm's server keeps the same segment).
+when its tokens are an exact prefix of the full prompt's tokens. A third, "prompt", is where the
+next turn's prompt will depart from this one when the generation prompt opens the reasoning
+(`<think>` at its end): templates that strip past reasoning render the next turn's answer
+without it (mlx-lm's server keeps the same segment). Elsewhere the engine marks the prompt's
+end itself where the cache cannot be trimmed (engine.generate).
 
 The template is also told what the client asked of the model's reasoning (chat.thinking), and
 each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
@@ -40,7 +41,7 @@ from mlx_kvserve.chat.tool_format import (
 
 @dataclass
 class Prompt:
-    """Token ids to prefill and {position: "anchor" | "message" | "thinking"} checkpoint
+    """Token ids to prefill and {position: "anchor" | "message" | "prompt"} checkpoint
     boundaries; `reasoning`: the answer starts inside the model's reasoning section."""
 
     tokens: list[int]
@@ -100,7 +101,7 @@ def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | Non
     markers = markers_for(tokenizer)
     opened = opens_reasoning(markers, prompt)
     if opened is not None and len(prompt) - opened <= THINKING_TAIL and opened > 0:
-        boundaries.setdefault(opened, "thinking")
+        boundaries.setdefault(opened, "prompt")
     return Prompt(prompt, boundaries, fmt, markers, opened is not None)
 
 

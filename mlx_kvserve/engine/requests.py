@@ -92,7 +92,7 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     kind: str = "chat"
-    # Prompt positions worth a checkpoint: {token count: "anchor" | "message" | "thinking"}
+    # Prompt positions worth a checkpoint: {token count: "anchor" | "message" | "prompt"}
     # (see chat.render)
     boundaries: dict[int, str] = field(default_factory=dict)
     constraint: TokenConstraint | None = None  # grammar-constrained decoding, if asked for
