@@ -7,6 +7,7 @@ TOML config file is ``<name>``; `mlx-kvserve serve --help` lists them all.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -134,6 +135,22 @@ class Settings:
         },
     )
 
+    chat_template_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default variables for the model's chat template, a JSON object, e.g. "
+            "'{\"enable_thinking\": false}'; a request's own chat_template_kwargs and "
+            "reasoning controls win."
+        },
+    )
+    thinking_budget: int = field(
+        default=0,
+        metadata={
+            "help": "Most reasoning tokens a thinking model may write before the server ends "
+            "its reasoning, when a request sets no budget (0 = no limit)."
+        },
+    )
+
     keep_billing_header: bool = field(
         default=False,
         metadata={
@@ -142,6 +159,10 @@ class Settings:
             "request and would force a full re-prefill)."
         },
     )
+
+    def template_defaults(self) -> dict[str, Any]:
+        """--chat-template-kwargs as an object (checked when the settings were loaded)."""
+        return parse_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def model_aliases(self) -> list[str]:
         """The --served-model-name values, in order, without blanks or repeats."""
@@ -275,7 +296,23 @@ def split_list(raw: Any) -> list[str]:
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
-_NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace"}
+_NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """A JSON object of chat-template variables; ValueError says what is wrong."""
+    from mlx_kvserve.chat.thinking import RESERVED
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    bad = sorted(set(value) & RESERVED)
+    if bad:
+        raise ValueError(f"{bad[0]!r} is a parameter of the template call, not a variable")
+    return value
 
 
 def check_value(name: str, value: Any) -> Any:
@@ -298,6 +335,8 @@ def check_value(name: str, value: Any) -> Any:
         parse_size(value)
     if name == "kv_budget" and value != "auto":
         parse_size(value)
+    if name == "chat_template_kwargs" and value is not None:
+        parse_template_kwargs(value)
     return value
 
 

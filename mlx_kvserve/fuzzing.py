@@ -69,6 +69,8 @@ message = st.fixed_dictionaries(
         "name": _maybe(text),
         "tool_call_id": _maybe(text),
         "tool_calls": anything,
+        "reasoning_content": _maybe(text),
+        "reasoning": _maybe(text),
     },
 )
 # Tools and output formats: the grammar compiler is a failure surface of its own.
@@ -110,6 +112,16 @@ response_format = st.one_of(
         },
     ),
 )
+# Template variables: the ones templates read, apply_chat_template's own parameters (which must
+# be refused, not passed on), and any other name.
+template_key = st.one_of(
+    st.sampled_from(
+        ["enable_thinking", "thinking", "reasoning_effort", "preserve_thinking", "tools"]
+        + ["tokenize", "add_generation_prompt", "chat_template", "messages", "return_dict"]
+    ),
+    text,
+)
+effort = st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max", "extreme"])
 FIELDS: dict[str, st.SearchStrategy] = {
     "model": st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), text, anything),
     "messages": st.one_of(st.lists(message, max_size=3), anything),
@@ -138,6 +150,11 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "logprobs": _maybe(st.booleans()),
     "top_logprobs": _maybe(integers),
     "text": anything,  # Responses: {"format": ...}
+    "chat_template_kwargs": st.one_of(
+        st.dictionaries(template_key, anything, max_size=3), anything
+    ),
+    "reasoning_effort": _maybe(effort),
+    "thinking_token_budget": _maybe(integers),
 }
 
 

@@ -20,6 +20,7 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling, ToolCall
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputEvent, OutputParser
+from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text
 from mlx_kvserve.engine import (
     Done,
@@ -152,7 +153,10 @@ class Generation:
                 if isinstance(event, Logprobs):
                     logprobs.extend(event.items)
                 elif isinstance(event, Finished):
-                    return Result(self.parser.content, self.parser.calls, event, logprobs)
+                    parser = self.parser
+                    return Result(
+                        parser.content, parser.calls, event, logprobs, reasoning=parser.reasoning
+                    )
                 elif isinstance(event, Failed):
                     if watch.gone.is_set():
                         raise APIError(499, "client disconnected")
@@ -196,16 +200,36 @@ async def start_chat(
     served = served_model(request, model)
     engine = _ready_engine(request)
 
+    settings = request.app.state.settings
+
     def build() -> tuple[Prompt, Any]:
-        prompt = render_chat(engine.tokenizer, chat)
+        prompt = render_chat(engine.tokenizer, chat, settings.template_defaults())
         constraint = _grammar(request, engine).constraint_for(chat, prompt.tool_format)
-        return prompt, constraint
+        return prompt, _gate(prompt, constraint, chat, settings.thinking_budget)
 
     prompt, constraint = await _off_loop(build)
     parser = OutputParser(
-        prompt.tool_format, chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix
+        prompt.tool_format,
+        chat.tools,
+        parse_calls=chat.tools_active,
+        id_prefix=id_prefix,
+        markers=prompt.markers,
+        reasoning=prompt.reasoning,
     )
     return _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
+
+
+def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: int) -> Any:
+    """The decoding constraint for a model that reasons: a thinking budget, and the answer's
+    grammar kept out of the reasoning (chat.reasoning_gate). Otherwise the grammar alone."""
+    if prompt.markers is None:
+        return constraint
+    budget = chat.thinking.budget or default_budget or None
+    if budget is None and constraint is None:
+        return None  # nothing to enforce: free sampling stays pipelined
+    return ReasoningGate(
+        prompt.markers, reasoning=prompt.reasoning, budget=budget, inner=constraint
+    )
 
 
 async def start_text(request: Request, text: str, sampling: Sampling, *, model: str | None):
@@ -219,7 +243,8 @@ async def start_text(request: Request, text: str, sampling: Sampling, *, model: 
 def count_chat_tokens(request: Request, chat: ChatRequest) -> Any:
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     engine = _ready_engine(request)
-    return _off_loop(lambda: len(render_chat(engine.tokenizer, chat).tokens))
+    defaults = request.app.state.settings.template_defaults()
+    return _off_loop(lambda: len(render_chat(engine.tokenizer, chat, defaults).tokens))
 
 
 async def _off_loop(fn: Any) -> Any:

@@ -20,9 +20,17 @@ from mlx_kvserve.api.generation import (
     start_chat,
 )
 from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
-from mlx_kvserve.chat import ChatRequest, OutputFormat, Sampling, Tool, ToolCall, ToolChoice
+from mlx_kvserve.chat import (
+    ChatRequest,
+    OutputFormat,
+    Sampling,
+    Thinking,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 from mlx_kvserve.chat import Message as ChatMessage
-from mlx_kvserve.chat.output import ContentDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.engine.requests import TokenLogprob
 
 SYSTEM_FINGERPRINT = "mlx-kvserve"
@@ -39,6 +47,8 @@ async def chat_completions(request: Request) -> Response:
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     result = await generation.result(request)
     message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    if result.reasoning:  # clients read one name or the other
+        message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.calls:
         message["tool_calls"] = [_call(c) for c in result.calls]
         message["content"] = result.content or None
@@ -81,7 +91,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             )
         tool_choice = ToolChoice("function", name, parallel=False)
     return ChatRequest(
-        messages=[_message(m) for m in body.messages],
+        messages=[_message(m, i) for i, m in enumerate(body.messages)],
         tools=tools,
         tool_choice=tool_choice,
         output=_output_format(body),
@@ -94,13 +104,25 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             logprobs=bool(body.logprobs),
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
         ),
+        thinking=Thinking(effort=body.reasoning_effort, budget=body.thinking_token_budget),
+        template_kwargs=body.chat_template_kwargs or {},
     )
 
 
-def _message(m: Message) -> ChatMessage:
+def _message(m: Message, i: int) -> ChatMessage:
     calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
     role = "system" if m.role == "developer" else m.role
-    return ChatMessage(role, m.text(), calls, m.tool_call_id, m.name if role == "tool" else None)
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and role != "assistant":
+        field = "reasoning_content" if m.reasoning_content is not None else "reasoning"
+        raise APIError(
+            400,
+            f"messages[{i}].{field}: only assistant messages carry past reasoning.",
+            param=f"messages[{i}].{field}",
+        )
+    message = ChatMessage(role, m.text(), calls, m.tool_call_id, m.name if role == "tool" else None)
+    message.reasoning = reasoning
+    return message
 
 
 def _output_format(body: ChatCompletionRequest) -> OutputFormat:
@@ -134,6 +156,8 @@ async def _stream(
             yield ": keep-alive\n\n"
         elif isinstance(event, Logprobs):
             pending.extend(event.items)
+        elif isinstance(event, ReasoningDelta):
+            yield chunk({"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
             logprobs = _logprobs(pending, body) if body.logprobs else None
             pending = []

@@ -45,6 +45,10 @@ class Message(_Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # Past reasoning of an assistant turn: llama.cpp, vLLM and DeepSeek call it
+    # `reasoning_content`, mlx-lm and OpenRouter `reasoning`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -121,8 +125,14 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Effort | None = None
+    thinking_token_budget: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

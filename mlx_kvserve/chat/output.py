@@ -6,6 +6,13 @@ as its name is complete and its arguments are passed on in fragments as they are
 sends each call whole at the end); the finished call is then parsed by mlx-lm's own parser for
 the format, and its arguments are exactly the concatenated fragments. Other formats' calls are
 parsed by their mlx-lm parser when the closing marker arrives and sent whole.
+
+A model with reasoning markers (chat.thinking) writes its reasoning between them; that text is
+`ReasoningDelta`s, never content and never a call, whatever it looks like. The parser starts
+inside the reasoning when the prompt opened it (DeepSeek-R1 distills, Qwen3.5/3.6), and enters
+it when the model writes the opening marker (Qwen3). Whitespace around the reasoning (the
+"\n" after `<think>`, the "\n\n" after `</think>`) belongs to neither part, as the templates
+that re-render past reasoning (`<think>\n` + reasoning + `\n</think>\n\n` + answer) have it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
+from mlx_kvserve.chat.thinking import ThinkMarkers
 from mlx_kvserve.chat.tool_format import ToolFormat
 
 log = logging.getLogger("mlx_kvserve.chat")
@@ -111,7 +119,7 @@ class _OpenCall:
 
 
 class OutputParser:
-    """Splits streamed model text into content and tool-call events."""
+    """Splits streamed model text into reasoning, content and tool-call events."""
 
     def __init__(
         self,
@@ -120,12 +128,19 @@ class OutputParser:
         *,
         parse_calls: bool = True,
         id_prefix: str = "call_",
+        markers: ThinkMarkers | None = None,
+        reasoning: bool = False,
     ) -> None:
         self.fmt = fmt if parse_calls else None
         self.tools = [t.as_openai() for t in tools or []]
         self.id_prefix = id_prefix
         self.calls: list[ToolCall] = []
         self.content = ""
+        self.reasoning = ""
+        self.think = markers
+        self._in_reasoning = reasoning and markers is not None
+        self._trim_reasoning = True  # drop whitespace that opens a reasoning section
+        self._trim_content = False  # ... and the whitespace that follows one
         self._pending = ""  # text not yet known to be content or a call's opening
         self._call: _OpenCall | None = None
 
@@ -133,7 +148,10 @@ class OutputParser:
         events: list[OutputEvent] = []
         self._pending += text
         while self._pending:
-            if self._call is None:
+            if self._in_reasoning:
+                if not self._scan_reasoning(events):
+                    break
+            elif self._call is None:
                 if not self._scan_content(events):
                     break
             elif not self._scan_call(events):
@@ -143,7 +161,9 @@ class OutputParser:
     def finish(self) -> list[OutputEvent]:
         """End of generation: flush held text, close a call the model left open."""
         events: list[OutputEvent] = []
-        if self._call is not None:
+        if self._in_reasoning:
+            self._reason(self._pending.rstrip(), events)
+        elif self._call is not None:
             call, self._call = self._call, None
             if not self._close(call, call.text + self._pending, events):
                 self._content(
@@ -156,31 +176,60 @@ class OutputParser:
 
     # ----------------------------------------------------------------------------------------
     def _content(self, text: str, events: list[OutputEvent]) -> None:
+        if self._trim_content:
+            text = text.lstrip()
+            self._trim_content = not text
         if text:
             self.content += text
             events.append(ContentDelta(text))
 
+    def _reason(self, text: str, events: list[OutputEvent]) -> None:
+        if self._trim_reasoning:
+            text = text.lstrip()
+            self._trim_reasoning = not text
+        if text:
+            self.reasoning += text
+            events.append(ReasoningDelta(text))
+
+    def _scan_reasoning(self, events: list[OutputEvent]) -> bool:
+        """Emit reasoning up to its end marker; False when more text is needed."""
+        assert self.think is not None
+        end = self.think.end
+        at = self._pending.find(end)
+        if at < 0:
+            hold = _held(self._pending, [end])  # whitespace may precede the end marker
+            self._reason(self._pending[: len(self._pending) - hold], events)
+            self._pending = self._pending[len(self._pending) - hold :]
+            return False
+        self._reason(self._pending[:at].rstrip(), events)
+        self._pending = self._pending[at + len(end) :]
+        self._in_reasoning, self._trim_content = False, True
+        return True
+
     def _scan_content(self, events: list[OutputEvent]) -> bool:
-        """Emit content up to a call's opening marker; False when more text is needed."""
-        if self.fmt is None:
+        """Emit content up to a call's or the reasoning's opening marker; False when more text
+        is needed."""
+        marks = [m for m in (self.fmt and self.fmt.start, self.think and self.think.start) if m]
+        if not marks:
             self._content(self._pending, events)
             self._pending = ""
             return False
-        start = self.fmt.start
-        at = self._pending.find(start)
-        if at < 0:
-            keep = _partial_suffix(self._pending, start)
-            text = self._pending[: len(self._pending) - keep]
-            stripped = text.rstrip()
-            hold = keep + (len(text) - len(stripped))  # hold whitespace that may precede a call
+        found = [(at, m) for m in marks if (at := self._pending.find(m)) >= 0]
+        if not found:
+            # hold whitespace that may precede a call (the Hermes format puts "\n" before it)
+            hold = _held(self._pending, marks, whitespace=self.fmt is not None)
             self._content(self._pending[: len(self._pending) - hold], events)
             self._pending = self._pending[len(self._pending) - hold :]
             return False
+        at, start = min(found)
         before = self._pending[:at]
         if before.strip():
             self._content(before, events)
         self._pending = self._pending[at + len(start) :]
-        self._call = _OpenCall(len(self.calls), self.id_prefix)
+        if self.think is not None and start == self.think.start:
+            self._in_reasoning, self._trim_reasoning = True, True
+        else:
+            self._call = _OpenCall(len(self.calls), self.id_prefix)
         return True
 
     def _scan_call(self, events: list[OutputEvent]) -> bool:
@@ -294,6 +343,16 @@ class OutputParser:
 
 def _is_call(item: Any) -> bool:
     return isinstance(item, dict) and isinstance(item.get("name"), str)
+
+
+def _held(text: str, markers: list[str], *, whitespace: bool = True) -> int:
+    """How much of the end of `text` to hold back: a marker's possible start, and the
+    whitespace before it."""
+    keep = max(_partial_suffix(text, m) for m in markers)
+    if not whitespace:
+        return keep
+    rest = text[: len(text) - keep]
+    return keep + len(rest) - len(rest.rstrip())
 
 
 def _partial_suffix(text: str, marker: str) -> int:

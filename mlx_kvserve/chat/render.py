@@ -4,7 +4,15 @@ Two boundaries matter: the end of the leading system messages, tool list include
 every conversation with that system prompt and those tools shares), and the end of everything
 before the newest message (where an edited last message, a branch, or an agent's next turn
 restarts). Each is found by rendering the template on that prefix of the messages; it counts only
-when its tokens are an exact prefix of the full prompt's tokens.
+when its tokens are an exact prefix of the full prompt's tokens. A third, "prompt", is where the
+next turn's prompt will depart from this one when the generation prompt opens the reasoning
+(`<think>` at its end): templates that strip past reasoning render the next turn's answer
+without it (mlx-lm's server keeps the same segment). Elsewhere the engine marks the prompt's
+end itself where the cache cannot be trimmed (engine.generate).
+
+The template is also told what the client asked of the model's reasoning (chat.thinking), and
+each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
+GLM and DeepSeek templates read.
 """
 
 from __future__ import annotations
@@ -14,6 +22,14 @@ from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import ChatRequest, Message
+from mlx_kvserve.chat.thinking import (
+    ThinkMarkers,
+    check_template_kwargs,
+    markers_for,
+    opens_reasoning,
+    template_kwargs,
+    template_variables,
+)
 from mlx_kvserve.chat.tool_format import (
     ToolFormat,
     hermes_messages,
@@ -25,11 +41,14 @@ from mlx_kvserve.chat.tool_format import (
 
 @dataclass
 class Prompt:
-    """Token ids to prefill and {position: "anchor" | "message"} checkpoint boundaries."""
+    """Token ids to prefill and {position: "anchor" | "message" | "prompt"} checkpoint
+    boundaries; `reasoning`: the answer starts inside the model's reasoning section."""
 
     tokens: list[int]
     boundaries: dict[int, str]
     tool_format: ToolFormat | None = None
+    markers: ThinkMarkers | None = None
+    reasoning: bool = False
 
 
 def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
@@ -55,9 +74,12 @@ def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
     return arguments
 
 
-def render_chat(tokenizer: Any, req: ChatRequest) -> Prompt:
-    """Prompt tokens for a chat request, through the model's template (or the Hermes fallback)."""
+def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | None = None) -> Prompt:
+    """Prompt tokens for a chat request, through the model's template (or the Hermes fallback).
+
+    `defaults` are the server's `--chat-template-kwargs`, under the request's own."""
     arguments = check_history(req.messages)
+    check_template_kwargs(req.template_kwargs, "chat_template_kwargs")
     fmt = tool_format_for(tokenizer)
     tools = req.tools
     if fmt.native:
@@ -66,13 +88,34 @@ def render_chat(tokenizer: Any, req: ChatRequest) -> Prompt:
     else:
         messages = hermes_messages(req.messages, tools, arguments)
         kwargs = {}
+    _add_reasoning(req.messages, messages)
+    variables = template_variables(tokenizer)
+    kwargs.update(template_kwargs(variables, req.thinking, req.template_kwargs, defaults or {}))
     try:
         prompt = _render(tokenizer, messages, kwargs, generation=True)
     except Exception as exc:  # template errors are the request's fault (e.g. role order)
         raise InvalidRequest(
             f"The chat template rejected the messages: {exc}", param="messages"
         ) from None
-    return Prompt(prompt, _boundaries(tokenizer, messages, kwargs, prompt), fmt)
+    boundaries = _boundaries(tokenizer, messages, kwargs, prompt)
+    markers = markers_for(tokenizer)
+    opened = opens_reasoning(markers, prompt)
+    if opened is not None and len(prompt) - opened <= THINKING_TAIL and opened > 0:
+        boundaries.setdefault(opened, "prompt")
+    return Prompt(prompt, boundaries, fmt, markers, opened is not None)
+
+
+THINKING_TAIL = 11  # how near the end an opening marker counts as the generation prompt's
+
+
+def _add_reasoning(source: list[Message], messages: list[dict[str, Any]]) -> None:
+    """Past reasoning as `reasoning_content` on each assistant message dict (the templates that
+    render it read that key; the others ignore it). Assistant turns keep their order in both."""
+    given = [m for m in source if m.role == "assistant"]
+    rendered = [m for m in messages if m["role"] == "assistant"]
+    for message, item in zip(given, rendered, strict=False):
+        if message.reasoning is not None:
+            item["reasoning_content"] = message.reasoning
 
 
 def render_text(tokenizer: Any, text: str) -> Prompt:

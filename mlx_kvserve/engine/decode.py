@@ -58,9 +58,9 @@ class Decoder:
         """Queue the sampling of the next token on the device (lazy: nothing is read back)."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         candidates = logprobs
-        if self.constraint is not None:
-            allowed = mx.array(self.constraint.allowed(logits.shape[-1]))
-            candidates = mx.where(allowed, logprobs, -mx.inf)
+        mask = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])
+        if mask is not None:  # None: the constraint lets every token through at this step
+            candidates = mx.where(mx.array(mask), logprobs, -mx.inf)
         if self.seed is not None and self.req.params.temperature > 0:
             mx.random.seed((self.seed + self.draws * _MIX) % 2**64)
             self.draws += 1

@@ -12,6 +12,10 @@ Checkpoints (why these boundaries):
   last message, or a branch, restarts from there;
 - "interval": every `checkpoint_interval` tokens of a long prefill, so a disconnect or crash
   midway loses at most one interval of work;
+- "prompt": where the next turn will depart from this prompt when its template re-renders the
+  answer differently (past reasoning stripped): the chat layer places it before a `<think>` the
+  generation prompt opens; otherwise it is the prompt's end, kept only for caches that cannot be
+  trimmed (rotating, SSM), since trimmable ones are cut back from the "generation" checkpoint;
 - "generation": prompt plus completion after the answer, which the next turn resends;
 - "partial": whatever was prefilled when the client went away.
 With delta storage each checkpoint writes only the tokens it adds beyond its parent.
@@ -92,6 +96,7 @@ class Checkpoints:
     boundaries: dict[int, str]
     interval: int
     store: Callable[..., None]  # store(live, last_logits, reason=..., length=None)
+    keep_end: bool = False  # a chat prompt: checkpoint its end where caches cannot be trimmed
 
     def reason_at(self, position: int) -> str | None:
         if position in self.boundaries:
@@ -157,9 +162,8 @@ def prefill_steps(
     resumption: it raises to abandon the prefill (a cancelled request).
     """
     start, end = len(live.tokens), len(prompt)
-    chunks, last_from = plan_chunks(
-        start, end, step, checkpoints, foldable=is_sliceable(live.caches)
-    )
+    foldable = is_sliceable(live.caches)
+    chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
     for lo, hi in chunks:
         yield end - lo
         check()
@@ -181,6 +185,10 @@ def prefill_steps(
         if reason:
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
+    if checkpoints.keep_end and not foldable and "prompt" not in checkpoints.boundaries.values():
+        # caches that cannot be cut back from the "generation" checkpoint keep the prompt's end
+        mx.eval([c.state for c in live.caches])
+        checkpoints.store(live, out[:, -1, :], reason="prompt")
     return out[:, -1, :]
 
 
@@ -344,7 +352,9 @@ class Generator:
         def store(live: Live, last_logits: mx.array | None, **kwargs) -> None:
             self._save(states, live, last_logits, **kwargs)
 
-        checkpoints = Checkpoints(req.boundaries, self.checkpoint_interval, store)
+        checkpoints = Checkpoints(
+            req.boundaries, self.checkpoint_interval, store, keep_end=req.kind == "chat"
+        )
         try:
             if start.usable:
                 faults.maybe_fail("prefill_after_restore")

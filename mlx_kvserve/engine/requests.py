@@ -32,7 +32,7 @@ class SamplingParams:
 class TokenConstraint(Protocol):
     """A grammar that decides which tokens may come next (see chat.grammar.Constraint)."""
 
-    def allowed(self, n_logits: int) -> Any: ...  # boolean NumPy mask over the logits
+    def allowed(self, n_logits: int) -> Any: ...  # boolean NumPy mask over the logits, or None
     def advance(self, token: int) -> None: ...
     def forced(self, limit: int) -> list[int]: ...  # next tokens with no alternative (consumed)
     @property
@@ -92,7 +92,8 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     kind: str = "chat"
-    # Prompt positions worth a checkpoint: {token count: "anchor" | "message"} (see chat.render)
+    # Prompt positions worth a checkpoint: {token count: "anchor" | "message" | "prompt"}
+    # (see chat.render)
     boundaries: dict[int, str] = field(default_factory=dict)
     constraint: TokenConstraint | None = None  # grammar-constrained decoding, if asked for
     token_bytes: Callable[[int], bytes] | None = None  # a token's bytes, for logprobs

@@ -1,0 +1,68 @@
+"""Tiny random-weight models whose tokenizers and chat templates are a thinking family's own.
+
+`build_thinking_model(dest, family)` writes an mlx-lm model directory that `serve --model DIR`
+loads: a tiny random-weight model (tests/support/tiny_models.py), the default model's tokenizer
+with `<think>` and `</think>` added as tokens (so mlx-lm detects the reasoning markers as it
+does for Qwen3 and DeepSeek-R1), and the family's real chat template from tests/fixtures.
+
+Such a model reasons honestly under a template whose generation prompt opens `<think>`: it
+rarely writes `</think>` by chance, so everything it samples is reasoning until a thinking
+budget makes the server force the end of it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tests.support.tiny_models import VOCAB, make_model_dir
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
+FAMILIES = {
+    "qwen3": "qwen3.jinja",
+    "qwen3.5": "qwen3.5.jinja",
+    "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
+}
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def build_thinking_model(
+    dest: Path, family: str, *, architecture: str = "llama", seed: int = 0
+) -> Path:
+    """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
+
+    `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
+    cannot be trimmed)."""
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(THINK_TOKENS))
+    tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
+    next_id = max(
+        [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
+    )
+    decoder = config.setdefault("added_tokens_decoder", {})
+    for text in THINK_TOKENS:
+        next_id += 1
+        token = {
+            "id": next_id,
+            "content": text,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        }
+        tokenizer["added_tokens"].append(token)
+        decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
+    assert next_id < VOCAB + len(THINK_TOKENS)
+    config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
+    (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (dest / "chat_template.jinja").unlink(missing_ok=True)  # it would win over the config's
+    return dest
+
+
+def copy_model(src: Path, dest: Path) -> Path:
+    """A second directory of the same model (e.g. to serve it with other settings)."""
+    shutil.copytree(src, dest)
+    return dest
