@@ -32,18 +32,9 @@ from mlx_kvserve.api.generation import (
     served_model,
     start_chat,
 )
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.api.seal import reasoning_seal
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def reasoning_seal(request: Request) -> ReasoningSeal:
-    """The app's one seal (`app.state.reasoning_seal`), made from the install's key on first use."""
-    state = request.app.state
-    seal = getattr(state, "reasoning_seal", None)
-    if seal is None:
-        seal = state.reasoning_seal = ReasoningSeal.for_install()
-    return seal
 
 
 async def messages(request: Request) -> Response:
