@@ -26,6 +26,8 @@ POST_PATHS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/v1/messages?beta=true",  # as Claude Code calls it
+    "/v1/messages/count_tokens?beta=true",
 )
 GET_PATHS = ("/health", "/v1/models", "/v1/cache")
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -91,8 +93,82 @@ openai_tool = st.fixed_dictionaries(
         )
     },
 )
+cache_control = st.one_of(
+    st.just({"type": "ephemeral"}), st.just({"type": "ephemeral", "ttl": "1h"}), anything
+)
 anthropic_tool = st.fixed_dictionaries(
-    {"name": _maybe(name)}, optional={"input_schema": schema, "description": _maybe(text)}
+    {"name": _maybe(name)},
+    optional={
+        "input_schema": schema,
+        "description": _maybe(text),
+        "cache_control": cache_control,
+        "type": _maybe(
+            st.sampled_from(
+                ["custom", "web_search_20250305", "bash_20250124", "text_editor_20250728", "x"]
+            )
+        ),
+    },
+)
+# Anthropic content blocks: every type the API lists that Claude Code sends, and some it does not.
+block_type = st.sampled_from(
+    ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
+    + ["server_tool_use", "search_result", "compaction", "", "wizard"]
+)
+signature = st.one_of(
+    st.just("mkv1.aGk.AAAA"), st.just("mkv1..."), st.just("EqQBCkYIBxgC"), text, anything
+)
+anthropic_block = st.fixed_dictionaries(
+    {"type": _maybe(block_type)},
+    optional={
+        "text": _maybe(text),
+        "thinking": _maybe(text),
+        "signature": signature,
+        "data": signature,
+        "id": _maybe(text),
+        "name": _maybe(name),
+        "input": anything,
+        "tool_use_id": _maybe(text),
+        "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": block_type}))),
+        "cache_control": cache_control,
+    },
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": _maybe(st.sampled_from(["user", "assistant", "system", "developer"])),
+        "content": st.one_of(text, st.lists(anthropic_block, max_size=3), anything),
+    },
+    optional={"clear_at": _maybe(st.sampled_from(["next_user_message", "never"]))},
+)
+thinking = st.one_of(
+    st.fixed_dictionaries(
+        {"type": _maybe(st.sampled_from(["enabled", "adaptive", "disabled", "between_tools"]))},
+        optional={
+            "budget_tokens": _maybe(st.sampled_from([0, 1023, 1024, 2048, 2**64])),
+            "display": _maybe(st.sampled_from(["summarized", "omitted", "updates"])),
+        },
+    ),
+    anything,
+)
+context_edit = st.fixed_dictionaries(
+    {
+        "type": _maybe(
+            st.sampled_from(["clear_thinking_20251015", "clear_tool_uses_20250919"])
+            | st.sampled_from(["compact_20260112", "clear_all"])
+        )
+    },
+    optional={
+        "keep": st.one_of(
+            st.just("all"),
+            st.fixed_dictionaries(
+                {"type": _maybe(st.sampled_from(["thinking_turns", "all", "tool_uses"]))},
+                optional={"value": _maybe(integers)},
+            ),
+            anything,
+        ),
+        "trigger": anything,
+        "exclude_tools": anything,
+        "clear_tool_inputs": anything,
+    },
 )
 tool_choice = st.one_of(
     st.sampled_from(["auto", "required", "none", "any"]),
@@ -124,7 +200,9 @@ template_key = st.one_of(
 effort = st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max", "extreme"])
 FIELDS: dict[str, st.SearchStrategy] = {
     "model": st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), text, anything),
-    "messages": st.one_of(st.lists(message, max_size=3), anything),
+    "messages": st.one_of(
+        st.lists(message, max_size=3), st.lists(anthropic_message, max_size=3), anything
+    ),
     "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
     "input": st.one_of(text, st.lists(message, max_size=2), anything),
     "system": _maybe(text),
@@ -155,6 +233,27 @@ FIELDS: dict[str, st.SearchStrategy] = {
     ),
     "reasoning_effort": _maybe(effort),
     "thinking_token_budget": _maybe(integers),
+    # Anthropic Messages, as Claude Code sends them (the rest of the API's fields are ignored).
+    "thinking": thinking,
+    "output_config": st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "effort": _maybe(st.sampled_from(["low", "high", "xhigh", "max", "none"])),
+                "format": anything,
+            },
+        ),
+        anything,
+    ),
+    "context_management": st.one_of(
+        st.fixed_dictionaries({"edits": st.one_of(st.lists(context_edit, max_size=2), anything)}),
+        anything,
+    ),
+    "metadata": st.one_of(st.fixed_dictionaries({"user_id": _maybe(text)}), anything),
+    "service_tier": anything,
+    "container": anything,
+    "mcp_servers": anything,
+    "cache_control": cache_control,
 }
 
 
@@ -209,6 +308,57 @@ def json_body(draw: st.DrawFn, path: str = "/v1/chat/completions") -> bytes:
     return raw.encode()
 
 
+@st.composite
+def anthropic_body(draw: st.DrawFn) -> dict[str, Any]:
+    """A mostly valid Messages body in Claude Code's shape, so that hostile values reach the
+    conversion and the template rather than stopping at validation."""
+    words = st.one_of(st.text(max_size=20), special_text)
+    valid_block = st.one_of(
+        st.fixed_dictionaries({"type": st.just("text"), "text": words}),
+        st.fixed_dictionaries(
+            {"type": st.just("thinking"), "thinking": words, "signature": signature}
+        ),
+        st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": signature}),
+        st.fixed_dictionaries(
+            {"type": st.just("tool_use"), "id": st.just("toolu_1"), "name": name, "input": anything}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("tool_result"), "tool_use_id": st.just("toolu_1"), "content": words}
+        ),
+        anthropic_block,
+    )
+    turn = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system"]),
+            "content": st.one_of(words, st.lists(valid_block, min_size=1, max_size=3)),
+        },
+        optional={"clear_at": st.sampled_from(["next_user_message", "never"])},
+    )
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": draw(st.sampled_from([1, MAX_GENERATED, 32000])),
+        "messages": [{"role": "user", "content": draw(words)}, *draw(st.lists(turn, max_size=4))],
+    }
+    system = st.lists(
+        st.fixed_dictionaries(
+            {"type": st.just("text"), "text": words}, optional={"cache_control": cache_control}
+        ),
+        max_size=2,
+    )
+    for field, strategy in [
+        ("system", st.one_of(words, system)),
+        ("thinking", thinking),
+        ("output_config", FIELDS["output_config"]),
+        ("context_management", FIELDS["context_management"]),
+        ("tools", st.lists(anthropic_tool, max_size=3)),
+        ("metadata", FIELDS["metadata"]),
+        ("stream", st.booleans()),
+    ]:
+        if draw(st.booleans()):
+            body[field] = draw(strategy)
+    return _limit_generation(body, "/v1/messages")
+
+
 @dataclass(frozen=True)
 class Probe:
     """One request to send."""
@@ -217,6 +367,7 @@ class Probe:
     path: str
     body: bytes | None = None
     content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 raw_bytes = st.one_of(
@@ -237,7 +388,25 @@ def probes(draw: st.DrawFn) -> Probe:
         return Probe("GET", "/v1/models/" + quote(name.encode("utf-8", "surrogatepass"), safe=""))
     path = draw(st.sampled_from(POST_PATHS))
     body = draw(json_body(path)) if kind == "json" else draw(raw_bytes)
-    return Probe("POST", path, body)
+    headers: tuple[tuple[str, str], ...] = ()
+    if path.startswith("/v1/messages"):  # any anthropic-beta value is accepted
+        visible = st.characters(min_codepoint=33, max_codepoint=126)  # h11 refuses edge spaces
+        beta = st.lists(st.text(alphabet=visible))
+        headers = (("anthropic-beta", ",".join(draw(beta))),)
+    return Probe("POST", path, body, headers=headers)
+
+
+@st.composite
+def anthropic_probes(draw: st.DrawFn) -> Probe:
+    """A Claude-Code-shaped request with hostile values, to either Messages endpoint."""
+    path = draw(st.sampled_from([p for p in POST_PATHS if p.startswith("/v1/messages")]))
+    body = draw(anthropic_body())
+    if "count_tokens" in path:
+        body.pop("max_tokens", None)
+    raw = json.dumps(body, ensure_ascii=True).encode()
+    return Probe(
+        "POST", path, raw, headers=(("anthropic-beta", "mid-conversation-system-2026-04-07"),)
+    )
 
 
 # Streams whose events may contain the word "error" in generated text without being errors.
@@ -275,7 +444,7 @@ def check(status: int, body: bytes, streamed: bool, path: str = "") -> str | Non
         text_body = body.decode("utf-8", "replace")
         if "event: error" in text_body or "response.failed" in text_body:
             return f"200 stream carried an error event: {text_body[-300:]!r}"
-        if path not in TYPED_STREAMS and '"error"' in text_body:
+        if path.split("?")[0] not in TYPED_STREAMS and '"error"' in text_body:
             return f"200 stream carried an error event: {text_body[-300:]!r}"
         done = "response.completed" in text_body or "response.incomplete" in text_body
         if not ("data: [DONE]" in text_body or "event: message_stop" in text_body or done):
@@ -285,7 +454,9 @@ def check(status: int, body: bytes, streamed: bool, path: str = "") -> str | Non
 
 def send(client: Any, probe: Probe) -> tuple[int, bytes, bool]:
     """Send `probe` with an httpx.Client; (status, whole body, whether it was an event stream)."""
-    headers = {"content-type": probe.content_type} if probe.body is not None else {}
+    headers = dict(probe.headers)
+    if probe.body is not None:
+        headers["content-type"] = probe.content_type
     request = client.build_request(probe.method, probe.path, content=probe.body, headers=headers)
     response = client.send(request, stream=True)
     try:

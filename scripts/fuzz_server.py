@@ -3,6 +3,7 @@
 
     python scripts/fuzz_server.py                    # 5,000 requests, seed 0
     python scripts/fuzz_server.py --requests 20000 --seed 7 --keep
+    python scripts/fuzz_server.py --anthropic        # Claude-Code-shaped Messages bodies only
 
 Requests come from the same hypothesis strategies as tests/test_fuzz.py (mlx_kvserve.fuzzing).
 Every response is checked: no 5xx, every 4xx in the protocol's error shape (Anthropic's on
@@ -32,10 +33,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _bench_common import Server, workdir  # noqa: E402
 
-from mlx_kvserve.fuzzing import Probe, check, probes, send  # noqa: E402
+from mlx_kvserve.fuzzing import Probe, anthropic_probes, check, probes, send  # noqa: E402
 
 
-def run(base_url: str, requests: int, rng_seed: int, timeout: float) -> dict:
+def run(base_url: str, requests: int, rng_seed: int, timeout: float, strategy=None) -> dict:
     totals: collections.Counter[str] = collections.Counter()
     statuses: collections.Counter[int] = collections.Counter()
     problems: list[str] = []
@@ -49,7 +50,7 @@ def run(base_url: str, requests: int, rng_seed: int, timeout: float) -> dict:
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(probe=probes())
+    @given(probe=probes() if strategy is None else strategy)
     def one(probe: Probe) -> None:
         nonlocal client
         totals["requests"] += 1
@@ -87,11 +88,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a hang")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--anthropic", action="store_true", help="only Claude-Code-shaped /v1/messages bodies"
+    )
     args = parser.parse_args()
     with workdir(args.keep) as work:
         server = Server("kvserve", work, cache_dir=work / "cache").start()
         started = time.monotonic()
-        result = run(server.base_url, args.requests, args.seed, args.timeout)
+        strategy = anthropic_probes() if args.anthropic else None
+        result = run(server.base_url, args.requests, args.seed, args.timeout, strategy)
         elapsed = time.monotonic() - started
         code = server.stop()
         log = server.log_path.read_text(errors="replace") if server.log_path else ""

@@ -409,8 +409,10 @@ def test_full_queue_is_529_overloaded(start_server):
         queued.join(60)
 
 
-def test_thinking_blocks_are_accepted_and_dropped(client):
-    """Claude Code resends the model's thinking; templates here have no place for it."""
+def test_replayed_thinking_blocks_are_accepted(client):
+    """Claude Code resends the model's thinking with Anthropic's signatures (never trusted: the
+    visible text becomes the turn's reasoning); the default model's template renders no past
+    reasoning, so the prompt is the same as without the blocks."""
     plain = [
         {"role": "user", "content": "Weather in Rome?"},
         {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},

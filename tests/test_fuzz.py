@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from hypothesis import HealthCheck, given, settings
 
-from mlx_kvserve.fuzzing import Probe, check, probes, send
+from mlx_kvserve.fuzzing import Probe, anthropic_probes, check, probes, send
 
 CI_EXAMPLES = 60
 
@@ -27,3 +27,18 @@ def test_no_input_produces_a_server_error(server, probe: Probe) -> None:
         assert problem is None, (probe, problem)
         # The connection stays usable after whatever that was (no reset keep-alive).
         assert client.get("/health").status_code == 200
+
+
+@settings(
+    max_examples=CI_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(probe=anthropic_probes())
+def test_claude_code_shapes_never_produce_a_server_error(server, probe: Probe) -> None:
+    """Mostly valid Messages bodies (system messages in place, thinking blocks and signatures,
+    thinking / effort / context edits, typed tools) with hostile values in them."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        status, body, streamed = send(client, probe)
+        assert check(status, body, streamed, probe.path) is None, (probe, body[:300])

@@ -92,7 +92,7 @@ def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | Non
     variables = template_variables(tokenizer)
     kwargs.update(template_kwargs(variables, req.thinking, req.template_kwargs, defaults or {}))
     try:
-        prompt = _render(tokenizer, messages, kwargs, generation=True)
+        prompt, messages = _render_folding_system(tokenizer, messages, kwargs)
     except Exception as exc:  # template errors are the request's fault (e.g. role order)
         raise InvalidRequest(
             f"The chat template rejected the messages: {exc}", param="messages"
@@ -123,6 +123,46 @@ def render_text(tokenizer: Any, text: str) -> Prompt:
     if not text:
         raise InvalidRequest("Invalid value for 'prompt': it is empty.", param="prompt")
     return Prompt(list(tokenizer.encode(text)), {})
+
+
+def _render_folding_system(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """The prompt, and the messages it was rendered from.
+
+    Agents put system messages mid-conversation (Claude Code's reminders). Many templates
+    (Mistral's, Llama 2's, Gemma's) accept a system message only first; when the template refuses,
+    each later system message is folded into the user turn next to it as
+    `<system-reminder>` text, Claude Code's own convention, and the render is tried once more.
+    """
+    try:
+        return _render(tokenizer, messages, kwargs, generation=True), messages
+    except Exception:
+        folded = fold_late_system(messages)
+        if folded == messages:
+            raise
+        return _render(tokenizer, folded, kwargs, generation=True), folded
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each system message after the first message, moved into the user turn it stands next to:
+    the next one (unless an assistant turn comes first), else the one just before it, else a user
+    turn of its own in its place."""
+    out = [dict(m) for m in messages]
+    for i in range(len(out) - 1, 0, -1):
+        if out[i]["role"] != "system":
+            continue
+        reminder = f"<system-reminder>\n{out.pop(i)['content']}\n</system-reminder>"
+        turn = next(
+            (j for j in range(i, len(out)) if out[j]["role"] in ("user", "assistant")), None
+        )
+        if turn is not None and out[turn]["role"] == "user":
+            out[turn]["content"] = f"{reminder}\n{out[turn]['content']}"
+        elif out[i - 1]["role"] == "user":
+            out[i - 1]["content"] = f"{out[i - 1]['content']}\n{reminder}"
+        else:
+            out.insert(i, {"role": "user", "content": reminder})
+    return out
 
 
 def _render(tokenizer: Any, messages: list, kwargs: dict, *, generation: bool) -> list[int]:
