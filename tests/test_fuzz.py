@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from hypothesis import HealthCheck, given, settings
 
-from mlx_kvserve.fuzzing import Probe, check, probes, send
+from mlx_kvserve.fuzzing import Probe, check, json_body, probes, send
 
 CI_EXAMPLES = 60
 
@@ -27,3 +27,20 @@ def test_no_input_produces_a_server_error(server, probe: Probe) -> None:
         assert problem is None, (probe, problem)
         # The connection stays usable after whatever that was (no reset keep-alive).
         assert client.get("/health").status_code == 200
+
+
+@settings(
+    max_examples=CI_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(body=json_body("/v1/responses"))
+def test_codex_shaped_responses_never_produce_a_server_error(server, body: bytes) -> None:
+    """The Responses shapes Codex sends (namespace, custom tools and their grammars, built-in
+    tools, reasoning items, include) mutated: a 200 or a 400 in the OpenAI error shape."""
+    probe = Probe("POST", "/v1/responses", body)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        status, reply, streamed = send(client, probe)
+        problem = check(status, reply, streamed, probe.path)
+        assert problem is None, (probe, problem)

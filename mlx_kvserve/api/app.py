@@ -25,6 +25,7 @@ from mlx_kvserve.api.guard import BrowserGuard
 from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
+from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
@@ -189,4 +190,10 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     app.state.engine = engine
     app.state.model_id = model_id
     app.state.started = int(time.time())
+    # One seal per app for replayed reasoning (Responses encrypted_content, Anthropic signature).
+    try:
+        app.state.reasoning_seal = ReasoningSeal.for_install()
+    except OSError as exc:  # an unwritable data directory: replayed reasoning renders as shown
+        log.warning("no reasoning seal (%s): replayed reasoning renders from its visible text", exc)
+        app.state.reasoning_seal = None
     return app
