@@ -254,3 +254,48 @@ def test_stream_machine_without_summary_or_seal(tmp_path):
     assert "response.reasoning_summary_text.delta" not in kinds
     reasoning = events[-1][1]["response"]["output"][0]
     assert reasoning["summary"] == [] and "encrypted_content" not in reasoning
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlx_lm.tokenizer_utils import load
+
+    from mlx_kvserve import paths
+    from mlx_kvserve.models.resolve import local_model_dir, resolve_model
+
+    _, ref = resolve_model(None, paths.data_dir(), progress=False)
+    return load(Path(local_model_dir(ref)))
+
+
+def test_replayed_custom_call_renders_as_the_grammar_made_the_model_write_it(tokenizer):
+    """What the forced grammar lets the model write, replayed as a custom_tool_call item with its
+    output, re-renders to the same text (so the prompt cache keeps the turn)."""
+    import llguidance
+
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.render import render_chat
+
+    tools = [SHELL, AGENTS, {"type": "web_search"}, APPLY_PATCH]
+    first = body(
+        input=[{"role": "user", "content": "Add a.txt"}],
+        tools=tools,
+        tool_choice={"type": "custom", "name": "apply_patch"},
+    )
+    chat = to_chat_request(first)
+    prompt = render_chat(tokenizer, chat)
+    written = (
+        '<tool_call>\n{"name": "apply_patch"}\n'
+        "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n\n</tool_call>"
+    )
+    compiler = GrammarCompiler(tokenizer, 49152)
+    matcher = llguidance.LLMatcher(
+        compiler._llg_tokenizer(), compiler.grammar_for(chat, prompt.tool_format), log_level=0
+    )
+    ids = compiler._llg_tokenizer().tokenize_str(written)
+    assert matcher.validate_tokens(ids) == len(ids)  # the grammar allows exactly this text
+    call = {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch"}
+    call["input"] = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+    output = {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done!"}
+    second = body(input=[{"role": "user", "content": "Add a.txt"}, call, output], tools=tools)
+    replayed = tokenizer.decode(render_chat(tokenizer, to_chat_request(second)).tokens)
+    assert replayed.startswith(tokenizer.decode(prompt.tokens) + written)
