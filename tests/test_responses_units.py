@@ -299,3 +299,55 @@ def test_replayed_custom_call_renders_as_the_grammar_made_the_model_write_it(tok
     second = body(input=[{"role": "user", "content": "Add a.txt"}, call, output], tools=tools)
     replayed = tokenizer.decode(render_chat(tokenizer, to_chat_request(second)).tokens)
     assert replayed.startswith(tokenizer.decode(prompt.tokens) + written)
+
+
+def _feed_in_pieces(parser, text: str, seed: int) -> list:
+    import random
+
+    rnd = random.Random(seed)
+    events, at = [], 0
+    while at < len(text):
+        size = rnd.randint(1, 9)
+        events += parser.feed(text[at : at + size])
+        at += size
+    return events + parser.finish()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_parser_reads_freeform_calls_in_any_split(seed):
+    """Hermes-fallback freeform calls: the raw input (which may hold the closing tag inside a
+    line) streams in deltas that concatenate to the call's input; function calls still parse."""
+    from mlx_kvserve.chat.output import OutputParser
+    from mlx_kvserve.chat.tool_format import HERMES
+
+    tools = parse_tools(body(tools=[SHELL, APPLY_PATCH, {"type": "custom", "name": "note"}]))
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+</tool_call> is fine here\n*** End Patch\n"
+    text = (
+        "Sure.\n"
+        f'<tool_call>\n{{"name": "apply_patch"}}\n{patch}\n</tool_call>\n'
+        '<tool_call>\n{"name": "shell", "arguments": {"command": ["ls"]}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "note"}\n\n</tool_call>'
+    )
+    parser = OutputParser(HERMES, tools.tools)
+    events = _feed_in_pieces(parser, text, seed)
+    assert [(c.name, c.kind, c.arguments) for c in parser.calls] == [
+        ("apply_patch", "custom", patch),
+        ("shell", "function", '{"command": ["ls"]}'),
+        ("note", "custom", ""),
+    ]
+    first = "".join(e.arguments for e in events if isinstance(e, ToolCallDelta) and e.index == 0)
+    assert first == patch and parser.content == "Sure."
+
+
+def test_parser_reads_a_custom_call_in_its_json_form():
+    """A model with its own template calls a custom tool as a function of `input`."""
+    from mlx_kvserve.chat.output import OutputParser
+    from mlx_kvserve.chat.tool_format import HERMES
+
+    tools = parse_tools(body(tools=[APPLY_PATCH]))
+    parser = OutputParser(HERMES, tools.tools)
+    text = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "a\\nb"}}\n</tool_call>'
+    events = _feed_in_pieces(parser, text, 0)
+    assert [(c.kind, c.arguments) for c in parser.calls] == [("custom", "a\nb")]
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert deltas == ["a\nb"]  # sent whole, raw, never as JSON fragments

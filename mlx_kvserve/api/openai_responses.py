@@ -149,7 +149,7 @@ class _History:
 
     def _take_reasoning(self, message: Message) -> None:
         if self.reasoning:
-            message.reasoning = "".join(self.reasoning)
+            message.reasoning = "".join(self.reasoning) or None  # nothing visible: none
             self.reasoning.clear()
 
     def _reasoning_text(self, item: InputItem) -> str:
