@@ -93,6 +93,88 @@ openai_tool = st.fixed_dictionaries(
         )
     },
 )
+# Responses (Codex) tool shapes: function, custom (freeform, with grammars llguidance may reject),
+# namespace groups, built-in tools the server skips, and unknown types.
+grammar_format = st.one_of(
+    st.just({"type": "text"}),
+    st.fixed_dictionaries(
+        {
+            "type": _maybe(st.just("grammar")),
+            "syntax": _maybe(st.sampled_from(["lark", "regex", "ebnf"])),
+            "definition": st.one_of(
+                st.sampled_from(
+                    [
+                        'start: "*** Begin Patch" LF /(.+)/ LF\n%import common.LF',
+                        "start: (",
+                        "[a-z]+",
+                        "((",
+                        "start: @nowhere",
+                        '%llguidance {"bad": 1}\nstart: "x"',
+                        "start: a\na: a",
+                    ]
+                ),
+                text,
+                anything,
+            ),
+        }
+    ),
+    anything,
+)
+responses_function = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": _maybe(name)},
+    optional={"parameters": schema, "description": _maybe(text), "strict": _maybe(st.booleans())},
+)
+custom_tool = st.fixed_dictionaries(
+    {"type": st.just("custom"), "name": _maybe(st.one_of(st.just("apply_patch"), name))},
+    optional={"format": grammar_format, "description": _maybe(text)},
+)
+responses_tool = st.one_of(
+    responses_function,
+    custom_tool,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("namespace"),
+            "name": _maybe(st.one_of(st.just("mcp__agents__"), text)),
+            "tools": st.one_of(
+                st.lists(st.one_of(responses_function, custom_tool), max_size=2), anything
+            ),
+        },
+        optional={"description": _maybe(text)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["web_search", "file_search", "mcp", "local_shell", "hologram"])}
+    ),
+)
+responses_item = st.one_of(
+    message,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "custom_tool_call"])},
+        optional={
+            "call_id": _maybe(st.just("call_1")),
+            "name": _maybe(st.sampled_from(["apply_patch", "spawn", "get_weather"])),
+            "namespace": _maybe(st.just("mcp__agents__")),
+            "arguments": _maybe(text),
+            "input": _maybe(text),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call_output", "custom_tool_call_output"])},
+        optional={"call_id": _maybe(st.just("call_1")), "output": _maybe(text)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("reasoning")},
+        optional={
+            "summary": st.one_of(
+                st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": text})),
+                anything,
+            ),
+            "content": anything,
+            "encrypted_content": st.one_of(
+                st.just("mkv1.aGk.AAAA"), st.just("gAAAAB-openai-opaque"), text, anything
+            ),
+        },
+    ),
+)
 cache_control = st.one_of(
     st.just({"type": "ephemeral"}), st.just({"type": "ephemeral", "ttl": "1h"}), anything
 )
@@ -173,7 +255,11 @@ context_edit = st.fixed_dictionaries(
 tool_choice = st.one_of(
     st.sampled_from(["auto", "required", "none", "any"]),
     st.fixed_dictionaries(
-        {"type": st.sampled_from(["function", "tool", "auto", "any", "none"])},
+        {
+            "type": st.sampled_from(
+                ["function", "tool", "auto", "any", "none", "custom", "web_search"]
+            )
+        },
         optional={"name": _maybe(name), "function": st.fixed_dictionaries({"name": _maybe(name)})},
     ),
 )
@@ -204,7 +290,7 @@ FIELDS: dict[str, st.SearchStrategy] = {
         st.lists(message, max_size=3), st.lists(anthropic_message, max_size=3), anything
     ),
     "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
-    "input": st.one_of(text, st.lists(message, max_size=2), anything),
+    "input": st.one_of(text, st.lists(responses_item, max_size=3), anything),
     "system": _maybe(text),
     "instructions": _maybe(text),
     "temperature": _maybe(st.floats(min_value=-5, max_value=5)),
@@ -221,7 +307,9 @@ FIELDS: dict[str, st.SearchStrategy] = {
     ),
     "n": _maybe(integers),
     "user": _maybe(text),
-    "tools": st.one_of(st.lists(st.one_of(openai_tool, anthropic_tool), max_size=3), anything),
+    "tools": st.one_of(
+        st.lists(st.one_of(openai_tool, anthropic_tool, responses_tool), max_size=3), anything
+    ),
     "tool_choice": st.one_of(tool_choice, anything),
     "response_format": st.one_of(response_format, anything),
     "parallel_tool_calls": _maybe(st.booleans()),
@@ -254,6 +342,27 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "container": anything,
     "mcp_servers": anything,
     "cache_control": cache_control,
+    # Responses as Codex sends it
+    "reasoning": st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "effort": _maybe(st.sampled_from(["none", "low", "high", "max", "ultra"])),
+                "summary": _maybe(st.sampled_from(["auto", "detailed", "verbose"])),
+            },
+        ),
+        anything,
+    ),
+    "include": st.one_of(
+        st.lists(
+            st.sampled_from(["reasoning.encrypted_content", "web_search_call.results", "x.y"]),
+            max_size=2,
+        ),
+        anything,
+    ),
+    "prompt_cache_key": _maybe(text),
+    "client_metadata": anything,
+    "store": _maybe(st.booleans()),
 }
 
 

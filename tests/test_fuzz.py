@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from hypothesis import HealthCheck, given, settings
 
-from mlx_kvserve.fuzzing import Probe, anthropic_probes, check, probes, send
+from mlx_kvserve.fuzzing import Probe, anthropic_probes, check, json_body, probes, send
 
 CI_EXAMPLES = 60
 
@@ -42,3 +42,20 @@ def test_claude_code_shapes_never_produce_a_server_error(server, probe: Probe) -
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         status, body, streamed = send(client, probe)
         assert check(status, body, streamed, probe.path) is None, (probe, body[:300])
+
+
+@settings(
+    max_examples=CI_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(body=json_body("/v1/responses"))
+def test_codex_shaped_responses_never_produce_a_server_error(server, body: bytes) -> None:
+    """The Responses shapes Codex sends (namespace, custom tools and their grammars, built-in
+    tools, reasoning items, include) mutated: a 200 or a 400 in the OpenAI error shape."""
+    probe = Probe("POST", "/v1/responses", body)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        status, reply, streamed = send(client, probe)
+        problem = check(status, reply, streamed, probe.path)
+        assert problem is None, (probe, problem)

@@ -123,14 +123,14 @@ def test_json_schema_text_format(openai_client):
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"store": True}, "store"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "hologram"}]}, "tools"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
         (
             {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
             "input",
         ),
     ],
-    ids=["previous-response", "store", "server-tool", "unknown-function", "orphan-output"],
+    ids=["previous-response", "store", "unknown-tool-type", "unknown-function", "orphan-output"],
 )
 def test_stateless_and_invalid_requests(server, extra, param):
     body = {"model": MODEL, "input": "hi", **extra}

@@ -25,6 +25,7 @@ from mlx_kvserve.api.guard import BrowserGuard
 from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
+from mlx_kvserve.api.seal import make_reasoning_seal
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
@@ -196,4 +197,5 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     app.state.engine = engine
     app.state.model_id = model_id
     app.state.started = int(time.time())
+    app.state.reasoning_seal = make_reasoning_seal()
     return app

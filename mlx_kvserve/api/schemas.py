@@ -173,7 +173,11 @@ def parse(model: type[_Body], data: Any) -> Any:
 def _describe(exc: ValidationError) -> tuple[str, str]:
     """Pick the most useful error: union branches produce several, prefer a missing field."""
     errors = exc.errors(include_url=False)
-    first = next((e for e in errors if e["type"] == "missing"), errors[0])
+    # A missing field first; else the deepest error: of a union's branches, the one that got
+    # furthest names the field (`input.3.encrypted_content`, not `input`).
+    first = next((e for e in errors if e["type"] == "missing"), None) or max(
+        errors, key=lambda e: len(e["loc"])
+    )
     loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
     param = ".".join(loc) if loc else None
     if first["type"] == "missing":
@@ -193,6 +197,8 @@ def _is_union_tag(part: Any) -> bool:
         "list[str]",
         "list[TextPart]",
         "list[ToolCallIn]",
+        "list[InputItem]",
+        "list[ContentPart]",
         "list[ToolDef]",
         "NamedToolChoice",
         "literal['none','auto','required']",

@@ -3,15 +3,30 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 from starlette.requests import Request
 
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning_seal import KEY_BYTES, ReasoningSeal
+
+log = logging.getLogger("mlx_kvserve.api")
+
+
+def make_reasoning_seal() -> ReasoningSeal:
+    """The install's seal (its key kept in the data directory, so seals outlive a restart); with
+    an unwritable data directory, a key for this process only (seals open until it exits)."""
+    try:
+        return ReasoningSeal.for_install()
+    except OSError as exc:
+        log.warning("reasoning seals last until exit: cannot keep their key (%s)", exc)
+        return ReasoningSeal(secrets.token_bytes(KEY_BYTES))
 
 
 def reasoning_seal(request: Request) -> ReasoningSeal:
-    """`app.state.reasoning_seal`, made from the install's key (data directory) on first use."""
+    """`app.state.reasoning_seal`, made on first use when the app was built without one."""
     state = request.app.state
     seal = getattr(state, "reasoning_seal", None)
     if seal is None:
-        seal = state.reasoning_seal = ReasoningSeal.for_install()
+        seal = state.reasoning_seal = make_reasoning_seal()
     return seal

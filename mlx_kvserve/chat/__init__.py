@@ -8,6 +8,7 @@ templating, tool calls, constrained decoding and usage accounting live here, onc
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import (
     ChatRequest,
+    InputGrammar,
     Message,
     OutputFormat,
     Sampling,
@@ -19,6 +20,7 @@ from mlx_kvserve.chat.request import (
 
 __all__ = [
     "ChatRequest",
+    "InputGrammar",
     "InvalidRequest",
     "Message",
     "OutputFormat",

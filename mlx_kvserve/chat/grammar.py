@@ -13,7 +13,9 @@ What each request gets:
 * "auto": free text, until the model writes the call's opening tag; from there the call is
   constrained the same way (a lazy grammar);
 * `response_format` json_object / json_schema: the answer is that JSON (or, with tools in
-  "auto", either that JSON or tool calls).
+  "auto", either that JSON or tool calls);
+* a custom (freeform) tool's call, in the Hermes fallback: its raw input follows the tool's own
+  Lark grammar or regex (nested as `%lark { ... }`), or is any text up to the closing tag.
 JSON is written in one canonical form (`", "` and `": "` separators, no free whitespace), the
 form the Hermes fallback renders history in, so the cache keeps a tool loop's turns.
 """
@@ -27,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.request import ChatRequest, Tool
-from mlx_kvserve.chat.tool_format import ToolFormat
+from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
+from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
 
 MAX_PARALLEL_CALLS = 4
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -140,6 +142,11 @@ class GrammarCompiler:
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
+            if tool.is_custom:
+                if tool.grammar is not None:
+                    grammar = _lark(f"start: {_nested(tool.grammar)}")
+                    self._compile(grammar, f"tools[{i}].format.definition")
+                continue
             grammar = _json_grammar(_parameters(tool), TOOL_STYLE)
             self._compile(grammar, f"tools[{i}].function.parameters")
 
@@ -157,8 +164,28 @@ class GrammarCompiler:
         return Constraint(matcher, self._vocab_size)
 
 
+def input_grammar_error(grammar: InputGrammar) -> str | None:
+    """Why llguidance cannot compile a custom tool's grammar, or None (no tokenizer needed)."""
+    import llguidance
+
+    try:
+        error = llguidance.LLMatcher.validate_grammar(_lark(f"start: {_nested(grammar)}"))
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return str(exc) or type(exc).__name__
+    return error.strip() or None
+
+
+def _nested(grammar: InputGrammar) -> str:
+    """A custom tool's grammar as one nested Lark expression."""
+    import llguidance
+
+    if grammar.syntax == "regex":
+        return f"%lark {{\nstart: /{llguidance.regex_to_lark(grammar.definition)}/\n}}"
+    return f"%lark {{\n{grammar.definition}\n}}"
+
+
 def _parameters(tool: Tool) -> dict[str, Any]:
-    params = tool.parameters or {}
+    params = CUSTOM_PARAMETERS if tool.is_custom else tool.parameters or {}
     return params if params.get("type") or params.get("properties") else {"type": "object"}
 
 
@@ -178,12 +205,31 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 
 def _calls_rule(req: ChatRequest, fmt: ToolFormat) -> str:
-    """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag)."""
+    """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag), or,
+    for a custom tool in the Hermes fallback, its name line and raw input."""
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
-    body = json.dumps(_call_schema(tools))
-    return f'call_body: "\\n" %json {body} "\\n" {json.dumps(fmt.end)}'
+    freeform = [t for t in tools if t.is_custom and not fmt.native]
+    functions = [t for t in tools if t not in freeform]
+    names: list[str] = []
+    rules: list[str] = []
+    end = json.dumps(fmt.end)
+    if functions:
+        body = json.dumps(_call_schema(functions))
+        names.append("call_json")
+        rules.append(f'call_json: "\\n" %json {body} "\\n" {end}')
+    for k, tool in enumerate(freeform):
+        head = json.dumps(f"\n{freeform_head(tool.name)}\n")
+        closing = json.dumps("\n" + fmt.end)
+        names.append(f"call_custom_{k}")
+        if tool.grammar is None:  # any text, up to the first closing tag
+            rules.append(f"call_custom_{k}: {head} custom_text_{k}")
+            rules.append(f"custom_text_{k}[lazy]: /(.|\\n)*/ {closing}")
+        else:
+            rules.append(f"call_custom_{k}: {head} custom_input_{k} {closing}")
+            rules.append(f"custom_input_{k}: {_nested(tool.grammar)}")
+    return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 
 def _output_schema(req: ChatRequest) -> dict[str, Any] | None:

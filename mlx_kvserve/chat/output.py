@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_input
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 from mlx_kvserve.chat.thinking import ThinkMarkers
 from mlx_kvserve.chat.tool_format import ToolFormat
@@ -116,6 +117,8 @@ class _OpenCall:
         self.scanner = _JsonValueEnd()
         self.body = _JsonValueEnd()  # the whole JSON body: the end marker may sit in a string
         self.body_done = False
+        self.freeform_from: int | None = None  # a custom-tool call: where its raw input starts
+        self.freeform_sent = 0
 
 
 class OutputParser:
@@ -133,6 +136,7 @@ class OutputParser:
     ) -> None:
         self.fmt = fmt if parse_calls else None
         self.tools = [t.as_openai() for t in tools or []]
+        self.custom = {t.name for t in tools or [] if t.is_custom}
         self.id_prefix = id_prefix
         self.calls: list[ToolCall] = []
         self.content = ""
@@ -238,7 +242,7 @@ class OutputParser:
         assert call is not None and self.fmt is not None
         if not call.body_done and not self._scan_json_body(call, events):
             return False
-        end = self.fmt.end
+        end = self._end_marker(call, events)
         at = self._pending.find(end)
         take = self._pending if at < 0 else self._pending[:at]
         if at < 0:
@@ -246,7 +250,9 @@ class OutputParser:
             take = take[: len(take) - keep]
         call.text += take
         self._pending = self._pending[len(take) :]
-        if self.fmt.json_body:
+        if call.freeform_from is not None:
+            self._stream_freeform(call, call.text, events)
+        elif self.fmt.json_body:
             self._stream_arguments(call, events)
         if at < 0:
             return False
@@ -283,6 +289,8 @@ class OutputParser:
                 call.name = json.loads(f'"{match.group(1)}"')
             except json.JSONDecodeError:
                 return
+            if call.name in self.custom:  # a custom tool's JSON form: sent whole at the end
+                return
             call.args_from = call.args_sent = match.end()
             events.append(ToolCallStarted(call.index, call.id, call.name))
         if call.args_done or call.args_from is None:
@@ -302,6 +310,8 @@ class OutputParser:
     def _close(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
         """Parse a complete call with mlx-lm's parser; emit what was not streamed yet."""
         assert self.fmt is not None
+        if call.freeform_from is not None:
+            return self._close_freeform(call, text, events)
         try:
             parsed: Any = self.fmt.parse(text, self.tools or None)
         except Exception as exc:  # parsers raise many kinds on malformed text
@@ -313,18 +323,23 @@ class OutputParser:
         for n, item in enumerate(items):
             arguments = item.get("arguments", {})
             index = len(self.calls)
-            if n == 0 and call.name is not None and call.args_from is not None:
+            custom = item["name"] in self.custom
+            if n == 0 and call.name is not None and call.args_from is not None and not custom:
                 call_id, text_args = call.id, self._rest_of_arguments(call, text, events)
             else:
                 call_id = call.id if n == 0 else new_call_id(self.id_prefix)
-                text_args = (
-                    arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False)
-                )
+                if custom:
+                    text_args = input_from_arguments(arguments)
+                else:
+                    text_args = (
+                        arguments
+                        if isinstance(arguments, str)
+                        else json.dumps(arguments, ensure_ascii=False)
+                    )
                 events.append(ToolCallStarted(index, call_id, str(item["name"])))
                 events.append(ToolCallDelta(index, text_args))
-            done = ToolCall(call_id, str(item["name"]), text_args)
+            kind = "custom" if custom else "function"
+            done = ToolCall(call_id, str(item["name"]), text_args, kind)
             self.calls.append(done)
             events.append(ToolCallFinished(index, done))
         return bool(items)
@@ -339,6 +354,36 @@ class OutputParser:
                 events.append(ToolCallDelta(call.index, rest))
                 call.args_sent += len(rest)
         return text[call.args_from : call.args_sent]
+
+    # -- custom (freeform) tools in the Hermes fallback: a name line, then raw input ------------
+    def _end_marker(self, call: _OpenCall, events: list[OutputEvent]) -> str:
+        """The marker that closes the open call. A freeform call (recognised by its name line)
+        ends at the first `\\n</tool_call>`: its raw input may hold the tag inside a line."""
+        assert self.fmt is not None
+        if call.freeform_from is None and call.name is None and self.custom:
+            name = freeform_name(call.text, self.custom) if self.fmt.json_body else None
+            if name is not None:
+                call.name, call.freeform_from = name, len(call.text)
+                events.append(ToolCallStarted(call.index, call.id, name))
+        return self.fmt.end if call.freeform_from is None else "\n" + self.fmt.end
+
+    def _stream_freeform(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> str:
+        """Send the raw input written since the last delta; return the whole input so far."""
+        assert call.freeform_from is not None
+        after = text[call.freeform_from :]
+        whole = raw_input(after) if after else ""
+        fresh = whole[call.freeform_sent :] if after else ""
+        if fresh:
+            call.freeform_sent += len(fresh)
+            events.append(ToolCallDelta(call.index, fresh))
+        return whole
+
+    def _close_freeform(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
+        assert call.name is not None
+        done = ToolCall(call.id, call.name, self._stream_freeform(call, text, events), "custom")
+        self.calls.append(done)
+        events.append(ToolCallFinished(call.index, done))
+        return True
 
 
 def _is_call(item: Any) -> bool:

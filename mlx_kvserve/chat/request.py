@@ -19,13 +19,21 @@ def new_call_id(prefix: str = "call_") -> str:
     return prefix + secrets.token_hex(12)
 
 
+ToolKind = Literal["function", "custom"]
+
+
 @dataclass(frozen=True)
 class ToolCall:
-    """One function call, in history or generated. `arguments` is JSON text of an object."""
+    """One tool call, in history or generated.
+
+    A function call's `arguments` is JSON text of an object; a custom (freeform) tool's call
+    carries its raw input there, as the model wrote it.
+    """
 
     id: str
     name: str
     arguments: str
+    kind: ToolKind = "function"
 
 
 @dataclass
@@ -45,20 +53,62 @@ class Message:
 
 
 @dataclass(frozen=True)
+class InputGrammar:
+    """The grammar a custom tool's raw input must follow (OpenAI `format: {type: grammar}`)."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+# What a template without freeform tools is shown of a custom tool: a function whose one string
+# parameter carries the raw input.
+CUSTOM_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+
+@dataclass(frozen=True)
 class Tool:
-    """A function the model may call; `parameters` is its JSON Schema."""
+    """A tool the model may call.
+
+    A "function" takes JSON arguments valid against `parameters`; a "custom" (freeform) tool takes
+    raw text, constrained by `grammar` when it has one (None: any text).
+    """
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    kind: ToolKind = "function"
+    grammar: InputGrammar | None = None
+
+    @property
+    def is_custom(self) -> bool:
+        return self.kind == "custom"
 
     def as_openai(self) -> dict[str, Any]:
-        """The OpenAI function-tool shape that chat templates expect as `tools=`."""
+        """The OpenAI function-tool shape that chat templates expect as `tools=` (a custom tool
+        as a function of one string parameter, `input`)."""
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
-        function["parameters"] = self.parameters
+        function["parameters"] = CUSTOM_PARAMETERS if self.is_custom else self.parameters
         return {"type": "function", "function": function}
+
+    def as_freeform(self) -> dict[str, Any]:
+        """A custom tool as the Hermes fallback lists it (the OpenAI custom-tool shape)."""
+        listing: dict[str, Any] = {"type": "custom", "name": self.name}
+        if self.description is not None:
+            listing["description"] = self.description
+        if self.grammar is not None:
+            listing["format"] = {
+                "type": "grammar",
+                "syntax": self.grammar.syntax,
+                "definition": self.grammar.definition,
+            }
+        return listing
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,12 @@ gets one documented format instead, the Hermes convention that Qwen and many oth
 * the tool list as JSON lines inside `<tools></tools>` at the end of the system turn;
 * each call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
 * each tool result as a user turn `<tool_response>\\n...\\n</tool_response>` (consecutive results
-  share one turn).
+  share one turn);
+* a custom (freeform) tool, whose input is raw text rather than JSON, listed in its OpenAI shape
+  (`{"type": "custom", "name", "description", "format"}`) and called with its name alone on the
+  first line and the raw input unquoted after it:
+  `<tool_call>\\n{"name": "apply_patch"}\\n*** Begin Patch\\n...\\n</tool_call>`. The input ends
+  at the first line that is exactly `</tool_call>`; its own grammar constrains it.
 
 JSON in history is re-serialised with `json.dumps` defaults (`", "` and `": "` separators), the
 same form constrained decoding makes the model write, so a conversation re-renders to the tokens
@@ -35,6 +40,11 @@ HERMES_INSTRUCTIONS = (
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n"
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+FREEFORM_INSTRUCTIONS = (
+    "\n\nA tool of type custom takes raw text, not JSON: write its name as a json object on the "
+    "first line and the raw input after it, unquoted, within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <tool-name>}}\n<raw-input>\n</tool_call>'
 )
 
 
@@ -82,8 +92,21 @@ def call_json(name: str, arguments: dict[str, Any]) -> str:
     return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
 
 
+def freeform_head(name: str) -> str:
+    """The first line of a Hermes-fallback custom-tool call: the tool's name alone."""
+    return json.dumps({"name": name}, ensure_ascii=False)
+
+
+def freeform_call(call: ToolCall) -> str:
+    """A custom-tool call as the Hermes fallback writes it (the grammar makes the same text)."""
+    return f"{HERMES.start}\n{freeform_head(call.name)}\n{call.arguments}\n{HERMES.end}"
+
+
 def parse_arguments(call: ToolCall, where: str) -> dict[str, Any]:
-    """A history call's arguments as an object; a 400 naming the message when they are not."""
+    """A history call's arguments as an object; a 400 naming the message when they are not.
+    A custom tool's raw input becomes `{"input": ...}`, the one parameter templates are shown."""
+    if call.kind == "custom":
+        return {"input": call.arguments}
     try:
         value = json.loads(call.arguments) if call.arguments.strip() else {}
     except json.JSONDecodeError as exc:
@@ -104,8 +127,13 @@ def hermes_messages(
     """Plain {role, content} messages for a template without tool support."""
     out: list[dict[str, str]] = []
     if tools:
-        listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
+        listing = "\n".join(
+            json.dumps(t.as_freeform() if t.is_custom else t.as_openai(), ensure_ascii=False)
+            for t in tools
+        )
         block = HERMES_INSTRUCTIONS.format(tools=listing)
+        if any(t.is_custom for t in tools):
+            block += FREEFORM_INSTRUCTIONS.format()
         if messages and messages[0].role == "system":
             first = messages[0].content
             out.append({"role": "system", "content": f"{first}\n\n{block}" if first else block})
@@ -115,7 +143,9 @@ def hermes_messages(
     for message, args in zip(messages, arguments, strict=True):
         if message.role == "assistant" and message.tool_calls:
             calls = "\n".join(
-                f"{HERMES.start}\n{call_json(c.name, a)}\n{HERMES.end}"
+                freeform_call(c)
+                if c.kind == "custom"
+                else f"{HERMES.start}\n{call_json(c.name, a)}\n{HERMES.end}"
                 for c, a in zip(message.tool_calls, args, strict=True)
             )
             text = f"{message.content}\n{calls}" if message.content else calls
