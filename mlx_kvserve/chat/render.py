@@ -137,11 +137,14 @@ def _render_folding_system(
     """
     try:
         return _render(tokenizer, messages, kwargs, generation=True), messages
-    except Exception:
+    except Exception as refused:
         folded = fold_late_system(messages)
         if folded == messages:
             raise
-        return _render(tokenizer, folded, kwargs, generation=True), folded
+        try:
+            return _render(tokenizer, folded, kwargs, generation=True), folded
+        except Exception:
+            raise refused from None  # the client's messages were refused: say why they were
 
 
 def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
