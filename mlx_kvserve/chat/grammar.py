@@ -32,6 +32,9 @@ from mlx_kvserve.chat.tool_format import ToolFormat
 
 MAX_PARALLEL_CALLS = 4
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Tool schemas: keywords llguidance does not implement (e.g. `propertyNames`, which Claude Code's
+# tools use) are left unenforced rather than failing the request; the client validates the input.
+TOOL_STYLE = {**JSON_STYLE, "lenient": True}
 
 
 class Constraint:
@@ -135,7 +138,8 @@ class GrammarCompiler:
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
-            self._compile(_json_grammar(_parameters(tool)), f"tools[{i}].function.parameters")
+            grammar = _json_grammar(_parameters(tool), TOOL_STYLE)
+            self._compile(grammar, f"tools[{i}].function.parameters")
 
     def _compile(self, grammar: str, param: str) -> Constraint:
         import llguidance
@@ -168,7 +172,7 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
         for t in tools
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_STYLE}
+    return {**schema, "x-guidance": TOOL_STYLE}
 
 
 def _calls_rule(req: ChatRequest, fmt: ToolFormat) -> str:
@@ -196,10 +200,10 @@ def _output_param(req: ChatRequest) -> str:
     )
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
+def _json_grammar(schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
 
 
 def _lark(*parts: str) -> str:
