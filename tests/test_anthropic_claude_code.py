@@ -43,6 +43,12 @@ def tools(n: int = 24) -> list[dict]:
             "$schema": "http://json-schema.org/draft-07/schema#",
         }
         out.append({"name": f"Tool{i}", "description": f"Tool number {i}.", "input_schema": schema})
+    # Claude Code's record-typed fields use `propertyNames`, which llguidance does not implement.
+    env = {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"}}
+    out[0]["input_schema"]["properties"]["env"] = {
+        **env,
+        "additionalProperties": {"type": "string"},
+    }
     out[-1]["cache_control"] = EPHEMERAL
     return out
 
