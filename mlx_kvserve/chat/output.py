@@ -227,8 +227,9 @@ class OutputParser:
             return False
         at, start = min(found)
         before = self._pending[:at]
-        if before.strip():
-            self._content(before, events)
+        # whitespace right before a marker is dropped, however the text arrived (it is held
+        # back when it ends a chunk, so a whole feed must not keep it either)
+        self._content(before.rstrip(), events)
         self._pending = self._pending[at + len(start) :]
         if self.think is not None and start == self.think.start:
             self._in_reasoning, self._trim_reasoning = True, True
