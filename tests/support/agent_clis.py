@@ -133,16 +133,7 @@ def run_claude(
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         DISABLE_AUTOUPDATER="1",
     )
-    done = subprocess.run(
-        [str(clis.claude), "--output-format", "json", *args],
-        env=env,
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    return CliRun(done.returncode, done.stdout, done.stderr)
+    return _run([str(clis.claude), "--output-format", "json", *args], env, workdir, timeout)
 
 
 def codex_home(home: Path, base_url: str) -> Path:
@@ -167,8 +158,14 @@ def run_codex(
     """`codex exec --json ...` against `base_url`, in a home of its own."""
     env = _clean_env(home, ("OPENAI", "CODEX"))
     env.update(CODEX_HOME=str(codex_home(home, base_url)), MLX_KVSERVE_TEST_KEY="unused")
+    command = [str(clis.codex), "exec", "--skip-git-repo-check", "--json", *args]
+    return _run(command, env, workdir, timeout)
+
+
+def _run(command: list[str], env: dict[str, str], workdir: Path, timeout: float) -> CliRun:
+    """A CLI run headless: no terminal, no standard input (the CLIs would wait for one)."""
     done = subprocess.run(
-        [str(clis.codex), "exec", "--skip-git-repo-check", "--json", *args],
+        command,
         env=env,
         cwd=workdir,
         capture_output=True,
