@@ -205,6 +205,7 @@ def test_responses_reasoning_item_streamed_and_not(kept: ServerProcess) -> None:
     reasoning = whole.output[0]
     text = reasoning.content[0].text
     assert text and [s.text for s in reasoning.summary] == [text]
+    assert text == ask(kept, [question]).content[0].thinking  # the reasoning, as Anthropic's
     assert reasoning.encrypted_content.startswith("mkv1.")
     assert whole.usage.output_tokens_details.reasoning_tokens == BUDGET
     with respond(kept, [question], stream=True) as stream:
