@@ -17,8 +17,9 @@ What the Qwen3.5 template does with past reasoning decides how far a replayed hi
 * with its own variable `preserve_thinking` (the `kept` server sets it by default) it renders
   every past turn as `<think>\\n` + reasoning + `\\n</think>\\n\\n` + answer. That matches what was
   generated through `</think>`; there the template's `\\n\\n` before the answer's first letter
-  tokenizes as two `\\n` where the model had the single forced `\\n\\n` token. So a replay reuses
-  the previous prompt, the reasoning and 2 tokens: KEPT_EXTRA.
+  tokenizes as two `\\n` where the model had the single forced `\\n\\n` token (the test model
+  borrows SmolLM2's tokenizer; Qwen's own pre-tokenizer keeps `\\n\\n` whole). So a replay
+  reuses the previous prompt, the reasoning and 2 tokens: KEPT_EXTRA.
 A replay that renders other reasoning text departs where that text starts, right after the
 previous prompt (which ends in `<think>\\n`); one that renders as an earlier replay did reads
 all of that replay's prompt but the one token always prefilled.
@@ -65,9 +66,9 @@ def claude(server: ServerProcess) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
 
 
-def ask(server: ServerProcess, messages: list[dict], max_tokens: int = 16) -> Any:
+def ask(server: ServerProcess, messages: list[dict], max_tokens: int = 16, **extra: Any) -> Any:
     return claude(server).messages.create(
-        model="m", max_tokens=max_tokens, messages=messages, extra_body=GREEDY
+        model="m", max_tokens=max_tokens, messages=messages, extra_body=GREEDY, **extra
     )
 
 
@@ -149,7 +150,9 @@ def test_anthropic_replay_reuses_the_turn_and_never_trusts_a_bad_signature(
     cached, prompt = replay(kept, question, [thinking, text])
     assert cached == prompt_of(first) + KEPT_EXTRA
     same = (prompt - 1, prompt)  # rendered as the replay above
-    assert replay(kept, question, [{**thinking, "thinking": ""}, text]) == same
+    omitted = ask(kept, [question], thinking={"type": "adaptive", "display": "omitted"})
+    assert blocks(omitted) == [{**thinking, "thinking": ""}, text]
+    assert replay(kept, question, blocks(omitted)) == same
     assert replay(kept, question, [{**thinking, "thinking": OTHER_TEXT}, text]) == same
 
     bad = {**thinking, "signature": tampered(thinking["signature"])}
