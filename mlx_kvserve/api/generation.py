@@ -8,7 +8,7 @@ grammar compilation, context-window checks, queueing, tool-call parsing and usag
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning section
 
     @property
     def prefilled_tokens(self) -> int:
@@ -98,10 +99,17 @@ class Result:
 class Generation:
     """A request submitted to the engine, read back as protocol-neutral events."""
 
-    def __init__(self, req: GenerationRequest, parser: OutputParser, model: str) -> None:
+    def __init__(
+        self,
+        req: GenerationRequest,
+        parser: OutputParser,
+        model: str,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
         self.req = req
         self.parser = parser
         self.model = model  # the name the response reports: the served model's id
+        self.count_tokens = count_tokens  # the tokenizer's count, for the reasoning's usage
 
     @property
     def id(self) -> str:
@@ -169,8 +177,21 @@ class Generation:
         reason = done.finish_reason
         if reason == "stop" and self.parser.calls:
             reason = "tool_calls"
-        usage = Usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+        usage = Usage(
+            done.prompt_tokens,
+            done.cached_tokens,
+            done.completion_tokens,
+            self._reasoning_tokens(done.completion_tokens),
+        )
         return Finished(reason, usage, done.stop_sequence)
+
+    def _reasoning_tokens(self, completion_tokens: int) -> int:
+        """The reasoning's tokens: the engine streams text, not tokens per section, so its text
+        is counted again by the tokenizer (the sampled tokens may have split it differently)."""
+        reasoning = self.parser.reasoning
+        if not reasoning or self.count_tokens is None:
+            return 0
+        return min(self.count_tokens(reasoning), completion_tokens)
 
 
 def served_model(request: Request, asked: str | None, param: str = "model") -> str:
@@ -300,7 +321,10 @@ def _submit(
         raise unavailable(str(exc)) from None
     except RequestTooLarge as exc:
         raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
-    return Generation(req, parser, served)
+    tokenizer = engine.tokenizer
+    return Generation(
+        req, parser, served, lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+    )
 
 
 def _sampling(

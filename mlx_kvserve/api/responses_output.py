@@ -144,15 +144,14 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def usage(u: Usage) -> dict[str, Any]:
-    """Responses usage. Reasoning tokens and cache writes when the generation counted them
-    (else 0: the engine does not report them yet)."""
-    reasoning_tokens = getattr(u, "reasoning_tokens", 0) or 0
+    """Responses usage. Cache writes when the generation counted them (else 0: the engine does
+    not report them yet)."""
     written = getattr(u, "cache_write_tokens", 0) or 0
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": written},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
