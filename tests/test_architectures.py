@@ -143,3 +143,35 @@ def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
     proc.stop()
     assert "cannot load model_type 'no_such_arch'" in log
     assert "Traceback" not in log
+
+
+def test_a_config_without_a_context_length_is_said_at_start(tmp_path):
+    """No window stated anywhere: the server starts, says so, and still answers."""
+    model_dir = make_model_dir(tmp_path / "model", "llama", max_position_embeddings=None)  # omitted
+    server = ServerProcess(tmp_path, "--model", str(model_dir)).wait_ready()
+    try:
+        assert "states no context length" in server.log()
+        assert "context None tokens" in server.log()
+        resp = client_for(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], temperature=0
+        )
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    finally:
+        server.stop()
+
+
+def test_a_cache_of_another_architecture_is_a_clean_miss(tmp_path):
+    """Two architectures on one cache directory: each sees only its own checkpoints."""
+    env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")}
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    for name in ("llama", "qwen3_5"):
+        model_dir = make_model_dir(tmp_path / name, name)
+        server = ServerProcess(tmp_path, "--model", str(model_dir), env=env).wait_ready()
+        try:
+            _, usage = chat(server, messages)
+            assert usage.prompt_tokens_details.cached_tokens == 0
+            stats = httpx.get(server.base_url + "/v1/cache").json()
+            assert stats["restore_errors"] == 0
+        finally:
+            assert server.stop() == 0
+        assert "Traceback" not in server.log()
