@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,33 @@ def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
         log = server.log()
         assert "Traceback" not in log
         assert re.search(r"cache=disk", log)
+    finally:
+        server.stop()
+
+
+def test_concurrent_conversations_batch_and_answer_like_no_cache(arch: Arch):
+    """Three conversations at once decode together (all but llama4's chunked attention), and
+    their next turns, served from the checkpoints the batch left, still answer like no cache."""
+    env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv-concurrent")}
+    server = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env)
+    server.wait_ready()
+    convs = [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    try:
+        for turn in range(2):
+            with ThreadPoolExecutor(len(convs)) as pool:
+                got = list(pool.map(lambda m: chat(server, m, max_tokens=40), convs))
+            for messages, (answer, usage) in zip(convs, got, strict=True):
+                assert answer == chat(arch.reference, messages, max_tokens=40)[0]
+                if turn:  # (the first turns may share the system prompt's anchor)
+                    assert usage.prompt_tokens_details.cached_tokens > 0
+            convs = [
+                [*m, {"role": "assistant", "content": a}, {"role": "user", "content": "Thanks!"}]
+                for m, (a, _) in zip(convs, got, strict=True)
+            ]
+        peaks = [int(n) for n in re.findall(r" batch=(\d+) ", server.log())]
+        assert len(peaks) == 6
+        assert max(peaks) == 1 if arch.name == "llama4" else max(peaks) >= 2
+        assert "Traceback" not in server.log()
     finally:
         server.stop()
 

@@ -12,7 +12,14 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_kvserve.cache import PromptCache
-from mlx_kvserve.cache.kinds import STATE, TOKENS, WINDOW, describe, describe_model
+from mlx_kvserve.cache.kinds import (
+    STATE,
+    TOKENS,
+    WINDOW,
+    can_cut_back,
+    describe,
+    describe_model,
+)
 from mlx_kvserve.engine.batch import can_batch
 from tests.support.tiny_models import make_model_dir, model_config
 
@@ -161,3 +168,17 @@ def test_an_unknown_cache_class_is_stored_whole_and_never_batched(tmp_path, mode
     assert [layer.kind for layer in layout.layers] == [TOKENS, TOKENS]
     live = _prefill(model, make_prompt_cache(model))
     _round_trip(tmp_path, model, live, lambda: make_prompt_cache(model))
+
+
+def test_a_chunked_cache_that_dropped_positions_is_not_cut_back(models):
+    """ChunkedKVCache reports is_trimmable() even after dropping its oldest positions; cut back
+    below them it would answer wrongly, so a resident holding one is reused only whole."""
+    model = models("llama4")
+    short = make_prompt_cache(model)
+    model(mx.array([PROMPT[:20]]), cache=short)
+    assert can_cut_back(short, 10)
+    long = _prefill(model, make_prompt_cache(model))
+    assert all(c.is_trimmable() for c in long)  # what mlx-lm says
+    assert not can_cut_back(long, 10)
+    assert can_cut_back(_prefill(models("llama"), make_prompt_cache(models("llama"))), 10)
+    assert not can_cut_back(_prefill(models("mamba2"), make_prompt_cache(models("mamba2"))), 10)
