@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,33 @@ def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
         server.stop()
 
 
+def test_concurrent_conversations_batch_and_answer_like_no_cache(arch: Arch):
+    """Three conversations at once decode together (all but llama4's chunked attention), and
+    their next turns, served from the checkpoints the batch left, still answer like no cache."""
+    env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv-concurrent")}
+    server = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env)
+    server.wait_ready()
+    convs = [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    try:
+        for turn in range(2):
+            with ThreadPoolExecutor(len(convs)) as pool:
+                got = list(pool.map(lambda m: chat(server, m, max_tokens=40), convs))
+            for messages, (answer, usage) in zip(convs, got, strict=True):
+                assert answer == chat(arch.reference, messages, max_tokens=40)[0]
+                if turn:  # (the first turns may share the system prompt's anchor)
+                    assert usage.prompt_tokens_details.cached_tokens > 0
+            convs = [
+                [*m, {"role": "assistant", "content": a}, {"role": "user", "content": "Thanks!"}]
+                for m, (a, _) in zip(convs, got, strict=True)
+            ]
+        peaks = [int(n) for n in re.findall(r" batch=(\d+) ", server.log())]
+        assert len(peaks) == 6
+        assert max(peaks) == 1 if arch.name == "llama4" else max(peaks) >= 2
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+
+
 def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
     model_dir = make_model_dir(tmp_path / "model", "llama")
     config = json.loads((model_dir / "config.json").read_text())
@@ -143,3 +171,35 @@ def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
     proc.stop()
     assert "cannot load model_type 'no_such_arch'" in log
     assert "Traceback" not in log
+
+
+def test_a_config_without_a_context_length_is_said_at_start(tmp_path):
+    """No window stated anywhere: the server starts, says so, and still answers."""
+    model_dir = make_model_dir(tmp_path / "model", "llama", max_position_embeddings=None)  # omitted
+    server = ServerProcess(tmp_path, "--model", str(model_dir)).wait_ready()
+    try:
+        assert "states no context length" in server.log()
+        assert "context None tokens" in server.log()
+        resp = client_for(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], temperature=0
+        )
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    finally:
+        server.stop()
+
+
+def test_a_cache_of_another_architecture_is_a_clean_miss(tmp_path):
+    """Two architectures on one cache directory: each sees only its own checkpoints."""
+    env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")}
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    for name in ("llama", "qwen3_5"):
+        model_dir = make_model_dir(tmp_path / name, name)
+        server = ServerProcess(tmp_path, "--model", str(model_dir), env=env).wait_ready()
+        try:
+            _, usage = chat(server, messages)
+            assert usage.prompt_tokens_details.cached_tokens == 0
+            stats = httpx.get(server.base_url + "/v1/cache").json()
+            assert stats["restore_errors"] == 0
+        finally:
+            assert server.stop() == 0
+        assert "Traceback" not in server.log()

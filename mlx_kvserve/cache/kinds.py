@@ -97,6 +97,19 @@ def is_sliceable(caches: Sequence[Any]) -> bool:
     return bool(caches) and all(type(c) in _POSITION_SLICEABLE for c in caches)
 
 
+def can_cut_back(caches: Sequence[Any], keep: int) -> bool:
+    """Whether every layer can be trimmed back to its first `keep` positions and still hold
+    exactly their state. `is_trimmable()` says whether a layer can be trimmed at all; a
+    `ChunkedKVCache` says True even after it dropped its oldest positions (`start_position`),
+    when a cut below them would leave the attention of the next tokens without their keys."""
+    for c in _leaves(caches):
+        if not c.is_trimmable():
+            return False
+        if type(c) is mlx_cache.ChunkedKVCache and c.start_position > 0:
+            return False
+    return keep >= 0
+
+
 def can_merge(caches: Sequence[Any]) -> bool:
     """Whether rows with these per-layer caches can decode together as mlx-lm batches them."""
     return bool(caches) and all(_mergeable(c) for c in caches)

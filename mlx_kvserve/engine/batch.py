@@ -8,15 +8,18 @@ Two modes, chosen by size:
 - **solo** (one sequence): the pass runs on that sequence's own mlx-lm caches, exactly the loop
   of a lone request, so batching costs a lone request nothing. A constrained sequence feeds a
   sampled token and the tokens its grammar forces in one pass.
-- **merged** (two or more): the sequences' caches are merged layer by layer into mlx-lm's
-  `BatchKVCache` (left-padded rows, its own attention mask and per-row RoPE offsets; what
-  `mlx_lm.generate.BatchGenerator` runs on), and each row feeds exactly one token per pass.
-  A sequence that leaves is cut out with `BatchKVCache.extract` (its own `KVCache` again, for its
-  checkpoint and as a resident session) and the rest are kept with `filter`; when one is left it
-  goes back to solo mode.
+- **merged** (two or more): the sequences' caches are merged layer by layer with the layer
+  class's own `merge`, as `mlx_lm.generate.BatchGenerator` does (`_merge_caches`): `KVCache`
+  into `BatchKVCache` (left-padded rows, its own attention mask and per-row RoPE offsets),
+  `RotatingKVCache` into `BatchRotatingKVCache`, `ArraysCache` (SSM state) into one array per
+  state with a row per sequence, `CacheList` part by part. Each row feeds exactly one token per
+  pass. A sequence that leaves is cut out with `extract` (its own per-layer caches again, for
+  its checkpoint and as a resident session) and the rest are kept with `filter`; when one is
+  left it goes back to solo mode.
 
-Only plain `KVCache` layers can be merged. Models with rotating windows or SSM layers, or KV
-quantized in place, run one sequence at a time (`can_batch` is False), which is always correct.
+Layers whose class cannot merge (`QuantizedKVCache`, `ChunkedKVCache`, classes mlx-lm does not
+define) make the model run one sequence at a time (`can_batch` is False), which is always
+correct. See cache/kinds.py.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
 from mlx_kvserve.cache.kinds import KVLayout
 from mlx_kvserve.engine.sequence import Sequence
@@ -35,9 +37,13 @@ log = logging.getLogger("mlx_kvserve.engine")
 
 
 def can_batch(layout: KVLayout) -> bool:
-    """Whether rows of this model decode together here: every layer plain position-indexed KV,
-    which `BatchKVCache` merges."""
-    return layout.mergeable and layout.sliceable
+    """Whether rows of this model decode together: every layer's class can `merge`."""
+    return layout.mergeable
+
+
+def _merge(caches: list) -> Any:
+    """One layer's caches (a row each) as the batch cache of that layer's class."""
+    return type(caches[0]).merge(caches)
 
 
 class DecodeBatch:
@@ -47,7 +53,7 @@ class DecodeBatch:
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.seqs: list[Sequence] = []
-        self._merged: list[BatchKVCache] | None = None  # merged mode's caches, row i = seqs[i]
+        self._merged: list[Any] | None = None  # merged mode's caches, row i = seqs[i]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -68,12 +74,11 @@ class DecodeBatch:
         if self._merged is None:
             solo = self.seqs[0]
             self._merged = [
-                BatchKVCache.merge([a, b])
-                for a, b in zip(solo.live.caches, seq.live.caches, strict=True)
+                _merge([a, b]) for a, b in zip(solo.live.caches, seq.live.caches, strict=True)
             ]
         else:
             for batch_cache, cache in zip(self._merged, seq.live.caches, strict=True):
-                batch_cache.extend(BatchKVCache.merge([cache]))
+                batch_cache.extend(_merge([cache]))
         self.seqs.append(seq)
 
     def step(self) -> None:

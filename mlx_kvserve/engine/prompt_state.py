@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, PromptCache, probe_matches
-from mlx_kvserve.cache.kinds import describe_model
+from mlx_kvserve.cache.kinds import can_cut_back, describe_model
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -136,8 +136,8 @@ class PromptStates:
         best, best_usable = None, 0
         for resident in self._residents:
             usable = min(common_prefix(resident.tokens, prompt), len(prompt) - 1)
-            if usable < resident.usable and not can_trim_prompt_cache(resident.caches):
-                continue  # rotating / SSM state: only an exact prefix is reusable
+            if usable < resident.usable and not can_cut_back(resident.caches, usable):
+                continue  # a full window, an SSM state: only an exact prefix is reusable
             if 2 * usable < resident.usable and usable <= match.usable:
                 continue
             if usable > best_usable:

@@ -208,12 +208,16 @@ def default_tokenizer_dir() -> Path:
 
 
 def model_config(model_type: str, **overrides: Any) -> dict[str, Any]:
-    """The config.json of a tiny `model_type`; overrides go into `text_config` for a wrapper."""
+    """The config.json of a tiny `model_type`; overrides go into `text_config` for a wrapper,
+    and an override of None removes the field (a config that does not state it)."""
     if model_type not in CONFIGS:
         raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(CONFIGS)}")
     config = copy.deepcopy(CONFIGS[model_type])
     target = config["text_config"] if model_type in WRAPPERS else config
     target.update(overrides)
+    for name, value in overrides.items():
+        if value is None:
+            del target[name]
     config["model_type"] = model_type
     return config
 
