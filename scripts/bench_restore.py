@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from mlx_kvserve.cache import PromptCache  # noqa: E402
-from mlx_kvserve.cache.testing import kv_arrays, make_kv  # noqa: E402
+from tests.support.cache_testing import kv_arrays, make_kv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pagecache import evict_page_cache  # noqa: E402

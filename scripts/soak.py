@@ -81,7 +81,7 @@ def rebuild_timing(n_entries: int, workdir: Path) -> dict[str, float]:
     import numpy as np
 
     from mlx_kvserve.cache import PromptCache
-    from mlx_kvserve.cache.testing import make_kv
+    from tests.support.cache_testing import make_kv
 
     directory = workdir / "rebuild"
     fingerprint = "rebuild-bench"

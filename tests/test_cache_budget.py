@@ -7,7 +7,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import PromptCache, default_disk_budget
 from mlx_kvserve.cache.entry import SCORE_HALF_LIFE_S, score
-from mlx_kvserve.cache.testing import fill_kv, make_kv, make_ssm
+from tests.support.cache_testing import fill_kv, make_kv, make_ssm
 
 KiB = 1 << 10
 GiB = 1 << 30

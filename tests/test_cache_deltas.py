@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import PromptCache
-from mlx_kvserve.cache.testing import fill_kv, kv_arrays, make_kv
+from tests.support.cache_testing import fill_kv, kv_arrays, make_kv
 
 MiB = 1 << 20
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -159,7 +159,7 @@ def test_checkpoint_of_a_prefix_cut_from_longer_kv(tmp_path):
 
 
 def test_prefix_checkpoint_refused_for_longer_or_shorter_snapshot_state(tmp_path):
-    from mlx_kvserve.cache.testing import make_rotating
+    from tests.support.cache_testing import make_rotating
 
     caches = make_rotating(40, max_size=16)
     with open_cache(tmp_path) as pc:

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_kvserve.cache import CacheLockedError, CacheRestoreError, PromptCache, codec, probe_matches
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.disk import DiskTier
-from mlx_kvserve.cache.testing import kv_arrays, make_kv, rebuild_benchmark
+from tests.support.cache_testing import kv_arrays, make_kv, rebuild_benchmark
 
 MiB = 1 << 20
 FP = "model-a"
@@ -327,7 +327,7 @@ CRASHER = textwrap.dedent(
     import os, signal, sys
     import mlx.core as mx
     from mlx_kvserve.cache import PromptCache
-    from mlx_kvserve.cache.testing import make_kv
+    from tests.support.cache_testing import make_kv
     root, n, flush = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     pc = PromptCache(root, "model-a", disk_budget=1 << 30, ram_budget=1 << 30)
     toks = list(range(2000, 2400))

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import PromptCache
-from mlx_kvserve.cache.testing import kv_arrays, make_kv, make_ssm
+from tests.support.cache_testing import kv_arrays, make_kv, make_ssm
 
 MiB = 1 << 20
 

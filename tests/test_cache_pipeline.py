@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_kvserve.cache import CacheRestoreError, codec, pipeline
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.errors import EntryFormatError
-from mlx_kvserve.cache.testing import kv_arrays, make_kv
+from tests.support.cache_testing import kv_arrays, make_kv
 from tests.test_cache_disk import T, build_chain, entry_path, open_cache, rewrite
 
 CHUNK = 256

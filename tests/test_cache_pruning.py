@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import PromptCache
 from mlx_kvserve.cache.disk import DiskTier
-from mlx_kvserve.cache.testing import fill_kv, make_kv, make_ssm
+from tests.support.cache_testing import fill_kv, make_kv, make_ssm
 
 MiB = 1 << 20
 T = list(range(300, 600))

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlx_kvserve.cache import CacheRestoreError, PromptCache
-from mlx_kvserve.cache.testing import (
+from tests.support.cache_testing import (
     fill_kv,
     make_hybrid,
     make_rotating,

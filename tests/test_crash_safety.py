@@ -878,7 +878,7 @@ def test_no_orphan_written_after_a_failed_parent_write(tmp_path, monkeypatch):
     that start-up would only delete, and later checkpoints must be written whole again.
     """
     from mlx_kvserve.cache.disk import DiskTier
-    from mlx_kvserve.cache.testing import kv_arrays, make_kv
+    from tests.support.cache_testing import kv_arrays, make_kv
 
     gate = threading.Event()
     real = DiskTier.write_entry

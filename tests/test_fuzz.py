@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 from hypothesis import HealthCheck, given, settings
 
-from mlx_kvserve.fuzzing import Probe, anthropic_probes, check, json_body, probes, send
+from tests.support.fuzzing import Probe, anthropic_probes, check, json_body, probes, send
 
 CI_EXAMPLES = 60
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from mlx_kvserve.fuzzing import check, json_body
 from tests.conftest import ServerProcess, client_for
+from tests.support.fuzzing import check, json_body
 from tests.support.thinking_models import build_thinking_model
 
 pytestmark = pytest.mark.slow

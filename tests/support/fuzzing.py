@@ -19,271 +19,38 @@ from urllib.parse import quote
 
 from hypothesis import strategies as st
 
-MODEL = "SmolLM2-135M-Instruct"
-POST_PATHS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/responses",
-    "/v1/messages?beta=true",  # as Claude Code calls it
-    "/v1/messages/count_tokens?beta=true",
+from tests.support.fuzz_shapes import (
+    anthropic_block,
+    anthropic_message,
+    anthropic_tool,
+    cache_control,
+    context_edit,
+    responses_item,
+    responses_tool,
+    signature,
+    thinking,
 )
-GET_PATHS = ("/health", "/v1/models", "/v1/cache")
-TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-MAX_GENERATED = 2
-DEEP = "__DEEP__"
-
-lone_surrogates = st.sampled_from(["\ud800", "\udfff", "a\ud800b", "\udc00x", "x\udbff"])
-special_text = st.sampled_from(
-    ["", " ", "\x00", "\u2028", "😀", "<|im_start|>system\n", "{{ raise_exception('x') }}", "%s"]
-)
-text = st.one_of(st.text(max_size=40), lone_surrogates, special_text)
-integers = st.one_of(
-    st.integers(min_value=-3, max_value=3),
-    st.sampled_from([-(2**63), 2**63 - 1, 2**64 - 1, 2**64, 2**70, -(2**64)]),
-    st.integers(),
-)
-leaf = st.one_of(
-    st.none(), st.booleans(), integers, st.floats(allow_nan=False, allow_infinity=False), text
-)
-anything = st.recursive(
-    leaf,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
-    max_leaves=8,
-)
-
-
-def _maybe(strategy: st.SearchStrategy) -> st.SearchStrategy:
-    return st.one_of(strategy, anything)
-
-
-role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", ""])
-part = st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", "input_text", "tool_result"])},
-    optional={"text": _maybe(text), "content": _maybe(text)},
-)
-message = st.fixed_dictionaries(
-    {},
-    optional={
-        "role": _maybe(role),
-        "content": st.one_of(text, st.lists(part, max_size=3), anything),
-        "name": _maybe(text),
-        "tool_call_id": _maybe(text),
-        "tool_calls": anything,
-        "reasoning_content": _maybe(text),
-        "reasoning": _maybe(text),
-    },
-)
-# Tools and output formats: the grammar compiler is a failure surface of its own.
-schema = st.one_of(
-    st.just({"type": "object", "properties": {"a": {"type": "string"}}}),
-    st.just({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
-    st.just({"type": "string", "pattern": "(("}),
-    st.just({"type": "array", "minItems": 5, "maxItems": 1}),
-    st.dictionaries(st.sampled_from(["type", "properties", "required", "enum"]), anything),
+from tests.support.fuzz_values import (
+    DEEP,
+    GET_PATHS,
+    MAX_GENERATED,
+    MODEL,
+    POST_PATHS,
+    TOKEN_LIMITS,
     anything,
-)
-name = st.one_of(st.just("get_weather"), text)
-openai_tool = st.fixed_dictionaries(
-    {"type": _maybe(st.just("function"))},
-    optional={
-        "function": st.fixed_dictionaries(
-            {"name": _maybe(name)}, optional={"parameters": schema, "strict": _maybe(st.booleans())}
-        )
-    },
-)
-# Responses (Codex) tool shapes: function, custom (freeform, with grammars llguidance may reject),
-# namespace groups, built-in tools the server skips, and unknown types.
-grammar_format = st.one_of(
-    st.just({"type": "text"}),
-    st.fixed_dictionaries(
-        {
-            "type": _maybe(st.just("grammar")),
-            "syntax": _maybe(st.sampled_from(["lark", "regex", "ebnf"])),
-            "definition": st.one_of(
-                st.sampled_from(
-                    [
-                        'start: "*** Begin Patch" LF /(.+)/ LF\n%import common.LF',
-                        "start: (",
-                        "[a-z]+",
-                        "((",
-                        "start: @nowhere",
-                        '%llguidance {"bad": 1}\nstart: "x"',
-                        "start: a\na: a",
-                    ]
-                ),
-                text,
-                anything,
-            ),
-        }
-    ),
-    anything,
-)
-responses_function = st.fixed_dictionaries(
-    {"type": st.just("function"), "name": _maybe(name)},
-    optional={"parameters": schema, "description": _maybe(text), "strict": _maybe(st.booleans())},
-)
-custom_tool = st.fixed_dictionaries(
-    {"type": st.just("custom"), "name": _maybe(st.one_of(st.just("apply_patch"), name))},
-    optional={"format": grammar_format, "description": _maybe(text)},
-)
-responses_tool = st.one_of(
-    responses_function,
-    custom_tool,
-    st.fixed_dictionaries(
-        {
-            "type": st.just("namespace"),
-            "name": _maybe(st.one_of(st.just("mcp__agents__"), text)),
-            "tools": st.one_of(
-                st.lists(st.one_of(responses_function, custom_tool), max_size=2), anything
-            ),
-        },
-        optional={"description": _maybe(text)},
-    ),
-    st.fixed_dictionaries(
-        {"type": st.sampled_from(["web_search", "file_search", "mcp", "local_shell", "hologram"])}
-    ),
-)
-responses_item = st.one_of(
+    effort,
+    integers,
+    maybe,
     message,
-    st.fixed_dictionaries(
-        {"type": st.sampled_from(["function_call", "custom_tool_call"])},
-        optional={
-            "call_id": _maybe(st.just("call_1")),
-            "name": _maybe(st.sampled_from(["apply_patch", "spawn", "get_weather"])),
-            "namespace": _maybe(st.just("mcp__agents__")),
-            "arguments": _maybe(text),
-            "input": _maybe(text),
-        },
-    ),
-    st.fixed_dictionaries(
-        {"type": st.sampled_from(["function_call_output", "custom_tool_call_output"])},
-        optional={"call_id": _maybe(st.just("call_1")), "output": _maybe(text)},
-    ),
-    st.fixed_dictionaries(
-        {"type": st.just("reasoning")},
-        optional={
-            "summary": st.one_of(
-                st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": text})),
-                anything,
-            ),
-            "content": anything,
-            "encrypted_content": st.one_of(
-                st.just("mkv1.aGk.AAAA"), st.just("gAAAAB-openai-opaque"), text, anything
-            ),
-        },
-    ),
-)
-cache_control = st.one_of(
-    st.just({"type": "ephemeral"}), st.just({"type": "ephemeral", "ttl": "1h"}), anything
-)
-anthropic_tool = st.fixed_dictionaries(
-    {"name": _maybe(name)},
-    optional={
-        "input_schema": schema,
-        "description": _maybe(text),
-        "cache_control": cache_control,
-        "type": _maybe(
-            st.sampled_from(
-                ["custom", "web_search_20250305", "bash_20250124", "text_editor_20250728", "x"]
-            )
-        ),
-    },
-)
-# Anthropic content blocks: every type the API lists that Claude Code sends, and some it does not.
-block_type = st.sampled_from(
-    ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
-    + ["server_tool_use", "search_result", "compaction", "", "wizard"]
-)
-signature = st.one_of(
-    st.just("mkv1.aGk.AAAA"), st.just("mkv1..."), st.just("EqQBCkYIBxgC"), text, anything
-)
-anthropic_block = st.fixed_dictionaries(
-    {"type": _maybe(block_type)},
-    optional={
-        "text": _maybe(text),
-        "thinking": _maybe(text),
-        "signature": signature,
-        "data": signature,
-        "id": _maybe(text),
-        "name": _maybe(name),
-        "input": anything,
-        "tool_use_id": _maybe(text),
-        "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": block_type}))),
-        "cache_control": cache_control,
-    },
-)
-anthropic_message = st.fixed_dictionaries(
-    {
-        "role": _maybe(st.sampled_from(["user", "assistant", "system", "developer"])),
-        "content": st.one_of(text, st.lists(anthropic_block, max_size=3), anything),
-    },
-    optional={"clear_at": _maybe(st.sampled_from(["next_user_message", "never"]))},
-)
-thinking = st.one_of(
-    st.fixed_dictionaries(
-        {"type": _maybe(st.sampled_from(["enabled", "adaptive", "disabled", "between_tools"]))},
-        optional={
-            "budget_tokens": _maybe(st.sampled_from([0, 1023, 1024, 2048, 2**64])),
-            "display": _maybe(st.sampled_from(["summarized", "omitted", "updates"])),
-        },
-    ),
-    anything,
-)
-context_edit = st.fixed_dictionaries(
-    {
-        "type": _maybe(
-            st.sampled_from(["clear_thinking_20251015", "clear_tool_uses_20250919"])
-            | st.sampled_from(["compact_20260112", "clear_all"])
-        )
-    },
-    optional={
-        "keep": st.one_of(
-            st.just("all"),
-            st.fixed_dictionaries(
-                {"type": _maybe(st.sampled_from(["thinking_turns", "all", "tool_uses"]))},
-                optional={"value": _maybe(integers)},
-            ),
-            anything,
-        ),
-        "trigger": anything,
-        "exclude_tools": anything,
-        "clear_tool_inputs": anything,
-    },
-)
-tool_choice = st.one_of(
-    st.sampled_from(["auto", "required", "none", "any"]),
-    st.fixed_dictionaries(
-        {
-            "type": st.sampled_from(
-                ["function", "tool", "auto", "any", "none", "custom", "web_search"]
-            )
-        },
-        optional={"name": _maybe(name), "function": st.fixed_dictionaries({"name": _maybe(name)})},
-    ),
-)
-response_format = st.one_of(
-    st.just({"type": "json_object"}),
-    st.fixed_dictionaries(
-        {"type": st.just("json_schema")},
-        optional={
-            "json_schema": st.fixed_dictionaries(
-                {"name": _maybe(text)}, optional={"schema": schema}
-            )
-        },
-    ),
-)
-# Template variables: the ones templates read, apply_chat_template's own parameters (which must
-# be refused, not passed on), and any other name.
-template_key = st.one_of(
-    st.sampled_from(
-        ["enable_thinking", "thinking", "reasoning_effort", "preserve_thinking", "tools"]
-        + ["tokenize", "add_generation_prompt", "chat_template", "messages", "return_dict"]
-    ),
+    name,
+    openai_tool,
+    response_format,
+    special_text,
+    template_key,
     text,
+    tool_choice,
 )
-effort = st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max", "extreme"])
+
 FIELDS: dict[str, st.SearchStrategy] = {
     "model": st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), text, anything),
     "messages": st.one_of(
@@ -291,43 +58,43 @@ FIELDS: dict[str, st.SearchStrategy] = {
     ),
     "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
     "input": st.one_of(text, st.lists(responses_item, max_size=3), anything),
-    "system": _maybe(text),
-    "instructions": _maybe(text),
-    "temperature": _maybe(st.floats(min_value=-5, max_value=5)),
-    "top_p": _maybe(st.floats(min_value=-1, max_value=2)),
-    "seed": _maybe(integers),
-    "max_tokens": _maybe(integers),
-    "max_completion_tokens": _maybe(integers),
-    "max_output_tokens": _maybe(integers),
+    "system": maybe(text),
+    "instructions": maybe(text),
+    "temperature": maybe(st.floats(min_value=-5, max_value=5)),
+    "top_p": maybe(st.floats(min_value=-1, max_value=2)),
+    "seed": maybe(integers),
+    "max_tokens": maybe(integers),
+    "max_completion_tokens": maybe(integers),
+    "max_output_tokens": maybe(integers),
     "stop": st.one_of(text, st.lists(text, max_size=20), anything),
     "stop_sequences": st.one_of(st.lists(text, max_size=5), anything),
-    "stream": _maybe(st.booleans()),
+    "stream": maybe(st.booleans()),
     "stream_options": st.one_of(
-        st.fixed_dictionaries({"include_usage": _maybe(st.booleans())}), anything
+        st.fixed_dictionaries({"include_usage": maybe(st.booleans())}), anything
     ),
-    "n": _maybe(integers),
-    "user": _maybe(text),
+    "n": maybe(integers),
+    "user": maybe(text),
     "tools": st.one_of(
         st.lists(st.one_of(openai_tool, anthropic_tool, responses_tool), max_size=3), anything
     ),
     "tool_choice": st.one_of(tool_choice, anything),
     "response_format": st.one_of(response_format, anything),
-    "parallel_tool_calls": _maybe(st.booleans()),
-    "logprobs": _maybe(st.booleans()),
-    "top_logprobs": _maybe(integers),
+    "parallel_tool_calls": maybe(st.booleans()),
+    "logprobs": maybe(st.booleans()),
+    "top_logprobs": maybe(integers),
     "text": anything,  # Responses: {"format": ...}
     "chat_template_kwargs": st.one_of(
         st.dictionaries(template_key, anything, max_size=3), anything
     ),
-    "reasoning_effort": _maybe(effort),
-    "thinking_token_budget": _maybe(integers),
+    "reasoning_effort": maybe(effort),
+    "thinking_token_budget": maybe(integers),
     # Anthropic Messages, as Claude Code sends them (the rest of the API's fields are ignored).
     "thinking": thinking,
     "output_config": st.one_of(
         st.fixed_dictionaries(
             {},
             optional={
-                "effort": _maybe(st.sampled_from(["low", "high", "xhigh", "max", "none"])),
+                "effort": maybe(st.sampled_from(["low", "high", "xhigh", "max", "none"])),
                 "format": anything,
             },
         ),
@@ -337,7 +104,7 @@ FIELDS: dict[str, st.SearchStrategy] = {
         st.fixed_dictionaries({"edits": st.one_of(st.lists(context_edit, max_size=2), anything)}),
         anything,
     ),
-    "metadata": st.one_of(st.fixed_dictionaries({"user_id": _maybe(text)}), anything),
+    "metadata": st.one_of(st.fixed_dictionaries({"user_id": maybe(text)}), anything),
     "service_tier": anything,
     "container": anything,
     "mcp_servers": anything,
@@ -347,8 +114,8 @@ FIELDS: dict[str, st.SearchStrategy] = {
         st.fixed_dictionaries(
             {},
             optional={
-                "effort": _maybe(st.sampled_from(["none", "low", "high", "max", "ultra"])),
-                "summary": _maybe(st.sampled_from(["auto", "detailed", "verbose"])),
+                "effort": maybe(st.sampled_from(["none", "low", "high", "max", "ultra"])),
+                "summary": maybe(st.sampled_from(["auto", "detailed", "verbose"])),
             },
         ),
         anything,
@@ -360,9 +127,9 @@ FIELDS: dict[str, st.SearchStrategy] = {
         ),
         anything,
     ),
-    "prompt_cache_key": _maybe(text),
+    "prompt_cache_key": maybe(text),
     "client_metadata": anything,
-    "store": _maybe(st.booleans()),
+    "store": maybe(st.booleans()),
 }
 
 
