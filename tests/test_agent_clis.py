@@ -11,13 +11,16 @@ redacted request fixtures that tests/test_cli_shapes.py replays without npm.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import ServerProcess
 from tests.support.agent_clis import (
     CLAUDE_CODE,
     CODEX,
     Clis,
+    agent_model_dir,
     install_clis,
     run_claude,
     run_codex,
@@ -103,3 +106,54 @@ def test_codex_exec_and_resume_are_served_and_cached(clis, agent_server, tmp_pat
         usages.append(next(e["usage"] for e in reversed(events) if e["type"] == "turn.completed"))
     first_usage, resumed_usage = usages
     assert resumed_usage["cached_input_tokens"] >= 0.9 * first_usage["input_tokens"], usages
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The agent model with Qwen3.5's template, whose generation prompt opens `<think>`: it
+    reasons until the server's thinking budget ends the reasoning, then answers."""
+    workdir = tmp_path_factory.mktemp("thinking-agent")
+    model = agent_model_dir(workdir / "tiny-thinker", thinking=True)
+    proc = ServerProcess(workdir, "--model", str(model), "--thinking-budget", "12")
+    yield proc.wait_ready()
+    proc.stop()
+
+
+def test_reasoning_round_trips_through_the_real_clis(clis, thinking_server, tmp_path):
+    """Claude Code gets thinking blocks with a signature; Codex gets reasoning items with
+    `encrypted_content`, replays them on `exec resume`, and the replayed history renders as it
+    was generated: the resumed request reads the whole previous prompt from the cache but its
+    tail, the generation prompt (`<|im_start|>assistant\n<think>\n`), where Qwen3.5's template
+    departs for its next turn (usually 2 tokens short; 5 was seen once)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with RecordingProxy(thinking_server.base_url) as proxy:
+        claude = run_claude(clis, proxy.base_url, home, work, "-p", "Hi.", "--max-turns", "2")
+        first = run_codex(clis, proxy.base_url, home, work, "Say hello.")
+        resumed = run_codex(clis, proxy.base_url, home, work, "resume", "--last", "And now?")
+        exchanges = proxy.exchanges
+    served(exchanges)
+    assert claude.returncode == 0 and not claude.json_lines()[-1]["is_error"], claude.stdout
+    for run in (first, resumed):
+        assert run.returncode == 0, (run.stdout, run.stderr)
+    messages = [e for e in exchanges if e.path == "/v1/messages"]
+    blocks = [
+        event["content_block"]
+        for event in messages[0].events()
+        if event.get("type") == "content_block_start"
+    ]
+    assert blocks[0]["type"] == "thinking", blocks
+    signatures = [
+        event["delta"]["signature"]
+        for event in messages[0].events()
+        if event.get("type") == "content_block_delta"
+        and event["delta"]["type"] == "signature_delta"
+    ]
+    assert len(signatures) == 1 and signatures[0].startswith("mkv1."), signatures
+    responses = [e for e in exchanges if e.path == "/v1/responses"]
+    replayed = [item for item in responses[1].body["input"] if item.get("type") == "reasoning"]
+    assert replayed and replayed[0]["encrypted_content"].startswith("mkv1."), replayed
+    prompt, _ = responses[0].cached_tokens()
+    _, cached = responses[1].cached_tokens()
+    assert prompt - 8 <= cached < prompt, (prompt, cached)

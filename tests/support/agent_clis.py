@@ -23,6 +23,7 @@ from typing import Any
 
 import platformdirs
 
+from tests.support.thinking_models import build_thinking_model
 from tests.support.tiny_models import make_model_dir
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
@@ -76,11 +77,18 @@ def install_clis() -> Clis | str:
     return clis
 
 
-def agent_model_dir(dest: Path) -> Path:
-    """A tiny llama with a 128k context whose answers end after a few tokens."""
+def agent_model_dir(dest: Path, *, thinking: bool = False) -> Path:
+    """A tiny llama with a 128k context whose answers end after a few tokens; `thinking` gives it
+    `<think>` tokens and Qwen3.5's real template, whose generation prompt opens the reasoning."""
     import mlx.core as mx
 
-    model_dir = make_model_dir(dest, "llama", max_position_embeddings=AGENT_CONTEXT)
+    if thinking:
+        model_dir = build_thinking_model(dest, "qwen3.5", architecture="llama")
+        config_path = model_dir / "config.json"
+        config = json.loads(config_path.read_text())
+        config_path.write_text(json.dumps({**config, "max_position_embeddings": AGENT_CONTEXT}))
+    else:
+        model_dir = make_model_dir(dest, "llama", max_position_embeddings=AGENT_CONTEXT)
     weights_path = model_dir / "model.safetensors"
     weights = mx.load(str(weights_path))
     eos = _eos_id(model_dir)
