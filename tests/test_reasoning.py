@@ -27,8 +27,10 @@ HI = [{"role": "user", "content": "Say hi."}]
 SAMPLING = {"temperature": 1.0, "seed": 7}  # seeded: the same tokens however the request runs
 
 
-def _serve(tmp: Path, family: str, *flags: str) -> Iterator[ServerProcess]:
-    model = build_thinking_model(tmp / family, family)
+def _serve(
+    tmp: Path, family: str, *flags: str, architecture: str = "llama"
+) -> Iterator[ServerProcess]:
+    model = build_thinking_model(tmp / family, family, architecture=architecture)
     proc = ServerProcess(tmp, "--model", str(model), *flags).wait_ready()
     yield proc
     proc.stop()
@@ -312,10 +314,7 @@ def test_a_forced_call_follows_the_reasoning(r1: ServerProcess) -> None:
 def _rotating(tmp: Path, family: str) -> Iterator[ServerProcess]:
     """A family's template on a model with sliding-window layers, whose caches cannot be
     trimmed."""
-    model = build_thinking_model(tmp / "m", family, architecture="gemma3_text")
-    proc = ServerProcess(tmp, "--model", str(model)).wait_ready()
-    yield proc
-    proc.stop()
+    yield from _serve(tmp, family, architecture="gemma3_text")
 
 
 @pytest.fixture(scope="module")

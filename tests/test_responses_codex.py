@@ -250,6 +250,7 @@ def test_forced_custom_calls_follow_the_lark_grammar_at_temperature_1(server, pa
         ),
         ({"tool_choice": {"type": "custom", "name": "shell"}}, "tool_choice"),
         ({"store": True}, "store"),
+        ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
     ],
     ids=[
         "grammar",
@@ -261,6 +262,7 @@ def test_forced_custom_calls_follow_the_lark_grammar_at_temperature_1(server, pa
         "custom-call-no-input",
         "custom-choice-on-function",
         "store",
+        "required-with-only-builtins",
     ],
 )
 def test_bad_codex_shapes_are_400s_naming_the_field(server, change, param):

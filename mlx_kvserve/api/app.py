@@ -26,6 +26,7 @@ from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.api.seal import make_reasoning_seal
+from mlx_kvserve.chat import InvalidRequest
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
@@ -129,6 +130,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return exc.response(request.url.path)
 
 
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    """The chat layer's InvalidRequest, wherever an adapter let it out: a 400 in the protocol's
+    shape, never a 500."""
+    assert isinstance(exc, InvalidRequest)
+    return await _api_error(request, APIError(400, exc.message, param=exc.param, code=exc.code))
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: f"Unknown path: {request.url.path}", 405: "Method not allowed."}.get(
@@ -189,7 +197,11 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
                 isolate=settings.isolate_cache,
             ),
         ],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error},
+        exception_handlers={
+            APIError: _api_error,
+            InvalidRequest: _invalid_request,
+            HTTPException: _http_error,
+        },
         lifespan=lifespan,
     )
     app.state.settings = settings

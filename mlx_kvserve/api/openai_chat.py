@@ -75,12 +75,9 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     ]
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
-        mode = choice or ("auto" if tools else "none")
-        if mode == "required" and not tools:
-            raise APIError(
-                400, "tool_choice 'required' needs at least one tool.", param="tool_choice"
-            )
-        tool_choice = ToolChoice(mode, parallel=body.parallel_tool_calls)
+        tool_choice = ToolChoice.plain(
+            choice, has_tools=bool(tools), parallel=body.parallel_tool_calls
+        )
     else:
         name = choice.function.name
         if name not in {t.name for t in tools}:

@@ -150,12 +150,7 @@ def tool_choice(body: ResponsesRequest, tools: ToolSet) -> ToolChoice:
     choice = body.tool_choice
     offered = tools.tools
     if choice is None or isinstance(choice, str):
-        mode = choice or ("auto" if offered else "none")
-        if mode == "required" and not offered:
-            raise APIError(
-                400, "tool_choice 'required' needs at least one tool.", param="tool_choice"
-            )
-        return ToolChoice(mode, parallel=body.parallel_tool_calls)
+        return ToolChoice.plain(choice, has_tools=bool(offered), parallel=body.parallel_tool_calls)
     kind = choice.get("type")
     if kind in BUILTIN_TOOL_TYPES:
         raise APIError(

@@ -11,6 +11,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlx_kvserve.chat.errors import InvalidRequest
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -118,6 +120,17 @@ class ToolChoice:
     mode: Literal["none", "auto", "required", "function"] = "auto"
     name: str | None = None
     parallel: bool = True  # False: at most one call
+
+    @classmethod
+    def plain(cls, mode: str | None, *, has_tools: bool, parallel: bool = True) -> ToolChoice:
+        """A choice given as a bare string (or left out: `auto` with tools, else `none`), as the
+        OpenAI chat and Responses APIs take it; `required` needs a tool."""
+        mode = mode or ("auto" if has_tools else "none")
+        if mode == "required" and not has_tools:
+            raise InvalidRequest(
+                "tool_choice 'required' needs at least one tool.", param="tool_choice"
+            )
+        return cls(mode, parallel=parallel)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
