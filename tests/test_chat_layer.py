@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from mlx_lm.tool_parsers import glm47, json_tools, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
@@ -150,20 +150,22 @@ def test_parser_keeps_text_that_only_looks_like_a_call():
     assert parser.calls == []
 
 
-def test_parser_for_other_formats_sends_each_call_whole():
-    fmt = tool_format_for(
+def _native(module) -> object:
+    return tool_format_for(
         SimpleNamespace(
-            tool_parser=qwen3_coder.parse_tool_call,
+            tool_parser=module.parse_tool_call,
             has_tool_calling=True,
-            tool_call_start=qwen3_coder.tool_call_start,
-            tool_call_end=qwen3_coder.tool_call_end,
+            tool_call_start=module.tool_call_start,
+            tool_call_end=module.tool_call_end,
         )
     )
+
+
+def test_parser_for_other_formats_sends_each_call_whole():
+    fmt = _native(glm47)
+    assert not fmt.constrained
     parser = OutputParser(fmt, [TOOL])
-    text = (
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-        "</function>\n</tool_call>"
-    )
+    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
     assert [type(e).__name__ for e in events] == [
         "ToolCallStarted",
@@ -171,3 +173,41 @@ def test_parser_for_other_formats_sends_each_call_whole():
         "ToolCallFinished",
     ]
     assert json.loads(parser.calls[0].arguments) == {"city": "Paris"}
+
+
+def test_qwen3_coder_calls_stream_parameter_by_parameter():
+    """Fed a byte at a time, an XML call is announced by name, then each parameter passes as it
+    closes, converted by its schema type; the fragments are exactly the final arguments."""
+    fmt = _native(qwen3_coder)
+    assert fmt.constrained and fmt.name == "qwen3_coder"
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "opts": {"type": "object"},
+            "note": {"type": "string"},
+        },
+    }
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = (
+        'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão\n"Paulo"\n'
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n"
+        '{"a": [1, 2]}\n</parameter>\n<parameter=note>\nnull\n</parameter>\n</function>\n'
+        "</tool_call>"
+    )
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "ContentDelta" and kinds[-1] == "ToolCallFinished"
+    assert kinds.count("ToolCallStarted") == 1
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert len(deltas) == 9  # `{"key": ` and the value per parameter, then `}`
+    arguments = parser.calls[0].arguments
+    assert "".join(deltas) == arguments
+    assert json.loads(arguments) == {
+        "city": 'São\n"Paulo"',
+        "days": 3,
+        "opts": {"a": [1, 2]},
+        "note": None,
+    }
+    assert arguments == json.dumps(json.loads(arguments), ensure_ascii=False)

@@ -31,6 +31,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
+from mlx_kvserve.chat.xml_calls import FORMAT as XML_FORMAT
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -62,6 +63,16 @@ class ToolFormat:
     def name(self) -> str:
         module = getattr(self.parse, "__module__", "") or ""
         return module.rsplit(".", 1)[-1] if self.native else "hermes"
+
+    @property
+    def xml_params(self) -> bool:
+        """Calls are Qwen3-Coder's `<function=...><parameter=...>` XML (chat.xml_calls)."""
+        return self.native and self.name == XML_FORMAT
+
+    @property
+    def constrained(self) -> bool:
+        """Calls in this format get a grammar and stream their arguments."""
+        return self.json_body or self.xml_params
 
 
 HERMES = ToolFormat(

@@ -25,23 +25,31 @@ FAMILIES = {
     "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
 
 
 def build_thinking_model(
-    dest: Path, family: str, *, architecture: str = "llama", seed: int = 0
+    dest: Path,
+    family: str,
+    *,
+    architecture: str = "llama",
+    seed: int = 0,
+    tool_tokens: bool = False,
 ) -> Path:
     """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
     `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
-    cannot be trimmed)."""
-    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(THINK_TOKENS))
+    cannot be trimmed); `tool_tokens` adds `<tool_call>` and `</tool_call>` as tokens too, as
+    Qwen's tokenizers have them (so the text before a call tokenizes as it does there)."""
+    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else ())
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(added))
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
         [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
     )
     decoder = config.setdefault("added_tokens_decoder", {})
-    for text in THINK_TOKENS:
+    for text in added:
         next_id += 1
         token = {
             "id": next_id,
@@ -54,7 +62,7 @@ def build_thinking_model(
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-    assert next_id < VOCAB + len(THINK_TOKENS)
+    assert next_id < VOCAB + len(added)
     config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
