@@ -17,7 +17,7 @@ from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
 from mlx_kvserve.chat.output import ContentDelta, OutputParser, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.render import render_chat
-from mlx_kvserve.chat.tool_format import HERMES, tool_format_for
+from mlx_kvserve.chat.tool_format import HERMES, tool_format_for, tool_format_notice
 
 TOOL = Tool(
     "get_weather", "Weather", {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -164,6 +164,13 @@ def _native(module) -> object:
 def test_parser_for_other_formats_sends_each_call_whole():
     fmt = _native(glm47)
     assert not fmt.constrained
+    tokenizer = SimpleNamespace(
+        tool_parser=glm47.parse_tool_call,
+        has_tool_calling=True,
+        tool_call_start=glm47.tool_call_start,
+        tool_call_end=glm47.tool_call_end,
+    )
+    assert "glm47 format, parsed only" in tool_format_notice(tokenizer)
     parser = OutputParser(fmt, [TOOL])
     text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()

@@ -93,6 +93,10 @@ def client(qwen35: ServerProcess):
     return client_for(qwen35)
 
 
+def test_the_format_is_named_once_at_start_up(qwen35):
+    assert qwen35.log().count("tool calls: qwen3_coder format, constrained and streamed") == 1
+
+
 def _model(client) -> str:
     return client.models.list().data[0].id
 

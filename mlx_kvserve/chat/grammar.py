@@ -111,7 +111,7 @@ class GrammarCompiler:
         return None if grammar is None else self._compile(grammar, "the request's grammar")
 
     def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
-        return self._compile(_json_grammar(schema), param)
+        return self._compile(_json_grammar(schema, param=param), param)
 
     def grammar_for(self, req: ChatRequest, fmt: ToolFormat | None) -> str | None:
         """The Lark grammar text for a request (None: unconstrained)."""
@@ -122,7 +122,7 @@ class GrammarCompiler:
             calls = _calls_rule(req, fmt, self._marker(fmt.end))
         mode = req.tool_choice.mode
         if output is not None:
-            self._compile(_json_grammar(output), _output_param(req))
+            self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
         if calls is None:
             return None if output is None else _json_grammar(output)
         assert fmt is not None
@@ -159,8 +159,8 @@ class GrammarCompiler:
                     grammar = _lark(f"start: {_nested(tool.grammar)}")
                     self._compile(grammar, f"tools[{i}].format.definition")
                 continue
-            grammar = _json_grammar(_parameters(tool), TOOL_STYLE)
-            self._compile(grammar, f"tools[{i}].function.parameters")
+            param = f"tools[{i}].function.parameters"
+            self._compile(_json_grammar(_parameters(tool), TOOL_STYLE, param=param), param)
 
     def _compile(self, grammar: str, param: str) -> Constraint:
         import llguidance
@@ -261,10 +261,19 @@ def _output_param(req: ChatRequest) -> str:
     )
 
 
-def _json_grammar(schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE) -> str:
+def _json_grammar(
+    schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE, *, param: str = "schema"
+) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. an integer past 64 bits
+        raise InvalidRequest(
+            f"Invalid schema for '{param}': the constrained-decoding library cannot read it: {exc}",
+            param=param,
+            code="invalid_schema",
+        ) from None
 
 
 def _lark(*parts: str) -> str:

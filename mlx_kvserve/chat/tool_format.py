@@ -98,6 +98,18 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     )
 
 
+def tool_format_notice(tokenizer: Any) -> str:
+    """One start-up line: the model's tool-call format and whether calls in it are constrained
+    and streamed or only parsed."""
+    fmt = tool_format_for(tokenizer)
+    if fmt.constrained:
+        return f"tool calls: {fmt.name} format, constrained and streamed"
+    return (
+        f"tool calls: {fmt.name} format, parsed only (no grammar for it yet): tool_choice "
+        "'required' and named choices are not enforced and calls arrive whole"
+    )
+
+
 def call_json(name: str, arguments: dict[str, Any]) -> str:
     """The canonical text of one call body (what the grammar makes the model write)."""
     return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
