@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import glm47, json_tools, qwen3_coder
+from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
@@ -162,17 +162,17 @@ def _native(module) -> object:
 
 
 def test_parser_for_other_formats_sends_each_call_whole():
-    fmt = _native(glm47)
+    fmt = _native(pythonic)
     assert not fmt.constrained
     tokenizer = SimpleNamespace(
-        tool_parser=glm47.parse_tool_call,
+        tool_parser=pythonic.parse_tool_call,
         has_tool_calling=True,
-        tool_call_start=glm47.tool_call_start,
-        tool_call_end=glm47.tool_call_end,
+        tool_call_start=pythonic.tool_call_start,
+        tool_call_end=pythonic.tool_call_end,
     )
-    assert "glm47 format, parsed only" in tool_format_notice(tokenizer)
+    assert "pythonic format, parsed only" in tool_format_notice(tokenizer)
     parser = OutputParser(fmt, [TOOL])
-    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+    text = '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
     assert [type(e).__name__ for e in events] == [
         "ToolCallStarted",

@@ -222,8 +222,8 @@ def _calls_rule(req: ChatRequest, fmt: ToolFormat, end: str) -> str:
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
-    if fmt.xml_params:
-        return xml_calls.calls_rule(tools, _parameters, TOOL_STYLE, end)
+    if fmt.layout is not None:
+        return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, end)
     freeform = [t for t in tools if t.is_custom and not fmt.native]
     functions = [t for t in tools if t not in freeform]
     names: list[str] = []

@@ -4,8 +4,8 @@
 Text outside calls is content. Inside a call in a JSON-body format, the call is announced as soon
 as its name is complete and its arguments are passed on in fragments as they are generated (mlx-lm
 sends each call whole at the end); the finished call is then parsed by mlx-lm's own parser for
-the format, and its arguments are exactly the concatenated fragments. A Qwen3-Coder XML call is
-announced once `<function=NAME>` is complete and passes on each parameter as it closes
+the format, and its arguments are exactly the concatenated fragments. A Qwen3-Coder XML or GLM
+call is announced once its name is complete and passes on each parameter as it closes
 (chat.xml_calls). Other formats' calls are parsed by their mlx-lm parser when the closing marker
 arrives and sent whole.
 
@@ -259,7 +259,7 @@ class OutputParser:
             self._stream_freeform(call, call.text, events)
         elif self.fmt.json_body:
             self._stream_arguments(call, events)
-        elif self.fmt.xml_params:
+        elif self.fmt.layout is not None:
             self._stream_xml(call, events)
         if at < 0:
             return False
@@ -315,10 +315,11 @@ class OutputParser:
             events.append(ToolCallDelta(call.index, fresh))
 
     def _stream_xml(self, call: _OpenCall, events: list[OutputEvent]) -> None:
-        """Announce a Qwen3-Coder XML call by its name and pass on its finished parameters."""
-        assert self.fmt is not None
+        """Announce a tag-per-parameter call (Qwen3-Coder, GLM) by its name and pass on its
+        finished parameters."""
+        assert self.fmt is not None and self.fmt.layout is not None
         if call.xml is None:
-            call.xml = XmlCallStream(self.fmt.parse, self.tools or None)
+            call.xml = XmlCallStream(self.fmt.layout, self.fmt.parse, self.tools or None)
         fragments = call.xml.feed(call.text)
         if call.xml.name is None or call.xml.name in self.custom:
             return  # a custom tool's input is sent whole at the end

@@ -31,7 +31,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
-from mlx_kvserve.chat.xml_calls import FORMAT as XML_FORMAT
+from mlx_kvserve.chat.xml_calls import LAYOUTS, Layout
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -65,14 +65,14 @@ class ToolFormat:
         return module.rsplit(".", 1)[-1] if self.native else "hermes"
 
     @property
-    def xml_params(self) -> bool:
-        """Calls are Qwen3-Coder's `<function=...><parameter=...>` XML (chat.xml_calls)."""
-        return self.native and self.name == XML_FORMAT
+    def layout(self) -> Layout | None:
+        """A format with one tag per parameter (Qwen3-Coder XML, GLM; chat.xml_calls)."""
+        return LAYOUTS.get(self.name) if self.native else None
 
     @property
     def constrained(self) -> bool:
         """Calls in this format get a grammar and stream their arguments."""
-        return self.json_body or self.xml_params
+        return self.json_body or self.layout is not None
 
 
 HERMES = ToolFormat(

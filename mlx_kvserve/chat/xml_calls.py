@@ -1,71 +1,140 @@
-"""Qwen3-Coder's XML tool calls (mlx-lm's `qwen3_coder` parser): their grammar and streaming.
+"""Tool calls with one tag per parameter (mlx-lm's `qwen3_coder` and `glm47` parsers): their
+grammar and streaming.
 
 Qwen3-Coder and Qwen3.5/3.6 write a call as
 
     <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
-and mlx-lm's parser converts each VALUE by the type its property declares (a string stays raw
-text, an integer goes through float(), an object through json.loads, "null" is None whatever the
-type). The grammar makes the model write what that parser reads back as schema-valid arguments:
-the function name is one of the declared tools; the parameters are the declared properties in
-schema order, the required ones present and each at most once; a string value is raw text that
-holds no `</parameter>` or `</tool_call>` (and is not "null"), within its minLength/maxLength or
-one of its enum values; booleans are `true`/`false`; numbers, integers, objects and arrays are
-JSON following the property's own schema, in the canonical form (`", "` and `": "`) the Qwen3.5
-template's `tojson` renders history in, so a tool loop re-renders what the model sampled.
-
-A property whose type the parser cannot convert faithfully (a list of types, no type) is free
-text, as LM Studio's grammar for this format has it.
+and GLM-4.5/4.6/4.7 as `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n
+...</tool_call>`. Each format's mlx-lm parser converts a VALUE by the type its property declares
+(a string stays raw text, others are read as JSON). The grammar makes the model write what that
+parser reads back as schema-valid arguments, in the layout the model's template renders history
+in (so a tool loop re-renders what the model sampled): the function name is one of the declared
+tools; the parameters are the declared properties in schema order, the required ones present and
+each at most once; a string value is raw text that holds no closing tag (within its
+minLength/maxLength, or one of its enum values); other values are JSON following the property's
+own schema, in the canonical form (`", "` and `": "`) the templates' `tojson` writes. A property
+whose type the parser cannot convert faithfully (a list of types, no type) is free text, as LM
+Studio's grammar for the Qwen format has it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Tool
 
-FORMAT = "qwen3_coder"
-CLOSE = "\n</parameter>\n"
-_KEY = re.compile(r"[^\s<>]+")  # what the parser reads as a name
+_KEY = re.compile(r"[^\s<>]+")  # what the parsers read as a name
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _BOOL_TYPES = {"boolean", "bool", "binary"}
 _JSON_PREFIXES = ("int", "uint", "long", "short", "unsigned", "num", "float", "dict", "list")
-_BAD = r"~/(?s:.*)<\/(parameter|tool_call)>(?s:.*)/"
 
 
-def calls_rule(tools: list[Tool], parameters: Any, style: dict[str, Any], end: str) -> str:
+@dataclass(frozen=True)
+class Layout:
+    """Where one format puts a call's name and parameters (after the opening marker)."""
+
+    format: str
+    head: str  # before the name, and after it
+    head_end: str
+    key_open: str  # before a parameter's name, and between it and its value
+    key_close: str
+    value_close: str  # the tag that ends a value, and what follows it
+    value_after: str
+    tail: str  # after the last parameter, before the closing marker
+    strict_strings: bool  # the parser maps "null" to None and keeps whitespace
+    string_types: frozenset[str]
+
+    def wrap(self, name: str, params: str) -> str:
+        """A whole call's text (without markers) for the format's parser."""
+        return f"{self.head}{name}{self.head_end}{params}{self.tail}"
+
+    def kind(self, prop: dict[str, Any]) -> str:
+        """How the parser converts a value of this property: "string" (raw text), "bool",
+        "null", "json" (a JSON literal), or "free" (text it may reinterpret)."""
+        if not prop or "type" not in prop:
+            return "free"
+        kind = str(prop["type"]).strip().lower()
+        if kind in self.string_types:
+            return "string"
+        if kind in _BOOL_TYPES:
+            return "bool"
+        if kind == "null":
+            return "null"
+        if kind in {"object", "array", "arr", "integer", "number"} or kind.startswith(
+            _JSON_PREFIXES
+        ):
+            return "json"
+        return "free"
+
+
+QWEN3_CODER = Layout(
+    "qwen3_coder",
+    "\n<function=",
+    ">\n",
+    "<parameter=",
+    ">\n",
+    "\n</parameter>",
+    "\n",
+    "</function>\n",
+    strict_strings=True,
+    string_types=frozenset(_STRING_TYPES),
+)
+GLM47 = Layout(
+    "glm47",
+    "",
+    "\n",
+    "<arg_key>",
+    "</arg_key>\n<arg_value>",
+    "</arg_value>",
+    "\n",
+    "",
+    strict_strings=False,
+    string_types=frozenset({"string"}),
+)
+# GLM47 is not constrained yet: its end-to-end test with a real GLM template comes first
+LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER,)}
+
+
+def calls_rule(
+    layout: Layout, tools: list[Tool], parameters: Any, style: dict[str, Any], end: str
+) -> str:
     """Lark rules `call_body` (what follows `<tool_call>`) for calls to `tools`;
     `parameters(tool)` is a tool's JSON Schema, `end` the closing marker's Lark item."""
     names, rules = [], []
     for k, tool in enumerate(tools):
         if not _KEY.fullmatch(tool.name):
             continue  # the parser could not read this name back: the model cannot call it
-        schema = parameters(tool)
-        head = json.dumps(f"\n<function={tool.name}>\n")
-        params = _params_rules(f"f{k}", schema, style, rules)
+        head = json.dumps(layout.head + tool.name + layout.head_end)
+        params = _params_rules(layout, f"f{k}", parameters(tool), style, rules)
         names.append(f"fn_{k}")
-        rules.append(f'fn_{k}: {head} {params} "</function>\\n" {end}')
+        tail = f"{json.dumps(layout.tail)} " if layout.tail else ""
+        rules.append(f"fn_{k}: {head} {params} {tail}{end}")
     if not names:
         raise InvalidRequest(
-            "Invalid value for 'tools': this model writes a tool's name in its calls as "
-            "`<function=NAME>`, so a name needs at least one character and no spaces, `<` or `>`.",
+            "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
+            "name needs at least one character and no spaces, `<` or `>`.",
             param="tools",
         )
     return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 
-def _params_rules(prefix: str, schema: dict[str, Any], style: dict, rules: list[str]) -> str:
+def _params_rules(
+    layout: Layout, prefix: str, schema: dict[str, Any], style: dict, rules: list[str]
+) -> str:
     """The parameters of one function as a Lark expression (rules appended to `rules`)."""
     props = schema.get("properties")
     if not isinstance(props, dict) or not props:
         if schema.get("additionalProperties") is False:
             return '""'
         text = f"{prefix.upper()}_TEXT"
-        rules.append(f"{text}: {_text(None, None)}")
-        rules.append(f"{prefix}_free: /<parameter=[^\\s<>]+>\\n/ {text}")
+        rules.append(f"{text}: {_text(layout, None, None)}")
+        key = json.dumps(layout.key_open)[1:-1] + r"[^\s<>]+" + json.dumps(layout.key_close)[1:-1]
+        rules.append(f"{prefix}_free: /{key.replace('/', chr(92) + '/')}/ {text}")
         return f"{prefix}_free*"
     required = set(schema.get("required") or [])
     # a property's own schema may point into the tool's definitions: they go with it
@@ -77,108 +146,114 @@ def _params_rules(prefix: str, schema: dict[str, Any], style: dict, rules: list[
             continue  # the parser could not read this name back: leave it out
         rule = f"{prefix}_p{j}"
         prop = prop if isinstance(prop, dict) else {}
-        value = _value(f"{prefix.upper()}_V{j}", prop, shared, rules)
-        rules.append(f"{rule}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
+        value = _value(layout, f"{prefix.upper()}_V{j}", prop, shared, rules)
+        rules.append(f"{rule}: {json.dumps(layout.key_open + key + layout.key_close)} {value}")
         parts.append(rule if key in required else f"{rule}?")
     return " ".join(parts) or '""'
 
 
-def _value(terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) -> str:
+def _value(
+    layout: Layout, terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]
+) -> str:
     """A parameter's value and its closing tag, as a Lark expression (raw text becomes the
     terminal `terminal`, defined in `rules`)."""
-    kind = value_kind(prop)
+    close = json.dumps(layout.value_close + layout.value_after)
+    kind = layout.kind(prop)
     if kind == "bool":
-        return f'("true" | "false") {json.dumps(CLOSE)}'
+        return f'("true" | "false") {close}'
     if kind == "null":
-        return f'"null" {json.dumps(CLOSE)}'
+        return f'"null" {close}'
     if kind == "json":
-        return f"%json {json.dumps({**prop, **shared})} {json.dumps(CLOSE)}"
+        return f"%json {json.dumps({**prop, **shared})} {close}"
     options = prop.get("enum") if kind == "string" else None
     if "const" in prop and kind == "string":
         options = [prop["const"]]
     if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
-        allowed = [o for o in options if o.lower() != "null" and "</" not in o]
+        allowed = [o for o in options if _plain(layout, o)]
         if allowed:
-            return f"({' | '.join(json.dumps(o + CLOSE) for o in allowed)})"
+            ends = layout.value_close + layout.value_after
+            return f"({' | '.join(json.dumps(o + ends) for o in allowed)})"
     low, high = (prop.get("minLength"), prop.get("maxLength")) if kind == "string" else (0, None)
-    rules.append(f"{terminal}: {_text(low, high)}")
+    rules.append(f"{terminal}: {_text(layout, low, high)}")
     return terminal
 
 
-def _text(low: Any, high: Any) -> str:
+def _plain(layout: Layout, value: str) -> bool:
+    """The parser reads this raw string back unchanged."""
+    if "</" in value:
+        return False
+    if layout.strict_strings:
+        return value.lower() != "null"
+    return value == value.strip()
+
+
+def _text(layout: Layout, low: Any, high: Any) -> str:
     """Raw text and the closing tag, as one lexeme: the text cannot hold a closing tag, so the
-    first `</parameter>` ends it (a greedy lexer needs no lookahead)."""
+    first one ends it (a greedy lexer needs no lookahead)."""
     low = low if isinstance(low, int) and low >= 0 else 0
     high = high if isinstance(high, int) and high >= low else None
     span = f"{{{low},{'' if high is None else high}}}"
-    return f'(/(?s:.{span})/ & {_BAD} & ~/(?i:null)/) "\\n</parameter>\\n"'
-
-
-def value_kind(prop: dict[str, Any]) -> str:
-    """How mlx-lm's qwen3_coder parser converts a value of this property: "string" (raw text),
-    "bool", "null", "json" (a JSON literal), or "free" (text it may reinterpret)."""
-    if not prop or "type" not in prop:
-        return "free"
-    kind = str(prop["type"]).strip().lower()
-    if kind in _STRING_TYPES:
-        return "string"
-    if kind in _BOOL_TYPES:
-        return "bool"
-    if kind == "null":
-        return "null"
-    if kind in {"object", "array", "arr", "integer", "number"} or kind.startswith(_JSON_PREFIXES):
-        return "json"
-    return "free"
+    tag = layout.value_close.strip().replace("/", "\\/")
+    bad = f"~/(?s:.*)({tag}|<\\/tool_call>)(?s:.*)/"
+    if layout.strict_strings:
+        exclude = f"{bad} & ~/(?i:null)/"
+    else:  # the parser strips the value: no whitespace at its ends
+        exclude = f"{bad} & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"
+    return f"(/(?s:.{span})/ & {exclude}) {json.dumps(layout.value_close + layout.value_after)}"
 
 
 class XmlCallStream:
-    """Follows one call's text as it grows: its name once `<function=NAME>` is complete, and
-    its arguments as OpenAI-shaped JSON fragments, `{"key": ` when a parameter opens and the
-    value's JSON when it closes (converted by the format's own parser). The fragments, plus the
-    closing `}`, concatenate to `json.dumps` of the parsed arguments."""
+    """Follows one call's text as it grows: its name once complete, and its arguments as
+    OpenAI-shaped JSON fragments, `{"key": ` when a parameter opens and the value's JSON when it
+    closes (converted by the format's own parser, from the parameter's own text). The
+    fragments, plus the closing `}`, concatenate to `json.dumps` of the parsed arguments."""
 
-    _HEAD = re.compile(r"\s*<function=([^\s<>]+)>\n")
-    _PARAM = re.compile(r"<parameter=([^\s<>]+)>\n?")
-
-    def __init__(self, parse: Any, tools: list[dict[str, Any]] | None) -> None:
-        self._parse, self._tools = parse, tools
+    def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
+        self._layout, self._parse, self._tools = layout, parse, tools
+        self._head = re.compile(
+            r"\s*" + re.escape(layout.head.strip()) + r"([^\s<>]+)" + re.escape(layout.head_end)
+        )
+        self._key = re.compile(
+            re.escape(layout.key_open) + r"([^\s<>]+)" + re.escape(layout.key_close)
+        )
         self.name: str | None = None
         self.sent = ""  # the argument fragments passed on so far
         self._at = 0  # where the next parameter may start in the call's text
-        self._open: str | None = None  # the parameter whose value is being written
+        self._open: tuple[str, int] | None = None  # the parameter being written, and its start
 
     def feed(self, text: str) -> list[str]:
         """New argument fragments, given the whole call text so far (after `<tool_call>`)."""
         out: list[str] = []
         if self.name is None:
-            head = self._HEAD.match(text)
+            head = self._head.match(text)
             if head is None:
                 return out
             self.name, self._at = head.group(1), head.end()
+        close = self._layout.value_close.strip()
         while True:
             if self._open is None:
-                at = text.find("<parameter=", self._at)
-                match = self._PARAM.match(text, at) if at >= 0 else None
-                if match is None or (match.end() == len(text) and not text.endswith("\n")):
+                match = self._key.search(text, self._at)
+                if match is None:
                     return out
-                self._open, self._at = match.group(1), match.end()
-                out.append(("{" if not self.sent else ", ") + json.dumps(self._open) + ": ")
+                self._open, self._at = (match.group(1), match.start()), match.end()
+                out.append(("{" if not self.sent else ", ") + json.dumps(match.group(1)) + ": ")
             else:
-                end = text.find("</parameter>", self._at)
+                end = text.find(close, self._at)
                 if end < 0:
                     return out
-                value = self._convert(self._open, text[self._at : end])
+                key, start = self._open
+                value = self._convert(key, text[start : end + len(close)])
                 out.append(json.dumps(value, ensure_ascii=False))
-                self._open, self._at = None, end + len("</parameter>")
+                self._open, self._at = None, end + len(close)
             self.sent += out[-1]
 
-    def _convert(self, key: str, raw: str) -> Any:
-        raw = raw[:-1] if raw.endswith("\n") else raw
-        text = f"<function={self.name}>\n<parameter={key}>\n{raw}\n</parameter>\n</function>"
+    def _convert(self, key: str, param: str) -> Any:
+        assert self.name is not None
         try:
-            return self._parse(text, self._tools)["arguments"].get(key, raw)
+            parsed = self._parse(self._layout.wrap(self.name, param), self._tools)
+            return parsed["arguments"][key]
         except Exception:  # a value the parser cannot convert (e.g. "1.5" for an integer)
-            return raw
+            return param
 
     def finish(self, arguments: Any) -> tuple[str, str]:
         """(the last fragment, the call's whole arguments text) for the parsed arguments (None:
