@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
+from mlx_lm.tool_parsers import glm47, json_tools, pythonic, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
@@ -180,6 +180,24 @@ def test_parser_for_other_formats_sends_each_call_whole():
         "ToolCallFinished",
     ]
     assert json.loads(parser.calls[0].arguments) == {"city": "Paris"}
+
+
+def test_glm47_calls_stream_parameter_by_parameter():
+    fmt = _native(glm47)
+    assert fmt.constrained and fmt.name == "glm47"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    }
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>null</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert len(deltas) == 5
+    assert "".join(deltas) == parser.calls[0].arguments == '{"city": "null", "days": 3}'
 
 
 def test_qwen3_coder_calls_stream_parameter_by_parameter():

@@ -1,8 +1,13 @@
-"""Qwen3-Coder's XML tool calls, constrained and streamed, on a model with Qwen3.5's template.
+"""Tag-per-parameter tool calls (Qwen3-Coder XML, GLM), constrained and streamed.
 
-A tiny random-weight model carries the real Qwen3.5 chat template (tests/fixtures/templates), from
-which mlx-lm picks its `qwen3_coder` parser: calls are
-`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`.
+Each family's tiny random-weight model carries its real chat template (tests/fixtures/templates)
+and its tokenizer's tool tags as tokens; mlx-lm picks the parser from the template:
+
+* Qwen3.5, `qwen3_coder`:
+  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`;
+* GLM-4.6, `glm47`:
+  `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>`.
+
 Whatever such a model samples at temperature 1, a forced call must parse (by mlx-lm's own parser)
 to arguments valid against the function's schema.
 """
@@ -21,7 +26,7 @@ from hypothesis import strategies as st
 
 from mlx_kvserve.fuzzing import check, name, schema
 from tests.conftest import ServerProcess, client_for
-from tests.support.thinking_models import build_thinking_model
+from tests.support.thinking_models import GLM_TOOL_TOKENS, TOOL_TOKENS, build_thinking_model
 
 pytestmark = pytest.mark.slow
 
@@ -65,36 +70,69 @@ ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 KWARGS = {"enable_thinking": False}
 
 
-@pytest.fixture(scope="module")
-def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("qwen35_tools") / "qwen3.5"
-    return build_thinking_model(dest, "qwen3.5", tool_tokens=True)
+# family, its tokenizer's tool tags, the parser mlx-lm picks, and sample call texts:
+# (a call up to its closing marker, what closes it, what opens a call to an invented tool,
+# an undeclared parameter, a required parameter left out, a value the parser would not read back)
+FAMILIES = {
+    "qwen3.5": (
+        TOOL_TOKENS,
+        "qwen3_coder",
+        "<tool_call>\n<function=get_time>\n<parameter=timezone>\nUTC\n</parameter>\n",
+        "</function>\n</tool_call>",
+        "<tool_call>\n<function=get_tme>\n",
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\n",
+        "<tool_call>\n<function=get_time>\n</function>",
+        ("UTC", "null"),
+    ),
+    "glm-4.6": (
+        GLM_TOOL_TOKENS,
+        "glm47",
+        "\n<tool_call>get_time\n<arg_key>timezone</arg_key>\n<arg_value>UTC</arg_value>\n",
+        "</tool_call>",
+        "\n<tool_call>get_tme\n",
+        "\n<tool_call>get_time\n<arg_key>tz</arg_key>",
+        "\n<tool_call>get_time\n</tool_call>",
+        ("UTC", " UTC"),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def qwen35_tokenizer(qwen35_dir: Path):
+def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("xml_tools") / family
+    return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
     from mlx_lm import load
 
-    return load(str(qwen35_dir))[1]
+    return load(str(model_dir))[1]
 
 
 @pytest.fixture(scope="module")
-def qwen35(qwen35_dir: Path) -> Iterator[ServerProcess]:
+def served(model_dir: Path) -> Iterator[ServerProcess]:
     kwargs = json.dumps(KWARGS)
     proc = ServerProcess(
-        qwen35_dir.parent, "--model", str(qwen35_dir), "--chat-template-kwargs", kwargs
+        model_dir.parent, "--model", str(model_dir), "--chat-template-kwargs", kwargs
     )
     yield proc.wait_ready()
     proc.stop()
 
 
 @pytest.fixture(scope="module")
-def client(qwen35: ServerProcess):
-    return client_for(qwen35)
+def client(served: ServerProcess):
+    return client_for(served)
 
 
-def test_the_format_is_named_once_at_start_up(qwen35):
-    assert qwen35.log().count("tool calls: qwen3_coder format, constrained and streamed") == 1
+def test_the_format_is_named_once_at_start_up(served, family):
+    notice = f"tool calls: {FAMILIES[family][1]} format, constrained and streamed"
+    assert served.log().count(notice) == 1
 
 
 def _model(client) -> str:
@@ -176,12 +214,11 @@ def _prompt(tokenizer, messages: list[dict]) -> list[int]:
     return render_chat(tokenizer, to_chat_request(body), KWARGS).tokens
 
 
-def test_xml_tool_loop_hits_the_cache(client, qwen35_tokenizer):
+def test_xml_tool_loop_hits_the_cache(client, tokenizer):
     """The call re-renders byte for byte as the model sampled it, and the next turn reads the
     previous prompt and the call from the cache, as far as the sampled tokens are the ones the
     tokenizer makes of that text: all of them for a call the grammar wrote alone (`ping`), up to
     the first odd split (`w`+`e`+`ather`) a random-weight model samples in a free one."""
-    tokenizer = qwen35_tokenizer
     messages = list(ASK)
     for turn in range(4):
         forced = turn % 2 == 0
@@ -252,7 +289,7 @@ def test_xml_tool_loop_hits_the_cache(client, qwen35_tokenizer):
         ),
     ],
 )
-def test_bad_tools_are_400s_naming_the_field(qwen35, body, param):
+def test_bad_tools_are_400s_naming_the_field(served, body, param):
     payload = {
         "model": "m",
         "messages": ASK,
@@ -261,7 +298,7 @@ def test_bad_tools_are_400s_naming_the_field(qwen35, body, param):
         "max_tokens": 8,
         **body,
     }
-    reply = httpx.post(f"{qwen35.base_url}/v1/chat/completions", json=payload, timeout=60)
+    reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=payload, timeout=60)
     assert reply.status_code == 400, reply.text
     assert param in reply.json()["error"]["param"]
 
@@ -312,14 +349,14 @@ xml_tool = st.fixed_dictionaries(
 @given(
     tools=st.lists(xml_tool, min_size=1, max_size=2), choice=st.sampled_from(["auto", "required"])
 )
-def test_fuzzed_tools_never_break_the_xml_grammar(qwen35, tools, choice):
+def test_fuzzed_tools_never_break_the_xml_grammar(served, tools, choice):
     body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4}
     try:
         content = json.dumps(body).encode()
     except (UnicodeEncodeError, ValueError):
         content = json.dumps(body, ensure_ascii=True).encode()
     r = httpx.post(
-        f"{qwen35.base_url}/v1/chat/completions",
+        f"{served.base_url}/v1/chat/completions",
         content=content,
         headers={"content-type": "application/json"},
         timeout=60,
@@ -330,7 +367,7 @@ def test_fuzzed_tools_never_break_the_xml_grammar(qwen35, tools, choice):
     )
 
 
-def test_the_grammar_admits_only_declared_tools(qwen35_tokenizer):
+def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     """In `auto` the text is free until `<tool_call>`; from there only a declared function's name
     and its declared parameters can follow (an invented tool is impossible)."""
     import llguidance
@@ -339,9 +376,9 @@ def test_the_grammar_admits_only_declared_tools(qwen35_tokenizer):
     from mlx_kvserve.chat.grammar import GrammarCompiler
     from mlx_kvserve.chat.tool_format import tool_format_for
 
-    tokenizer = qwen35_tokenizer
+    _, parser, call, close, invented, undeclared, missing, (value, unread) = FAMILIES[family]
     fmt = tool_format_for(tokenizer)
-    assert fmt.name == "qwen3_coder" and fmt.constrained
+    assert fmt.name == parser and fmt.constrained
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
     compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
 
@@ -352,11 +389,10 @@ def test_the_grammar_admits_only_declared_tools(qwen35_tokenizer):
         ids = tokenizer.encode(text, add_special_tokens=False)
         return all(matcher.consume_token(t) for t in ids)
 
-    call = "<tool_call>\n<function=get_time>\n<parameter=timezone>\nUTC\n</parameter>\n"
-    assert accepts("auto", "Let me check.\n\n" + call + "</function>\n</tool_call>")
-    assert accepts("required", call + "</function>\n</tool_call>")
-    assert not accepts("auto", "Let me check.\n\n<tool_call>\n<function=get_tme>\n")
-    assert not accepts("required", "<tool_call>\n<function=run_shell>\n")
-    assert not accepts("required", "<tool_call>\n<function=get_time>\n<parameter=tz>\n")
-    assert not accepts("required", "<tool_call>\n<function=get_time>\n</function>")  # required
-    assert not accepts("required", call.replace("UTC", "null"))  # would parse as None
+    assert accepts("auto", "Let me check.\n" + call + close)
+    assert accepts("required", call + close)
+    assert not accepts("auto", "Let me check.\n" + invented)
+    assert not accepts("required", invented)
+    assert not accepts("required", undeclared)
+    assert not accepts("required", missing)
+    assert not accepts("required", call.replace(value, unread))

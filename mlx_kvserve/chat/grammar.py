@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,7 +120,7 @@ class GrammarCompiler:
         calls = None
         if req.tools_active and fmt is not None and fmt.constrained:
             self._check_tools(req.tools)
-            calls = _calls_rule(req, fmt, self._marker(fmt.end))
+            calls = _calls_rule(req, fmt, self._marker)
         mode = req.tool_choice.mode
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
@@ -129,7 +130,8 @@ class GrammarCompiler:
         opening = self._marker(fmt.start)
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
-        forced = f"calls: call{more}\ncall: {opening} call_body"
+        lead = f"{json.dumps(fmt.layout.lead)} " if fmt.layout and fmt.layout.lead else ""
+        forced = f"calls: {lead}call{more}\ncall: {opening} call_body"
         if mode in {"required", "function"}:
             return _lark("start: calls", forced, calls)
         if output is not None:
@@ -216,14 +218,15 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": TOOL_STYLE}
 
 
-def _calls_rule(req: ChatRequest, fmt: ToolFormat, end: str) -> str:
+def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str]) -> str:
     """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag), or,
     for a custom tool in the Hermes fallback, its name line and raw input."""
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
     if fmt.layout is not None:
-        return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, end)
+        return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, marker, fmt.end)
+    end = marker(fmt.end)
     freeform = [t for t in tools if t.is_custom and not fmt.native]
     functions = [t for t in tools if t not in freeform]
     names: list[str] = []

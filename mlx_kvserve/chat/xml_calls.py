@@ -5,8 +5,11 @@ Qwen3-Coder and Qwen3.5/3.6 write a call as
 
     <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
-and GLM-4.5/4.6/4.7 as `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n
-...</tool_call>`. Each format's mlx-lm parser converts a VALUE by the type its property declares
+and GLM-4.5/4.6 (mlx-lm's `glm47` parser) as
+
+    <tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>
+
+Each format's mlx-lm parser converts a VALUE by the type its property declares
 (a string stays raw text, others are read as JSON). The grammar makes the model write what that
 parser reads back as schema-valid arguments, in the layout the model's template renders history
 in (so a tool loop re-renders what the model sampled): the function name is one of the declared
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,7 @@ class Layout:
     """Where one format puts a call's name and parameters (after the opening marker)."""
 
     format: str
+    lead: str  # before a forced call's opening marker (the template's, so history re-renders)
     head: str  # before the name, and after it
     head_end: str
     key_open: str  # before a parameter's name, and between it and its value
@@ -74,6 +79,7 @@ class Layout:
 
 QWEN3_CODER = Layout(
     "qwen3_coder",
+    "",
     "\n<function=",
     ">\n",
     "<parameter=",
@@ -86,6 +92,7 @@ QWEN3_CODER = Layout(
 )
 GLM47 = Layout(
     "glm47",
+    "\n",
     "",
     "\n",
     "<arg_key>",
@@ -96,24 +103,31 @@ GLM47 = Layout(
     strict_strings=False,
     string_types=frozenset({"string"}),
 )
-# GLM47 is not constrained yet: its end-to-end test with a real GLM template comes first
-LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER,)}
+LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER, GLM47)}
+_TAG = re.compile(r"(</?[A-Za-z_]+>)")
+Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
 
 
 def calls_rule(
-    layout: Layout, tools: list[Tool], parameters: Any, style: dict[str, Any], end: str
+    layout: Layout,
+    tools: list[Tool],
+    parameters: Any,
+    style: dict[str, Any],
+    marker: Marker,
+    end: str,
 ) -> str:
     """Lark rules `call_body` (what follows `<tool_call>`) for calls to `tools`;
-    `parameters(tool)` is a tool's JSON Schema, `end` the closing marker's Lark item."""
+    `parameters(tool)` is a tool's JSON Schema, `marker(tag)` a tag's Lark item (GLM's
+    `<arg_key>` is one token in its tokenizer), `end` the closing marker."""
     names, rules = [], []
+    g = _Items(layout, marker)
     for k, tool in enumerate(tools):
         if not _KEY.fullmatch(tool.name):
             continue  # the parser could not read this name back: the model cannot call it
-        head = json.dumps(layout.head + tool.name + layout.head_end)
-        params = _params_rules(layout, f"f{k}", parameters(tool), style, rules)
+        head = g.items(layout.head + tool.name + layout.head_end)
+        params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
         names.append(f"fn_{k}")
-        tail = f"{json.dumps(layout.tail)} " if layout.tail else ""
-        rules.append(f"fn_{k}: {head} {params} {tail}{end}")
+        rules.append(f"fn_{k}: {head} {params} {g.items(layout.tail)} {marker(end)}")
     if not names:
         raise InvalidRequest(
             "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
@@ -123,18 +137,52 @@ def calls_rule(
     return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 
+class _Items:
+    """Lark items for one format's fixed text, with its tags as tokens where they are."""
+
+    def __init__(self, layout: Layout, marker: Marker) -> None:
+        self.layout, self._marker = layout, marker
+
+    def items(self, text: str) -> str:
+        parts = [p for p in _TAG.split(text) if p]
+        out = [self._marker(p) if _TAG.fullmatch(p) else json.dumps(p) for p in parts]
+        return " ".join(out) or '""'
+
+    def close(self) -> str:
+        return self.items(self.layout.value_close + self.layout.value_after)
+
+    def closing_is_token(self) -> bool:
+        tag = self.layout.value_close.strip()
+        return self._marker(tag).startswith("<[")
+
+    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+        """Raw text and the closing tag. As text, they are one lexeme: the value cannot hold
+        the tag, so the first one ends it (a greedy lexer needs no lookahead). A closing tag
+        that is a token ends the text by itself."""
+        if not self.closing_is_token():
+            rules.append(f"{terminal}: {_text(self.layout, low, high)}")
+            return terminal
+        low = low if isinstance(low, int) and low >= 0 else 0
+        high = high if isinstance(high, int) and high >= low else None
+        span = f"{{{max(low, 1)},{'' if high is None else high}}}"
+        rules.append(f"{terminal}: /(?s:.{span})/ & {_exclusions(self.layout)}")
+        value = terminal if low > 0 else f"{terminal}?"
+        return f"{value} {self.close()}"
+
+
 def _params_rules(
-    layout: Layout, prefix: str, schema: dict[str, Any], style: dict, rules: list[str]
+    g: _Items, prefix: str, schema: dict[str, Any], style: dict, rules: list[str]
 ) -> str:
     """The parameters of one function as a Lark expression (rules appended to `rules`)."""
+    layout = g.layout
     props = schema.get("properties")
     if not isinstance(props, dict) or not props:
         if schema.get("additionalProperties") is False:
             return '""'
-        text = f"{prefix.upper()}_TEXT"
-        rules.append(f"{text}: {_text(layout, None, None)}")
-        key = json.dumps(layout.key_open)[1:-1] + r"[^\s<>]+" + json.dumps(layout.key_close)[1:-1]
-        rules.append(f"{prefix}_free: /{key.replace('/', chr(92) + '/')}/ {text}")
+        value = g.text(rules, f"{prefix.upper()}_TEXT", None, None)
+        rules.append(f"{prefix.upper()}_KEY: /[^\\s<>]+/")
+        key = f"{g.items(layout.key_open)} {prefix.upper()}_KEY {g.items(layout.key_close)}"
+        rules.append(f"{prefix}_free: {key} {value}")
         return f"{prefix}_free*"
     required = set(schema.get("required") or [])
     # a property's own schema may point into the tool's definitions: they go with it
@@ -146,18 +194,17 @@ def _params_rules(
             continue  # the parser could not read this name back: leave it out
         rule = f"{prefix}_p{j}"
         prop = prop if isinstance(prop, dict) else {}
-        value = _value(layout, f"{prefix.upper()}_V{j}", prop, shared, rules)
-        rules.append(f"{rule}: {json.dumps(layout.key_open + key + layout.key_close)} {value}")
+        value = _value(g, f"{prefix.upper()}_V{j}", prop, shared, rules)
+        rules.append(f"{rule}: {g.items(layout.key_open + key + layout.key_close)} {value}")
         parts.append(rule if key in required else f"{rule}?")
     return " ".join(parts) or '""'
 
 
-def _value(
-    layout: Layout, terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]
-) -> str:
+def _value(g: _Items, terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) -> str:
     """A parameter's value and its closing tag, as a Lark expression (raw text becomes the
     terminal `terminal`, defined in `rules`)."""
-    close = json.dumps(layout.value_close + layout.value_after)
+    layout = g.layout
+    close = g.close()
     kind = layout.kind(prop)
     if kind == "bool":
         return f'("true" | "false") {close}'
@@ -171,11 +218,9 @@ def _value(
     if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
         allowed = [o for o in options if _plain(layout, o)]
         if allowed:
-            ends = layout.value_close + layout.value_after
-            return f"({' | '.join(json.dumps(o + ends) for o in allowed)})"
+            return f"({' | '.join(json.dumps(o) for o in allowed)}) {close}"
     low, high = (prop.get("minLength"), prop.get("maxLength")) if kind == "string" else (0, None)
-    rules.append(f"{terminal}: {_text(layout, low, high)}")
-    return terminal
+    return g.text(rules, terminal, low, high)
 
 
 def _plain(layout: Layout, value: str) -> bool:
@@ -188,18 +233,21 @@ def _plain(layout: Layout, value: str) -> bool:
 
 
 def _text(layout: Layout, low: Any, high: Any) -> str:
-    """Raw text and the closing tag, as one lexeme: the text cannot hold a closing tag, so the
-    first one ends it (a greedy lexer needs no lookahead)."""
+    """Raw text and the closing tag as one lexeme."""
     low = low if isinstance(low, int) and low >= 0 else 0
     high = high if isinstance(high, int) and high >= low else None
     span = f"{{{low},{'' if high is None else high}}}"
+    closing = json.dumps(layout.value_close + layout.value_after)
+    return f"(/(?s:.{span})/ & {_exclusions(layout)}) {closing}"
+
+
+def _exclusions(layout: Layout) -> str:
+    """What a raw value may not be: hold a closing tag, or be what the parser reads otherwise."""
     tag = layout.value_close.strip().replace("/", "\\/")
     bad = f"~/(?s:.*)({tag}|<\\/tool_call>)(?s:.*)/"
     if layout.strict_strings:
-        exclude = f"{bad} & ~/(?i:null)/"
-    else:  # the parser strips the value: no whitespace at its ends
-        exclude = f"{bad} & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"
-    return f"(/(?s:.{span})/ & {exclude}) {json.dumps(layout.value_close + layout.value_after)}"
+        return f"{bad} & ~/(?i:null)/"
+    return f"{bad} & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"  # the parser strips the value's ends
 
 
 class XmlCallStream:

@@ -23,9 +23,11 @@ FAMILIES = {
     "qwen3": "qwen3.jinja",
     "qwen3.5": "qwen3.5.jinja",
     "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
+    "glm-4.6": "glm-4.6.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
+GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
 def build_thinking_model(
@@ -34,14 +36,14 @@ def build_thinking_model(
     *,
     architecture: str = "llama",
     seed: int = 0,
-    tool_tokens: bool = False,
+    tool_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
     `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
-    cannot be trimmed); `tool_tokens` adds `<tool_call>` and `</tool_call>` as tokens too, as
-    Qwen's tokenizers have them (so the text before a call tokenizes as it does there)."""
-    added = THINK_TOKENS + (TOOL_TOKENS if tool_tokens else ())
+    cannot be trimmed); `tool_tokens` adds these tags as tokens too, as the family's own
+    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there."""
+    added = THINK_TOKENS + tool_tokens
     dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(added))
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
