@@ -5,6 +5,7 @@ No server and no model weights: the default model's tokenizer files are enough f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -236,3 +237,42 @@ def test_qwen3_coder_calls_stream_parameter_by_parameter():
         "note": None,
     }
     assert arguments == json.dumps(json.loads(arguments), ensure_ascii=False)
+
+
+def test_glm_layout_is_read_from_the_template():
+    """GLM-4.6's template puts a newline after the name and after each value; GLM-4.7's call
+    markup (`{{- '<tool_call>' + tc.name -}}` ... `<arg_key>{{ k }}</arg_key><arg_value>...`)
+    none. The grammar follows whichever the model's template renders."""
+    from jinja2 import Environment
+
+    from mlx_kvserve.chat.xml_calls import GLM47, glm_layout
+
+    fixture = Path(__file__).parent / "fixtures" / "templates" / "glm-4.6.jinja"
+    env = Environment(trim_blocks=True, lstrip_blocks=True)
+    glm46 = env.from_string(fixture.read_text(encoding="utf-8"))
+    assert glm_layout(lambda m: glm46.render(messages=m)) == GLM47
+    glm47_markup = env.from_string(
+        "{% for m in messages %}{% if m.tool_calls %}{% for tc in m.tool_calls %}"
+        "{%- if tc.function %}{%- set tc = tc.function %}{%- endif %}"
+        "{{- '<tool_call>' + tc.name -}}\n"
+        "{% set _args = tc.arguments %}{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
+        "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}{% endif %}{% endfor %}"
+    )
+    compact = glm_layout(lambda m: glm47_markup.render(messages=m))
+    assert (compact.head_end, compact.key_close, compact.value_after, compact.lead) == (
+        "",
+        "</arg_key><arg_value>",
+        "",
+        "",
+    )
+    assert glm_layout(lambda m: "no calls here") == GLM47
+
+    # streamed a byte at a time, a compact call's name is announced whole, not as it grows
+    fmt = dataclasses.replace(_native(glm47), own_layout=compact)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    assert [e.name for e in events if isinstance(e, ToolCallStarted)] == ["get_weather"]
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert "".join(deltas) == parser.calls[0].arguments == '{"city": "Oslo"}'

@@ -104,6 +104,48 @@ GLM47 = Layout(
     string_types=frozenset({"string"}),
 )
 LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER, GLM47)}
+_GLM_PROBE = re.compile(
+    r"([ \t\n]*)<tool_call>([ \t\n]*)fn_probe([ \t\n]*)<arg_key>k1</arg_key>([ \t\n]*)"
+    r"<arg_value>v1</arg_value>([ \t\n]*)<arg_key>k2</arg_key>[ \t\n]*<arg_value>v2</arg_value>"
+    r"([ \t\n]*)</tool_call>"
+)
+
+
+def glm_layout(render: Callable[[list[dict[str, Any]]], str]) -> Layout:
+    """GLM's layout as the model's own template writes a call: GLM-4.5/4.6 put a newline after
+    the name and after each value, GLM-4.7 none. `render(messages)` is the template's text;
+    GLM-4.6's layout when the template does not render the probe call."""
+    call = {"name": "fn_probe", "arguments": {"k1": "v1", "k2": "v2"}}
+    messages = [
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": call}],
+        },
+    ]
+    try:
+        match = _GLM_PROBE.search(render(messages))
+    except Exception:  # a template that cannot render the probe: keep the known layout
+        return GLM47
+    if match is None:
+        return GLM47
+    lead, head, head_end, key_gap, after, tail = match.groups()
+    return Layout(
+        GLM47.format,
+        lead[-1:] if lead.endswith("\n") else "",
+        head,
+        head_end,
+        GLM47.key_open,
+        f"</arg_key>{key_gap}<arg_value>",
+        GLM47.value_close,
+        after,
+        tail[len(after) :] if tail.startswith(after) else tail,
+        strict_strings=False,
+        string_types=GLM47.string_types,
+    )
+
+
 _TAG = re.compile(r"(</?[A-Za-z_]+>)")
 Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
 
@@ -258,9 +300,9 @@ class XmlCallStream:
 
     def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
         self._layout, self._parse, self._tools = layout, parse, tools
-        self._head = re.compile(
-            r"\s*" + re.escape(layout.head.strip()) + r"([^\s<>]+)" + re.escape(layout.head_end)
-        )
+        # a name with nothing after it is complete only at the next tag
+        ends = re.escape(layout.head_end) if layout.head_end else "(?=<)"
+        self._head = re.compile(r"\s*" + re.escape(layout.head.strip()) + r"([^\s<>]+)" + ends)
         self._key = re.compile(
             re.escape(layout.key_open) + r"([^\s<>]+)" + re.escape(layout.key_close)
         )
