@@ -5,19 +5,20 @@ No server and no model weights: the default model's tokenizer files are enough f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from mlx_lm.tool_parsers import glm47, json_tools, pythonic, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
 from mlx_kvserve.chat.output import ContentDelta, OutputParser, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.render import render_chat
-from mlx_kvserve.chat.tool_format import HERMES, tool_format_for
+from mlx_kvserve.chat.tool_format import HERMES, tool_format_for, tool_format_notice
 
 TOOL = Tool(
     "get_weather", "Weather", {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -150,20 +151,29 @@ def test_parser_keeps_text_that_only_looks_like_a_call():
     assert parser.calls == []
 
 
-def test_parser_for_other_formats_sends_each_call_whole():
-    fmt = tool_format_for(
+def _native(module) -> object:
+    return tool_format_for(
         SimpleNamespace(
-            tool_parser=qwen3_coder.parse_tool_call,
+            tool_parser=module.parse_tool_call,
             has_tool_calling=True,
-            tool_call_start=qwen3_coder.tool_call_start,
-            tool_call_end=qwen3_coder.tool_call_end,
+            tool_call_start=module.tool_call_start,
+            tool_call_end=module.tool_call_end,
         )
     )
-    parser = OutputParser(fmt, [TOOL])
-    text = (
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-        "</function>\n</tool_call>"
+
+
+def test_parser_for_other_formats_sends_each_call_whole():
+    fmt = _native(pythonic)
+    assert not fmt.constrained
+    tokenizer = SimpleNamespace(
+        tool_parser=pythonic.parse_tool_call,
+        has_tool_calling=True,
+        tool_call_start=pythonic.tool_call_start,
+        tool_call_end=pythonic.tool_call_end,
     )
+    assert "pythonic format, parsed only" in tool_format_notice(tokenizer)
+    parser = OutputParser(fmt, [TOOL])
+    text = '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
     assert [type(e).__name__ for e in events] == [
         "ToolCallStarted",
@@ -171,3 +181,98 @@ def test_parser_for_other_formats_sends_each_call_whole():
         "ToolCallFinished",
     ]
     assert json.loads(parser.calls[0].arguments) == {"city": "Paris"}
+
+
+def test_glm47_calls_stream_parameter_by_parameter():
+    fmt = _native(glm47)
+    assert fmt.constrained and fmt.name == "glm47"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    }
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>null</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert len(deltas) == 5
+    assert "".join(deltas) == parser.calls[0].arguments == '{"city": "null", "days": 3}'
+
+
+def test_qwen3_coder_calls_stream_parameter_by_parameter():
+    """Fed a byte at a time, an XML call is announced by name, then each parameter passes as it
+    closes, converted by its schema type; the fragments are exactly the final arguments."""
+    fmt = _native(qwen3_coder)
+    assert fmt.constrained and fmt.name == "qwen3_coder"
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "opts": {"type": "object"},
+            "note": {"type": "string"},
+        },
+    }
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = (
+        'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão\n"Paulo"\n'
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n"
+        '{"a": [1, 2]}\n</parameter>\n<parameter=note>\nnull\n</parameter>\n</function>\n'
+        "</tool_call>"
+    )
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "ContentDelta" and kinds[-1] == "ToolCallFinished"
+    assert kinds.count("ToolCallStarted") == 1
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert len(deltas) == 9  # `{"key": ` and the value per parameter, then `}`
+    arguments = parser.calls[0].arguments
+    assert "".join(deltas) == arguments
+    assert json.loads(arguments) == {
+        "city": 'São\n"Paulo"',
+        "days": 3,
+        "opts": {"a": [1, 2]},
+        "note": None,
+    }
+    assert arguments == json.dumps(json.loads(arguments), ensure_ascii=False)
+
+
+def test_glm_layout_is_read_from_the_template():
+    """GLM-4.6's template puts a newline after the name and after each value; GLM-4.7's call
+    markup (`{{- '<tool_call>' + tc.name -}}` ... `<arg_key>{{ k }}</arg_key><arg_value>...`)
+    none. The grammar follows whichever the model's template renders."""
+    from jinja2 import Environment
+
+    from mlx_kvserve.chat.xml_calls import GLM47, glm_layout
+
+    fixture = Path(__file__).parent / "fixtures" / "templates" / "glm-4.6.jinja"
+    env = Environment(trim_blocks=True, lstrip_blocks=True)
+    glm46 = env.from_string(fixture.read_text(encoding="utf-8"))
+    assert glm_layout(lambda m: glm46.render(messages=m)) == GLM47
+    glm47_markup = env.from_string(
+        "{% for m in messages %}{% if m.tool_calls %}{% for tc in m.tool_calls %}"
+        "{%- if tc.function %}{%- set tc = tc.function %}{%- endif %}"
+        "{{- '<tool_call>' + tc.name -}}\n"
+        "{% set _args = tc.arguments %}{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
+        "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}{% endif %}{% endfor %}"
+    )
+    compact = glm_layout(lambda m: glm47_markup.render(messages=m))
+    assert (compact.head_end, compact.key_close, compact.value_after, compact.lead) == (
+        "",
+        "</arg_key><arg_value>",
+        "",
+        "",
+    )
+    assert glm_layout(lambda m: "no calls here") == GLM47
+
+    # streamed a byte at a time, a compact call's name is announced whole, not as it grows
+    fmt = dataclasses.replace(_native(glm47), own_layout=compact)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
+    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    assert [e.name for e in events if isinstance(e, ToolCallStarted)] == ["get_weather"]
+    deltas = [e.arguments for e in events if isinstance(e, ToolCallDelta)]
+    assert "".join(deltas) == parser.calls[0].arguments == '{"city": "Oslo"}'

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from mlx_kvserve.chat import xml_calls
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
@@ -110,35 +112,47 @@ class GrammarCompiler:
         return None if grammar is None else self._compile(grammar, "the request's grammar")
 
     def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
-        return self._compile(_json_grammar(schema), param)
+        return self._compile(_json_grammar(schema, param=param), param)
 
     def grammar_for(self, req: ChatRequest, fmt: ToolFormat | None) -> str | None:
         """The Lark grammar text for a request (None: unconstrained)."""
         output = _output_schema(req)
         calls = None
-        if req.tools_active and fmt is not None and fmt.json_body:
+        if req.tools_active and fmt is not None and fmt.constrained:
             self._check_tools(req.tools)
-            calls = _calls_rule(req, fmt)
+            calls = _calls_rule(req, fmt, self._marker)
         mode = req.tool_choice.mode
         if output is not None:
-            self._compile(_json_grammar(output), _output_param(req))
+            self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
         if calls is None:
             return None if output is None else _json_grammar(output)
-        opening = json.dumps(fmt.start) if fmt else '""'
+        assert fmt is not None
+        opening = self._marker(fmt.start)
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
-        forced = f"calls: call{more}\ncall: {opening} call_body"
+        lead = f"{json.dumps(fmt.layout.lead)} " if fmt.layout and fmt.layout.lead else ""
+        forced = f"calls: {lead}call{more}\ncall: {opening} call_body"
         if mode in {"required", "function"}:
             return _lark("start: calls", forced, calls)
         if output is not None:
             answer = f"answer: %json {json.dumps({**output, 'x-guidance': JSON_STYLE})}"
             return _lark("start: answer | calls", answer, forced, calls)
-        head = (
-            "start: (seg)* TEXT\nseg: trig call_body"
-            if most > 1
-            else "start: TEXT | trig call_body"
-        )
-        return _lark(head, f"trig[lazy]: TEXT {opening}", "TEXT: /(.|\\n)*/", calls)
+        if opening.startswith("<["):  # a token: text cannot hold it, so it ends the text
+            seg = f"seg: TEXT {opening} call_body"
+        else:
+            seg = f"seg: trig call_body\ntrig[lazy]: TEXT {opening}"
+        head = "start: (seg)* TEXT" if most > 1 else "start: TEXT | seg"
+        return _lark(head, seg, "TEXT: /(.|\\n)*/", calls)
+
+    def _marker(self, text: str) -> str:
+        """A format marker as a Lark item: the marker's own token where the tokenizer has one
+        (Qwen's `<tool_call>`, which llguidance keeps apart from text as a special token), else
+        the literal text."""
+        lltok = self._llg_tokenizer()
+        ids = lltok.tokenize_str(text)
+        if len(ids) == 1 and lltok.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
@@ -147,8 +161,8 @@ class GrammarCompiler:
                     grammar = _lark(f"start: {_nested(tool.grammar)}")
                     self._compile(grammar, f"tools[{i}].format.definition")
                 continue
-            grammar = _json_grammar(_parameters(tool), TOOL_STYLE)
-            self._compile(grammar, f"tools[{i}].function.parameters")
+            param = f"tools[{i}].function.parameters"
+            self._compile(_json_grammar(_parameters(tool), TOOL_STYLE, param=param), param)
 
     def _compile(self, grammar: str, param: str) -> Constraint:
         import llguidance
@@ -204,17 +218,19 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": TOOL_STYLE}
 
 
-def _calls_rule(req: ChatRequest, fmt: ToolFormat) -> str:
+def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str]) -> str:
     """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag), or,
     for a custom tool in the Hermes fallback, its name line and raw input."""
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
+    if fmt.layout is not None:
+        return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, marker, fmt.end)
+    end = marker(fmt.end)
     freeform = [t for t in tools if t.is_custom and not fmt.native]
     functions = [t for t in tools if t not in freeform]
     names: list[str] = []
     rules: list[str] = []
-    end = json.dumps(fmt.end)
     if functions:
         body = json.dumps(_call_schema(functions))
         names.append("call_json")
@@ -248,10 +264,19 @@ def _output_param(req: ChatRequest) -> str:
     )
 
 
-def _json_grammar(schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE) -> str:
+def _json_grammar(
+    schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE, *, param: str = "schema"
+) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. an integer past 64 bits
+        raise InvalidRequest(
+            f"Invalid schema for '{param}': the constrained-decoding library cannot read it: {exc}",
+            param=param,
+            code="invalid_schema",
+        ) from None
 
 
 def _lark(*parts: str) -> str:

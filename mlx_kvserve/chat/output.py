@@ -4,8 +4,10 @@
 Text outside calls is content. Inside a call in a JSON-body format, the call is announced as soon
 as its name is complete and its arguments are passed on in fragments as they are generated (mlx-lm
 sends each call whole at the end); the finished call is then parsed by mlx-lm's own parser for
-the format, and its arguments are exactly the concatenated fragments. Other formats' calls are
-parsed by their mlx-lm parser when the closing marker arrives and sent whole.
+the format, and its arguments are exactly the concatenated fragments. A Qwen3-Coder XML or GLM
+call is announced once its name is complete and passes on each parameter as it closes
+(chat.xml_calls). Other formats' calls are parsed by their mlx-lm parser when the closing marker
+arrives and sent whole.
 
 A model with reasoning markers (chat.thinking) writes its reasoning between them; that text is
 `ReasoningDelta`s, never content and never a call, whatever it looks like. The parser starts
@@ -27,6 +29,7 @@ from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_i
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 from mlx_kvserve.chat.thinking import ThinkMarkers
 from mlx_kvserve.chat.tool_format import ToolFormat
+from mlx_kvserve.chat.xml_calls import XmlCallStream
 
 log = logging.getLogger("mlx_kvserve.chat")
 
@@ -119,6 +122,7 @@ class _OpenCall:
         self.body_done = False
         self.freeform_from: int | None = None  # a custom-tool call: where its raw input starts
         self.freeform_sent = 0
+        self.xml: XmlCallStream | None = None  # a Qwen3-Coder XML call's argument stream
 
 
 class OutputParser:
@@ -255,6 +259,8 @@ class OutputParser:
             self._stream_freeform(call, call.text, events)
         elif self.fmt.json_body:
             self._stream_arguments(call, events)
+        elif self.fmt.layout is not None:
+            self._stream_xml(call, events)
         if at < 0:
             return False
         self._pending = self._pending[len(end) :]
@@ -308,6 +314,20 @@ class OutputParser:
             call.args_sent += len(fresh)
             events.append(ToolCallDelta(call.index, fresh))
 
+    def _stream_xml(self, call: _OpenCall, events: list[OutputEvent]) -> None:
+        """Announce a tag-per-parameter call (Qwen3-Coder, GLM) by its name and pass on its
+        finished parameters."""
+        assert self.fmt is not None and self.fmt.layout is not None
+        if call.xml is None:
+            call.xml = XmlCallStream(self.fmt.layout, self.fmt.parse, self.tools or None)
+        fragments = call.xml.feed(call.text)
+        if call.xml.name is None or call.xml.name in self.custom:
+            return  # a custom tool's input is sent whole at the end
+        if call.name is None:
+            call.name = call.xml.name
+            events.append(ToolCallStarted(call.index, call.id, call.name))
+        events.extend(ToolCallDelta(call.index, f) for f in fragments)
+
     def _close(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
         """Parse a complete call with mlx-lm's parser; emit what was not streamed yet."""
         assert self.fmt is not None
@@ -325,7 +345,13 @@ class OutputParser:
             arguments = item.get("arguments", {})
             index = len(self.calls)
             custom = item["name"] in self.custom
-            if n == 0 and call.name is not None and call.args_from is not None and not custom:
+            streamed = call.name is not None and not custom
+            if n == 0 and streamed and call.xml is not None and call.xml.name == item["name"]:
+                call_id = call.id
+                last, text_args = call.xml.finish(item.get("arguments"))
+                if last:
+                    events.append(ToolCallDelta(index, last))
+            elif n == 0 and streamed and call.args_from is not None:
                 call_id, text_args = call.id, self._rest_of_arguments(call, text, events)
             else:
                 call_id = call.id if n == 0 else new_call_id(self.id_prefix)

@@ -23,6 +23,7 @@ the model generated and the prompt cache keeps the turn.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
+from mlx_kvserve.chat.xml_calls import LAYOUTS, Layout, glm_layout
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -57,11 +59,24 @@ class ToolFormat:
     parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
     native: bool  # the chat template renders tools and calls itself
     json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
+    own_layout: Layout | None = None  # a tag-per-parameter layout read from the template
 
     @property
     def name(self) -> str:
         module = getattr(self.parse, "__module__", "") or ""
         return module.rsplit(".", 1)[-1] if self.native else "hermes"
+
+    @property
+    def layout(self) -> Layout | None:
+        """A format with one tag per parameter (Qwen3-Coder XML, GLM; chat.xml_calls)."""
+        if not self.native:
+            return None
+        return self.own_layout or LAYOUTS.get(self.name)
+
+    @property
+    def constrained(self) -> bool:
+        """Calls in this format get a grammar and stream their arguments."""
+        return self.json_body or self.layout is not None
 
 
 HERMES = ToolFormat(
@@ -78,12 +93,36 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None or not getattr(tokenizer, "has_tool_calling", False):
         return HERMES
+    module = getattr(parser, "__module__", "") or ""
+    own = None
+    if module.endswith(".glm47") and hasattr(tokenizer, "apply_chat_template"):
+        own = _layouts.get(tokenizer)
+        if own is None:
+            own = _layouts[tokenizer] = glm_layout(
+                lambda m: tokenizer.apply_chat_template(m, tokenize=False)
+            )
     return ToolFormat(
         start=tokenizer.tool_call_start,
         end=tokenizer.tool_call_end,
         parse=parser,
         native=True,
-        json_body=getattr(parser, "__module__", "").endswith(".json_tools"),
+        json_body=module.endswith(".json_tools"),
+        own_layout=own,
+    )
+
+
+_layouts: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
+
+
+def tool_format_notice(tokenizer: Any) -> str:
+    """One start-up line: the model's tool-call format and whether calls in it are constrained
+    and streamed or only parsed."""
+    fmt = tool_format_for(tokenizer)
+    if fmt.constrained:
+        return f"tool calls: {fmt.name} format, constrained and streamed"
+    return (
+        f"tool calls: {fmt.name} format, parsed only (no grammar for it yet): tool_choice "
+        "'required' and named choices are not enforced and calls arrive whole"
     )
 
 

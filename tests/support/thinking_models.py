@@ -23,25 +23,35 @@ FAMILIES = {
     "qwen3": "qwen3.jinja",
     "qwen3.5": "qwen3.5.jinja",
     "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
+    "glm-4.6": "glm-4.6.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
+GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
 def build_thinking_model(
-    dest: Path, family: str, *, architecture: str = "llama", seed: int = 0
+    dest: Path,
+    family: str,
+    *,
+    architecture: str = "llama",
+    seed: int = 0,
+    tool_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
     `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
-    cannot be trimmed)."""
-    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(THINK_TOKENS))
+    cannot be trimmed); `tool_tokens` adds these tags as tokens too, as the family's own
+    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there."""
+    added = THINK_TOKENS + tool_tokens
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(added))
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
         [*tokenizer["model"]["vocab"].values(), *(t["id"] for t in tokenizer["added_tokens"])]
     )
     decoder = config.setdefault("added_tokens_decoder", {})
-    for text in THINK_TOKENS:
+    for text in added:
         next_id += 1
         token = {
             "id": next_id,
@@ -54,7 +64,7 @@ def build_thinking_model(
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-    assert next_id < VOCAB + len(THINK_TOKENS)
+    assert next_id < VOCAB + len(added)
     config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -1,0 +1,356 @@
+"""Tool calls with one tag per parameter (mlx-lm's `qwen3_coder` and `glm47` parsers): their
+grammar and streaming.
+
+Qwen3-Coder and Qwen3.5/3.6 write a call as
+
+    <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
+
+and GLM-4.5/4.6 (mlx-lm's `glm47` parser) as
+
+    <tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>
+
+Each format's mlx-lm parser converts a VALUE by the type its property declares
+(a string stays raw text, others are read as JSON). The grammar makes the model write what that
+parser reads back as schema-valid arguments, in the layout the model's template renders history
+in (so a tool loop re-renders what the model sampled): the function name is one of the declared
+tools; the parameters are the declared properties in schema order, the required ones present and
+each at most once; a string value is raw text that holds no closing tag (within its
+minLength/maxLength, or one of its enum values); other values are JSON following the property's
+own schema, in the canonical form (`", "` and `": "`) the templates' `tojson` writes. A property
+whose type the parser cannot convert faithfully (a list of types, no type) is free text, as LM
+Studio's grammar for the Qwen format has it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.request import Tool
+
+_KEY = re.compile(r"[^\s<>]+")  # what the parsers read as a name
+_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+_BOOL_TYPES = {"boolean", "bool", "binary"}
+_JSON_PREFIXES = ("int", "uint", "long", "short", "unsigned", "num", "float", "dict", "list")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one format puts a call's name and parameters (after the opening marker)."""
+
+    format: str
+    lead: str  # before a forced call's opening marker (the template's, so history re-renders)
+    head: str  # before the name, and after it
+    head_end: str
+    key_open: str  # before a parameter's name, and between it and its value
+    key_close: str
+    value_close: str  # the tag that ends a value, and what follows it
+    value_after: str
+    tail: str  # after the last parameter, before the closing marker
+    strict_strings: bool  # the parser maps "null" to None and keeps whitespace
+    string_types: frozenset[str]
+
+    def wrap(self, name: str, params: str) -> str:
+        """A whole call's text (without markers) for the format's parser."""
+        return f"{self.head}{name}{self.head_end}{params}{self.tail}"
+
+    def kind(self, prop: dict[str, Any]) -> str:
+        """How the parser converts a value of this property: "string" (raw text), "bool",
+        "null", "json" (a JSON literal), or "free" (text it may reinterpret)."""
+        if not prop or "type" not in prop:
+            return "free"
+        kind = str(prop["type"]).strip().lower()
+        if kind in self.string_types:
+            return "string"
+        if kind in _BOOL_TYPES:
+            return "bool"
+        if kind == "null":
+            return "null"
+        if kind in {"object", "array", "arr", "integer", "number"} or kind.startswith(
+            _JSON_PREFIXES
+        ):
+            return "json"
+        return "free"
+
+
+QWEN3_CODER = Layout(
+    "qwen3_coder",
+    "",
+    "\n<function=",
+    ">\n",
+    "<parameter=",
+    ">\n",
+    "\n</parameter>",
+    "\n",
+    "</function>\n",
+    strict_strings=True,
+    string_types=frozenset(_STRING_TYPES),
+)
+GLM47 = Layout(
+    "glm47",
+    "\n",
+    "",
+    "\n",
+    "<arg_key>",
+    "</arg_key>\n<arg_value>",
+    "</arg_value>",
+    "\n",
+    "",
+    strict_strings=False,
+    string_types=frozenset({"string"}),
+)
+LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER, GLM47)}
+_GLM_PROBE = re.compile(
+    r"([ \t\n]*)<tool_call>([ \t\n]*)fn_probe([ \t\n]*)<arg_key>k1</arg_key>([ \t\n]*)"
+    r"<arg_value>v1</arg_value>([ \t\n]*)<arg_key>k2</arg_key>[ \t\n]*<arg_value>v2</arg_value>"
+    r"([ \t\n]*)</tool_call>"
+)
+
+
+def glm_layout(render: Callable[[list[dict[str, Any]]], str]) -> Layout:
+    """GLM's layout as the model's own template writes a call: GLM-4.5/4.6 put a newline after
+    the name and after each value, GLM-4.7 none. `render(messages)` is the template's text;
+    GLM-4.6's layout when the template does not render the probe call."""
+    call = {"name": "fn_probe", "arguments": {"k1": "v1", "k2": "v2"}}
+    messages = [
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": call}],
+        },
+    ]
+    try:
+        match = _GLM_PROBE.search(render(messages))
+    except Exception:  # a template that cannot render the probe: keep the known layout
+        return GLM47
+    if match is None:
+        return GLM47
+    lead, head, head_end, key_gap, after, tail = match.groups()
+    return Layout(
+        GLM47.format,
+        lead[-1:] if lead.endswith("\n") else "",
+        head,
+        head_end,
+        GLM47.key_open,
+        f"</arg_key>{key_gap}<arg_value>",
+        GLM47.value_close,
+        after,
+        tail[len(after) :] if tail.startswith(after) else tail,
+        strict_strings=False,
+        string_types=GLM47.string_types,
+    )
+
+
+_TAG = re.compile(r"(</?[A-Za-z_]+>)")
+Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
+
+
+def calls_rule(
+    layout: Layout,
+    tools: list[Tool],
+    parameters: Any,
+    style: dict[str, Any],
+    marker: Marker,
+    end: str,
+) -> str:
+    """Lark rules `call_body` (what follows `<tool_call>`) for calls to `tools`;
+    `parameters(tool)` is a tool's JSON Schema, `marker(tag)` a tag's Lark item (GLM's
+    `<arg_key>` is one token in its tokenizer), `end` the closing marker."""
+    names, rules = [], []
+    g = _Items(layout, marker)
+    for k, tool in enumerate(tools):
+        if not _KEY.fullmatch(tool.name):
+            continue  # the parser could not read this name back: the model cannot call it
+        head = g.items(layout.head + tool.name + layout.head_end)
+        params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
+        names.append(f"fn_{k}")
+        rules.append(f"fn_{k}: {head} {params} {g.items(layout.tail)} {marker(end)}")
+    if not names:
+        raise InvalidRequest(
+            "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
+            "name needs at least one character and no spaces, `<` or `>`.",
+            param="tools",
+        )
+    return "\n".join([f"call_body: {' | '.join(names)}", *rules])
+
+
+class _Items:
+    """Lark items for one format's fixed text, with its tags as tokens where they are."""
+
+    def __init__(self, layout: Layout, marker: Marker) -> None:
+        self.layout, self._marker = layout, marker
+
+    def items(self, text: str) -> str:
+        parts = [p for p in _TAG.split(text) if p]
+        out = [self._marker(p) if _TAG.fullmatch(p) else json.dumps(p) for p in parts]
+        return " ".join(out) or '""'
+
+    def close(self) -> str:
+        return self.items(self.layout.value_close + self.layout.value_after)
+
+    def closing_is_token(self) -> bool:
+        tag = self.layout.value_close.strip()
+        return self._marker(tag).startswith("<[")
+
+    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+        """Raw text and the closing tag. As text, they are one lexeme: the value cannot hold
+        the tag, so the first one ends it (a greedy lexer needs no lookahead). A closing tag
+        that is a token ends the text by itself."""
+        if not self.closing_is_token():
+            rules.append(f"{terminal}: {_text(self.layout, low, high)}")
+            return terminal
+        low = low if isinstance(low, int) and low >= 0 else 0
+        high = high if isinstance(high, int) and high >= low else None
+        span = f"{{{max(low, 1)},{'' if high is None else high}}}"
+        rules.append(f"{terminal}: /(?s:.{span})/ & {_exclusions(self.layout)}")
+        value = terminal if low > 0 else f"{terminal}?"
+        return f"{value} {self.close()}"
+
+
+def _params_rules(
+    g: _Items, prefix: str, schema: dict[str, Any], style: dict, rules: list[str]
+) -> str:
+    """The parameters of one function as a Lark expression (rules appended to `rules`)."""
+    layout = g.layout
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not props:
+        if schema.get("additionalProperties") is False:
+            return '""'
+        value = g.text(rules, f"{prefix.upper()}_TEXT", None, None)
+        rules.append(f"{prefix.upper()}_KEY: /[^\\s<>]+/")
+        key = f"{g.items(layout.key_open)} {prefix.upper()}_KEY {g.items(layout.key_close)}"
+        rules.append(f"{prefix}_free: {key} {value}")
+        return f"{prefix}_free*"
+    required = set(schema.get("required") or [])
+    # a property's own schema may point into the tool's definitions: they go with it
+    shared = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+    shared["x-guidance"] = style
+    parts = []
+    for j, (key, prop) in enumerate(props.items()):
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            continue  # the parser could not read this name back: leave it out
+        rule = f"{prefix}_p{j}"
+        prop = prop if isinstance(prop, dict) else {}
+        value = _value(g, f"{prefix.upper()}_V{j}", prop, shared, rules)
+        rules.append(f"{rule}: {g.items(layout.key_open + key + layout.key_close)} {value}")
+        parts.append(rule if key in required else f"{rule}?")
+    return " ".join(parts) or '""'
+
+
+def _value(g: _Items, terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) -> str:
+    """A parameter's value and its closing tag, as a Lark expression (raw text becomes the
+    terminal `terminal`, defined in `rules`)."""
+    layout = g.layout
+    close = g.close()
+    kind = layout.kind(prop)
+    if kind == "bool":
+        return f'("true" | "false") {close}'
+    if kind == "null":
+        return f'"null" {close}'
+    if kind == "json":
+        return f"%json {json.dumps({**prop, **shared})} {close}"
+    options = prop.get("enum") if kind == "string" else None
+    if "const" in prop and kind == "string":
+        options = [prop["const"]]
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        allowed = [o for o in options if _plain(layout, o)]
+        if allowed:
+            return f"({' | '.join(json.dumps(o) for o in allowed)}) {close}"
+    low, high = (prop.get("minLength"), prop.get("maxLength")) if kind == "string" else (0, None)
+    return g.text(rules, terminal, low, high)
+
+
+def _plain(layout: Layout, value: str) -> bool:
+    """The parser reads this raw string back unchanged."""
+    if "</" in value:
+        return False
+    if layout.strict_strings:
+        return value.lower() != "null"
+    return value == value.strip()
+
+
+def _text(layout: Layout, low: Any, high: Any) -> str:
+    """Raw text and the closing tag as one lexeme."""
+    low = low if isinstance(low, int) and low >= 0 else 0
+    high = high if isinstance(high, int) and high >= low else None
+    span = f"{{{low},{'' if high is None else high}}}"
+    closing = json.dumps(layout.value_close + layout.value_after)
+    return f"(/(?s:.{span})/ & {_exclusions(layout)}) {closing}"
+
+
+def _exclusions(layout: Layout) -> str:
+    """What a raw value may not be: hold a closing tag, or be what the parser reads otherwise."""
+    tag = layout.value_close.strip().replace("/", "\\/")
+    bad = f"~/(?s:.*)({tag}|<\\/tool_call>)(?s:.*)/"
+    if layout.strict_strings:
+        return f"{bad} & ~/(?i:null)/"
+    return f"{bad} & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"  # the parser strips the value's ends
+
+
+class XmlCallStream:
+    """Follows one call's text as it grows: its name once complete, and its arguments as
+    OpenAI-shaped JSON fragments, `{"key": ` when a parameter opens and the value's JSON when it
+    closes (converted by the format's own parser, from the parameter's own text). The
+    fragments, plus the closing `}`, concatenate to `json.dumps` of the parsed arguments."""
+
+    def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
+        self._layout, self._parse, self._tools = layout, parse, tools
+        # a name with nothing after it is complete only at the next tag
+        ends = re.escape(layout.head_end) if layout.head_end else "(?=<)"
+        self._head = re.compile(r"\s*" + re.escape(layout.head.strip()) + r"([^\s<>]+)" + ends)
+        self._key = re.compile(
+            re.escape(layout.key_open) + r"([^\s<>]+)" + re.escape(layout.key_close)
+        )
+        self.name: str | None = None
+        self.sent = ""  # the argument fragments passed on so far
+        self._at = 0  # where the next parameter may start in the call's text
+        self._open: tuple[str, int] | None = None  # the parameter being written, and its start
+
+    def feed(self, text: str) -> list[str]:
+        """New argument fragments, given the whole call text so far (after `<tool_call>`)."""
+        out: list[str] = []
+        if self.name is None:
+            head = self._head.match(text)
+            if head is None:
+                return out
+            self.name, self._at = head.group(1), head.end()
+        close = self._layout.value_close.strip()
+        while True:
+            if self._open is None:
+                match = self._key.search(text, self._at)
+                if match is None:
+                    return out
+                self._open, self._at = (match.group(1), match.start()), match.end()
+                out.append(("{" if not self.sent else ", ") + json.dumps(match.group(1)) + ": ")
+            else:
+                end = text.find(close, self._at)
+                if end < 0:
+                    return out
+                key, start = self._open
+                value = self._convert(key, text[start : end + len(close)])
+                out.append(json.dumps(value, ensure_ascii=False))
+                self._open, self._at = None, end + len(close)
+            self.sent += out[-1]
+
+    def _convert(self, key: str, param: str) -> Any:
+        assert self.name is not None
+        try:
+            parsed = self._parse(self._layout.wrap(self.name, param), self._tools)
+            return parsed["arguments"][key]
+        except Exception:  # a value the parser cannot convert (e.g. "1.5" for an integer)
+            return param
+
+    def finish(self, arguments: Any) -> tuple[str, str]:
+        """(the last fragment, the call's whole arguments text) for the parsed arguments (None:
+        the call did not parse, e.g. cut short by max_tokens: it is what was streamed)."""
+        if arguments is None:
+            return "", self.sent
+        whole = json.dumps(arguments if isinstance(arguments, dict) else {}, ensure_ascii=False)
+        if whole.startswith(self.sent):
+            return whole[len(self.sent) :], whole
+        return "", whole  # unconstrained text the parser read otherwise than streamed
