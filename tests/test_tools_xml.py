@@ -24,8 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_kvserve.fuzzing import check, name, schema
 from tests.conftest import ServerProcess, client_for
+from tests.support.fuzz_values import name, schema
+from tests.support.fuzzing import check
 from tests.support.thinking_models import GLM_TOOL_TOKENS, TOOL_TOKENS, build_thinking_model
 
 pytestmark = pytest.mark.slow
