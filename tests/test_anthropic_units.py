@@ -18,7 +18,7 @@ from mlx_kvserve.api.anthropic_schemas import CountTokensRequest, MessagesReques
 from mlx_kvserve.api.anthropic_stream import BlockStream, content_blocks
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest, Message, Thinking, ToolCall
-from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
 from mlx_kvserve.chat.render import fold_late_system, render_chat
 

@@ -16,7 +16,8 @@ from mlx_lm.tool_parsers import glm47, json_tools, pythonic, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
-from mlx_kvserve.chat.output import ContentDelta, OutputParser, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.render import render_chat
 from mlx_kvserve.chat.tool_format import HERMES, tool_format_for, tool_format_notice
 

@@ -15,12 +15,8 @@ from hypothesis import strategies as st
 
 from mlx_kvserve.chat import ChatRequest, Message, Thinking, Tool, ToolChoice
 from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.output import (
-    ContentDelta,
-    OutputParser,
-    ReasoningDelta,
-    ToolCallFinished,
-)
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallFinished
+from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.thinking import ThinkMarkers, template_kwargs
 from mlx_kvserve.chat.tool_format import HERMES

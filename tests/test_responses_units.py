@@ -14,7 +14,7 @@ from mlx_kvserve.api.openai_responses import to_chat_request
 from mlx_kvserve.api.openai_responses_schemas import ResponsesRequest
 from mlx_kvserve.api.responses_output import ResponseEvents, Shape
 from mlx_kvserve.api.responses_tools import flat_name, parse_tools
-from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
 
 PATCH_GRAMMAR = (Path(__file__).parent / "fixtures" / "codex" / "tool_apply_patch.lark").read_text()

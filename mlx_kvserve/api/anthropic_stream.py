@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from mlx_kvserve.chat import ToolCall
-from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
 
 SSEvent = tuple[str, dict[str, Any]]

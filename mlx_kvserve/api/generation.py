@@ -18,8 +18,9 @@ from starlette.requests import Request
 from mlx_kvserve.api.disconnect import DisconnectWatch
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling, ToolCall
+from mlx_kvserve.chat.events import OutputEvent
 from mlx_kvserve.chat.grammar import GrammarCompiler
-from mlx_kvserve.chat.output import OutputEvent, OutputParser
+from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text
 from mlx_kvserve.engine import (

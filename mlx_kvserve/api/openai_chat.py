@@ -30,7 +30,7 @@ from mlx_kvserve.chat import (
     ToolChoice,
 )
 from mlx_kvserve.chat import Message as ChatMessage
-from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.engine.requests import TokenLogprob
 
 SYSTEM_FINGERPRINT = "mlx-kvserve"

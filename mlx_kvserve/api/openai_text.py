@@ -21,7 +21,7 @@ from mlx_kvserve.api.openai_chat import (
 )
 from mlx_kvserve.api.schemas import CompletionRequest, parse
 from mlx_kvserve.chat import Sampling
-from mlx_kvserve.chat.output import ContentDelta
+from mlx_kvserve.chat.events import ContentDelta
 from mlx_kvserve.engine.requests import TokenLogprob
 
 

@@ -21,7 +21,7 @@ from mlx_kvserve.api.generation import Finished, Usage
 from mlx_kvserve.api.openai_responses_schemas import ResponsesRequest
 from mlx_kvserve.api.responses_tools import ToolSet
 from mlx_kvserve.chat import ToolCall
-from mlx_kvserve.chat.output import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
+from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
 
 StreamEvent = tuple[str, dict[str, Any]]

@@ -22,9 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
 
+from mlx_kvserve.chat.events import (
+    ContentDelta,
+    OutputEvent,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallFinished,
+    ToolCallStarted,
+)
 from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_input
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 from mlx_kvserve.chat.thinking import ThinkMarkers
@@ -34,40 +41,6 @@ from mlx_kvserve.chat.xml_calls import XmlCallStream
 log = logging.getLogger("mlx_kvserve.chat")
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """Text the model wrote in its reasoning (thinking) section, apart from the answer."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStarted:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    index: int
-    arguments: str
-
-
-@dataclass(frozen=True)
-class ToolCallFinished:
-    index: int
-    call: ToolCall
-
-
-OutputEvent = ContentDelta | ReasoningDelta | ToolCallStarted | ToolCallDelta | ToolCallFinished
 
 
 class _JsonValueEnd:
