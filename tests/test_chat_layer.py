@@ -269,7 +269,7 @@ def test_glm_layout_is_read_from_the_template():
     assert glm_layout(lambda m: "no calls here") == GLM47
 
     # streamed a byte at a time, a compact call's name is announced whole, not as it grows
-    fmt = dataclasses.replace(_native(glm47), own_layout=compact)
+    fmt = dataclasses.replace(_native(glm47), own_syntax=compact)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
     parser = OutputParser(fmt, [Tool("get_weather", None, schema)])
     text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"

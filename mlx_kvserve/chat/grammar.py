@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from mlx_kvserve.chat import xml_calls
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
@@ -130,7 +129,10 @@ class GrammarCompiler:
         opening = self._marker(fmt.start)
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
-        lead = f"{json.dumps(fmt.layout.lead)} " if fmt.layout and fmt.layout.lead else ""
+        syntax = fmt.syntax
+        lead = f"{json.dumps(syntax.lead)} " if syntax and syntax.lead else ""
+        if syntax is not None and syntax.calls_per_block:
+            more = ""  # one block holds every call (its call_body allows up to `most`)
         forced = f"calls: {lead}call{more}\ncall: {opening} call_body"
         if mode in {"required", "function"}:
             return _lark("start: calls", forced, calls)
@@ -224,8 +226,9 @@ def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str])
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
-    if fmt.layout is not None:
-        return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, marker, fmt.end)
+    if fmt.syntax is not None:
+        most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
+        return fmt.syntax.calls_rule(tools, _parameters, TOOL_STYLE, marker, fmt.end, most)
     end = marker(fmt.end)
     freeform = [t for t in tools if t.is_custom and not fmt.native]
     functions = [t for t in tools if t not in freeform]

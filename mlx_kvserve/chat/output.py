@@ -5,9 +5,10 @@ Text outside calls is content. Inside a call in a JSON-body format, the call is 
 as its name is complete and its arguments are passed on in fragments as they are generated (mlx-lm
 sends each call whole at the end); the finished call is then parsed by mlx-lm's own parser for
 the format, and its arguments are exactly the concatenated fragments. A Qwen3-Coder XML or GLM
-call is announced once its name is complete and passes on each parameter as it closes
-(chat.xml_calls). Other formats' calls are parsed by their mlx-lm parser when the closing marker
-arrives and sent whole.
+call is announced once its name is complete and passes on each parameter as it closes; so does
+any format with a `CallSyntax` (chat.call_syntax), whose stream may hold several calls per
+block. Other formats' calls are parsed by their mlx-lm parser when the closing marker arrives
+and sent whole.
 
 A model with reasoning markers (chat.thinking) writes its reasoning between them; that text is
 `ReasoningDelta`s, never content and never a call, whatever it looks like. The parser starts
@@ -24,6 +25,7 @@ import logging
 import re
 from typing import Any
 
+from mlx_kvserve.chat.call_syntax import CallStream
 from mlx_kvserve.chat.events import (
     ContentDelta,
     OutputEvent,
@@ -36,7 +38,6 @@ from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_i
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 from mlx_kvserve.chat.thinking import ThinkMarkers
 from mlx_kvserve.chat.tool_format import ToolFormat
-from mlx_kvserve.chat.xml_calls import XmlCallStream
 
 log = logging.getLogger("mlx_kvserve.chat")
 
@@ -95,7 +96,8 @@ class _OpenCall:
         self.body_done = False
         self.freeform_from: int | None = None  # a custom-tool call: where its raw input starts
         self.freeform_sent = 0
-        self.xml: XmlCallStream | None = None  # a Qwen3-Coder XML call's argument stream
+        self.stream: CallStream | None = None  # a CallSyntax format's stream of this block
+        self.slots: dict[int, tuple[int, str, str]] = {}  # its calls: (index, id, name)
 
 
 class OutputParser:
@@ -232,8 +234,8 @@ class OutputParser:
             self._stream_freeform(call, call.text, events)
         elif self.fmt.json_body:
             self._stream_arguments(call, events)
-        elif self.fmt.layout is not None:
-            self._stream_xml(call, events)
+        elif self.fmt.syntax is not None:
+            self._stream_syntax(call, events)
         if at < 0:
             return False
         self._pending = self._pending[len(end) :]
@@ -287,19 +289,24 @@ class OutputParser:
             call.args_sent += len(fresh)
             events.append(ToolCallDelta(call.index, fresh))
 
-    def _stream_xml(self, call: _OpenCall, events: list[OutputEvent]) -> None:
-        """Announce a tag-per-parameter call (Qwen3-Coder, GLM) by its name and pass on its
-        finished parameters."""
-        assert self.fmt is not None and self.fmt.layout is not None
-        if call.xml is None:
-            call.xml = XmlCallStream(self.fmt.layout, self.fmt.parse, self.tools or None)
-        fragments = call.xml.feed(call.text)
-        if call.xml.name is None or call.xml.name in self.custom:
-            return  # a custom tool's input is sent whole at the end
-        if call.name is None:
-            call.name = call.xml.name
-            events.append(ToolCallStarted(call.index, call.id, call.name))
-        events.extend(ToolCallDelta(call.index, f) for f in fragments)
+    def _stream_syntax(self, call: _OpenCall, events: list[OutputEvent]) -> None:
+        """Announce each call of a block (Qwen3-Coder XML, GLM, ...) by its name and pass on
+        its arguments as they form. A custom tool's input is sent whole at the end."""
+        assert self.fmt is not None and self.fmt.syntax is not None
+        if call.stream is None:
+            call.stream = self.fmt.syntax.stream(self.fmt.parse, self.tools or None)
+        for piece in call.stream.feed(call.text):
+            if piece.name is not None:
+                if piece.name in self.custom or piece.slot in call.slots:
+                    continue
+                index = call.index + piece.slot  # the parser returns the block's calls in order
+                call_id = call.id if piece.slot == 0 else new_call_id(self.id_prefix)
+                call.slots[piece.slot] = (index, call_id, piece.name)
+                if call.name is None:
+                    call.name = piece.name
+                events.append(ToolCallStarted(index, call_id, piece.name))
+            elif piece.fragment and piece.slot in call.slots:
+                events.append(ToolCallDelta(call.slots[piece.slot][0], piece.fragment))
 
     def _close(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
         """Parse a complete call with mlx-lm's parser; emit what was not streamed yet."""
@@ -319,9 +326,10 @@ class OutputParser:
             index = len(self.calls)
             custom = item["name"] in self.custom
             streamed = call.name is not None and not custom
-            if n == 0 and streamed and call.xml is not None and call.xml.name == item["name"]:
-                call_id = call.id
-                last, text_args = call.xml.finish(item.get("arguments"))
+            slot = call.slots.get(n)
+            if call.stream is not None and slot is not None and slot[2] == item["name"]:
+                index, call_id = slot[0], slot[1]
+                last, text_args = call.stream.finish(n, item.get("arguments"))
                 if last:
                     events.append(ToolCallDelta(index, last))
             elif n == 0 and streamed and call.args_from is not None:

@@ -30,9 +30,11 @@ from typing import Any
 
 from mlx_lm.tool_parsers import json_tools
 
+from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
-from mlx_kvserve.chat.xml_calls import LAYOUTS, Layout, glm_layout
+from mlx_kvserve.chat.syntaxes import SYNTAXES
+from mlx_kvserve.chat.xml_calls import glm_layout
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -59,7 +61,7 @@ class ToolFormat:
     parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
     native: bool  # the chat template renders tools and calls itself
     json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
-    own_layout: Layout | None = None  # a tag-per-parameter layout read from the template
+    own_syntax: CallSyntax | None = None  # a syntax read from the model's own template
 
     @property
     def name(self) -> str:
@@ -67,16 +69,17 @@ class ToolFormat:
         return module.rsplit(".", 1)[-1] if self.native else "hermes"
 
     @property
-    def layout(self) -> Layout | None:
-        """A format with one tag per parameter (Qwen3-Coder XML, GLM; chat.xml_calls)."""
-        if not self.native:
+    def syntax(self) -> CallSyntax | None:
+        """How calls in a non-JSON format are constrained and streamed (chat.call_syntax);
+        None for the JSON-body formats and for a format parsed only."""
+        if not self.native or self.json_body:
             return None
-        return self.own_layout or LAYOUTS.get(self.name)
+        return self.own_syntax or SYNTAXES.get(self.name)
 
     @property
     def constrained(self) -> bool:
         """Calls in this format get a grammar and stream their arguments."""
-        return self.json_body or self.layout is not None
+        return self.json_body or self.syntax is not None
 
 
 HERMES = ToolFormat(
@@ -107,11 +110,11 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
         parse=parser,
         native=True,
         json_body=module.endswith(".json_tools"),
-        own_layout=own,
+        own_syntax=own,
     )
 
 
-_layouts: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
+_layouts: weakref.WeakKeyDictionary[Any, CallSyntax] = weakref.WeakKeyDictionary()
 
 
 def tool_format_notice(tokenizer: Any) -> str:

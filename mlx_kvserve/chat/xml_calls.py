@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Tool
 
@@ -53,6 +54,23 @@ class Layout:
     tail: str  # after the last parameter, before the closing marker
     strict_strings: bool  # the parser maps "null" to None and keeps whitespace
     string_types: frozenset[str]
+
+    calls_per_block = False  # one call per <tool_call> block
+
+    def calls_rule(
+        self,
+        tools: list[Tool],
+        parameters: Parameters,
+        style: dict[str, Any],
+        marker: Marker,
+        end: str,
+        most: int = 1,
+    ) -> str:
+        """The `call_body` rule of this layout (a CallSyntax)."""
+        return calls_rule(self, tools, parameters, style, marker, end)
+
+    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> XmlCallStream:
+        return XmlCallStream(self, parse, tools)
 
     def wrap(self, name: str, params: str) -> str:
         """A whole call's text (without markers) for the format's parser."""
@@ -147,7 +165,6 @@ def glm_layout(render: Callable[[list[dict[str, Any]]], str]) -> Layout:
 
 
 _TAG = re.compile(r"(</?[A-Za-z_]+>)")
-Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
 
 
 def calls_rule(
@@ -311,14 +328,20 @@ class XmlCallStream:
         self._at = 0  # where the next parameter may start in the call's text
         self._open: tuple[str, int] | None = None  # the parameter being written, and its start
 
-    def feed(self, text: str) -> list[str]:
-        """New argument fragments, given the whole call text so far (after `<tool_call>`)."""
-        out: list[str] = []
+    def feed(self, text: str) -> list[CallPiece]:
+        """The name once complete, then new argument fragments, given the whole call text so
+        far (after `<tool_call>`)."""
+        named: list[CallPiece] = []
         if self.name is None:
             head = self._head.match(text)
             if head is None:
-                return out
+                return named
             self.name, self._at = head.group(1), head.end()
+            named.append(CallPiece(0, self.name))
+        return named + [CallPiece(0, fragment=f) for f in self._fragments(text)]
+
+    def _fragments(self, text: str) -> list[str]:
+        out: list[str] = []
         close = self._layout.value_close.strip()
         while True:
             if self._open is None:
@@ -345,7 +368,7 @@ class XmlCallStream:
         except Exception:  # a value the parser cannot convert (e.g. "1.5" for an integer)
             return param
 
-    def finish(self, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
         """(the last fragment, the call's whole arguments text) for the parsed arguments (None:
         the call did not parse, e.g. cut short by max_tokens: it is what was streamed)."""
         if arguments is None:

@@ -1,0 +1,11 @@
+"""The registry of tool-call syntaxes that can be constrained and streamed, by mlx-lm parser
+name (chat.call_syntax). A format that is not here is parsed only, and says so at start-up."""
+
+from __future__ import annotations
+
+from mlx_kvserve.chat.call_syntax import CallSyntax
+from mlx_kvserve.chat.xml_calls import LAYOUTS
+
+SYNTAXES: dict[str, CallSyntax] = {
+    **LAYOUTS,
+}
