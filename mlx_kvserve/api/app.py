@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic
+from mlx_kvserve.api import anthropic, status
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.failsafe import InternalErrors
@@ -32,6 +32,7 @@ from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
 from mlx_kvserve.engine.worker import EngineNotReady
 from mlx_kvserve.observe import Metrics
+from mlx_kvserve.observe.activity import Activity
 from mlx_kvserve.observe.http import RequestMetrics, metrics_endpoint
 
 log = logging.getLogger("mlx_kvserve.api")
@@ -55,12 +56,6 @@ async def health(request: Request) -> Response:
             "running": engine.running,
         }
     )
-
-
-async def root(request: Request) -> Response:
-    """A liveness answer at `/`, as Ollama and llama.cpp give one: Claude Code probes the base URL
-    with `HEAD /` (no API key) before its first request."""
-    return Response("mlx-kvserve is running\n", media_type="text/plain")
 
 
 CACHE_STATS_TIMEOUT = 30.0
@@ -159,8 +154,13 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
 
     metrics = Metrics(engine, cache_enabled=engine.cache_enabled)
     engine.add_observer(metrics.observe_request)
+    activity = Activity()
+    engine.add_observer(activity.record)
     routes = [
-        Route("/", root, methods=["GET"]),
+        # The status page (`/`, which also answers Claude Code's `HEAD /` probe) and its data.
+        *(Route(path, status.page, methods=["GET"]) for path in status.ASSETS),
+        Route("/v1/status", status.status, methods=["GET"]),
+        Route("/v1/status/events", status.status_events, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
@@ -195,6 +195,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
                 BearerAuth,
                 api_keys=[settings.api_key or "", *settings.api_keys],
                 isolate=settings.isolate_cache,
+                open_paths=status.OPEN_PATHS,
             ),
         ],
         exception_handlers={
@@ -206,6 +207,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.activity = activity
     app.state.engine = engine
     app.state.model_id = model_id
     app.state.started = int(time.time())

@@ -35,12 +35,19 @@ OPEN_PATHS = frozenset({"/health", "/"})
 
 class BearerAuth:
     """Guard every path but the probes (/health, and `/`, which says only that the server runs)
-    with one of the configured keys."""
+    and `open_paths` (files that hold no data, e.g. the status page's) with one of the
+    configured keys."""
 
     def __init__(
-        self, app: ASGIApp, api_keys: Iterable[str] = (), *, isolate: bool = False
+        self,
+        app: ASGIApp,
+        api_keys: Iterable[str] = (),
+        *,
+        isolate: bool = False,
+        open_paths: Iterable[str] = (),
     ) -> None:
         self.app = app
+        self.open_paths = OPEN_PATHS | frozenset(open_paths)
         self.keys = [(key.encode(), namespace_of(key)) for key in dict.fromkeys(api_keys) if key]
         self.isolate = isolate
 
@@ -53,7 +60,7 @@ class BearerAuth:
         return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.keys or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if not self.keys or scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = presented_key(scope["headers"])
