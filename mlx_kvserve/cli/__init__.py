@@ -14,10 +14,11 @@ import sys
 from mlx_kvserve import __version__, paths
 from mlx_kvserve.cli.cache_commands import add_cache_commands, run_cache_command
 from mlx_kvserve.cli.config_commands import add_config_commands, run_config_command
-from mlx_kvserve.cli.flags import add_setting_flags, setting_flags
 from mlx_kvserve.cli.serve import serve
 from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
-from mlx_kvserve.config import ENV_PREFIX, load_settings
+from mlx_kvserve.config import ENV_PREFIX
+from mlx_kvserve.config_flags import add_setting_flags, setting_flags
+from mlx_kvserve.config_resolve import load_settings
 
 log = logging.getLogger("mlx_kvserve")
 
