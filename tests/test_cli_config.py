@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mlx_kvserve.config import Settings, load_settings
+from mlx_kvserve.config import Settings
+from mlx_kvserve.config_resolve import load_settings
 
 
 def test_serve_help_lists_every_option_with_its_env_var():

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_kvserve.config import Settings, resolve_settings
+from mlx_kvserve.config import Settings
 from mlx_kvserve.config_file import ConfigError, key_lines, read_config_file
+from mlx_kvserve.config_resolve import resolve_settings
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 

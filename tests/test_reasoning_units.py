@@ -20,7 +20,7 @@ from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.thinking import ThinkMarkers, template_kwargs
 from mlx_kvserve.chat.tool_format import HERMES
-from mlx_kvserve.config import ConfigError, resolve_settings
+from mlx_kvserve.config_resolve import ConfigError, resolve_settings
 from tests.support.thinking_models import build_thinking_model
 
 MARKERS = ThinkMarkers("<think>", "</think>", (1,), (2,), (3, 2, 4))

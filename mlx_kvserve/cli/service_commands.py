@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from mlx_kvserve.cli.flags import add_setting_flags, setting_flags
+from mlx_kvserve.config_flags import add_setting_flags, setting_flags
 from mlx_kvserve.service.runner import Runner, SystemRunner
 from mlx_kvserve.service.spec import DEFAULT_NAME, check_name
 
@@ -99,7 +99,7 @@ def run_service_command(args: argparse.Namespace, runner: Runner | None = None) 
 
 
 def _install_plan(manager: Any, args: argparse.Namespace) -> Any:
-    from mlx_kvserve.config import load_settings
+    from mlx_kvserve.config_resolve import load_settings
     from mlx_kvserve.service.spec import build_spec
 
     flags = setting_flags(args)

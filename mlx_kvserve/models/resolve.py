@@ -5,23 +5,35 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .default_model import MODEL_ID, ensure_default_model
+from .default_model import SMOLLM2
+from .embedded import EmbeddedModel, ensure_model
+from .gemma3_model import GEMMA3_270M
 
 # Hugging Face repo ids: "org/name", each part letters, digits, '-', '_', '.'.
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
-_DEFAULT_NAMES = {"default", MODEL_ID.lower()}
+EMBEDDED: tuple[EmbeddedModel, ...] = (SMOLLM2, GEMMA3_270M)
+
+
+def embedded_model(name: str | None) -> EmbeddedModel | None:
+    """The embedded model a ``--model`` value names (None -> the default), or None."""
+    if name is None:
+        return SMOLLM2
+    wanted = name.strip().lower()
+    return next((m for m in EMBEDDED if wanted in m.names), None)
 
 
 def resolve_model(spec: str | None, data_dir: Path, *, progress: bool) -> tuple[str, str]:
     """Return ``(model_id, path_or_repo)`` for ``spec``.
 
-    None / ``"default"`` (or the default's id) -> the embedded default model, converted on first
-    use; an existing directory with ``config.json`` -> that directory (id = its folder name);
+    None / ``"default"`` (or the default's id) -> the embedded default model, and an embedded
+    model's name (``gemma3-270m``) -> that model, each converted on first use; an existing
+    directory with ``config.json`` -> that directory (id = its folder name);
     an ``org/name`` string that is not a local path -> a Hugging Face repo id, passed through
     unchanged (downloading is mlx_lm's business). Anything else raises ValueError.
     """
-    if spec is None or spec.strip().lower() in _DEFAULT_NAMES:
-        return MODEL_ID, str(ensure_default_model(Path(data_dir), progress=progress))
+    embedded = embedded_model(spec)
+    if embedded is not None:
+        return embedded.model_id, str(ensure_model(embedded, Path(data_dir), progress=progress))
 
     spec = spec.strip()
     path = Path(spec).expanduser()
@@ -40,7 +52,8 @@ def resolve_model(spec: str | None, data_dir: Path, *, progress: bool) -> tuple[
         return spec, spec
     raise ValueError(
         f"model {spec!r} is neither an existing model directory nor a Hugging Face repo id "
-        "of the form 'org/name' (or 'default' for the built-in SmolLM2-135M-Instruct)"
+        "of the form 'org/name' (or an embedded model: 'default' for SmolLM2-135M-Instruct, "
+        "'gemma3-270m' for Gemma 3 270M)"
     )
 
 

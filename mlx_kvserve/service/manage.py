@@ -7,6 +7,7 @@ and measures the log and the prompt-cache directory.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -73,15 +74,16 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 
 def service_settings(argv: list[str], env: dict[str, str]) -> Any:
     """The settings the installed service runs with: its flags, its environment, its file."""
-    from mlx_kvserve.cli import build_parser
-    from mlx_kvserve.cli.flags import setting_flags
-    from mlx_kvserve.config import load_settings
+    from mlx_kvserve.config_flags import add_setting_flags, setting_flags
+    from mlx_kvserve.config_resolve import load_settings
 
     try:
         serve_at = argv.index("serve")
     except ValueError:
         return None
-    args = build_parser().parse_args(argv[serve_at:])
+    parser = argparse.ArgumentParser(prog="mlx-kvserve serve")
+    add_setting_flags(parser)
+    args = parser.parse_args(argv[serve_at + 1 :])
     with _environment(env):
         return load_settings(setting_flags(args))
 
@@ -131,9 +133,7 @@ def status(manager: Manager, runner: Runner, say: Callable[[str], None] = print)
     else:
         say(f"log:       the journal (journalctl --user --unit {manager.unit})")
     if settings is not None:
-        from mlx_kvserve.cli.serve import cache_root
-
-        root = cache_root(settings)
+        root = settings.cache_root()
         used = human(tree_bytes(root)) if root.exists() else "empty, not created yet"
         say(f"cache:     {root} ({used})")
     return 0 if pid and answer.startswith("ok") else 3

@@ -1,4 +1,6 @@
-"""The `serve` setting flags, shared by `serve`, `config show` and `service install`."""
+"""The `serve` setting flags, shared by `serve`, `config show`, `service install` and `service
+status` (which reads the installed service's command line): outside `cli`, so `service` needs no
+part of the command line package."""
 
 from __future__ import annotations
 
