@@ -31,6 +31,7 @@ import numpy as np
 
 from mlx_kvserve.chat import xml_calls
 from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.harmony_grammar import harmony_rules
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
 
@@ -124,6 +125,9 @@ class GrammarCompiler:
         mode = req.tool_choice.mode
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
+        if fmt is not None and fmt.harmony and calls is not None:  # gpt-oss: its own layout
+            rules = harmony_rules(req, self._marker, _parameters, TOOL_STYLE, output, JSON_STYLE)
+            return _lark(*rules)
         if calls is None:
             return None if output is None else _json_grammar(output)
         assert fmt is not None
@@ -224,6 +228,8 @@ def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str])
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
+    if fmt.harmony:
+        return ""  # chat.harmony_grammar writes the whole answer's rules
     if fmt.layout is not None:
         return xml_calls.calls_rule(fmt.layout, tools, _parameters, TOOL_STYLE, marker, fmt.end)
     end = marker(fmt.end)
