@@ -126,7 +126,9 @@ class GrammarCompiler:
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
         if fmt is not None and fmt.harmony and calls is not None:  # gpt-oss: its own layout
-            rules = harmony_rules(req, self._marker, _parameters, TOOL_STYLE, output, JSON_STYLE)
+            rules = harmony_rules(
+                req, self._marker, self._tokens, _parameters, TOOL_STYLE, output, JSON_STYLE
+            )
             return _lark(*rules)
         if calls is None:
             return None if output is None else _json_grammar(output)
@@ -157,6 +159,12 @@ class GrammarCompiler:
         if len(ids) == 1 and lltok.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
+
+    def _tokens(self, text: str) -> str:
+        """Fixed text as the tokens the tokenizer makes of it (Lark items): the model cannot
+        spell it another way, so it re-tokenizes as sampled."""
+        ids = self._llg_tokenizer().tokenize_str(text)
+        return " ".join(f"<[{i}]>" for i in ids) or '""'
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):

@@ -55,7 +55,10 @@ class HarmonyGate:
                 self.inner.advance(self.end)
             self._take(self.end)
             return [self.end]
-        return [] if self.inner is None else self.inner.forced(limit)
+        tokens = [] if self.inner is None else self.inner.forced(limit)
+        for token in tokens:  # the grammar's forced tokens: a header's, often
+            self._take(token)
+        return tokens
 
     @property
     def finished(self) -> bool:

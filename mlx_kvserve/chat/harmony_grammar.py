@@ -10,10 +10,14 @@ JSON valid against that tool's schema, in the canonical form (`", "`, `": "`) th
 ` to=functions.NAME<|channel|>commentary json<|message|>{...}`, or as gpt-oss often writes
 them, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`; the grammar
 ends with the arguments, where the model would write `<|call|>`, so generation stops there.
+The headers' fixed words are given as the tokens the tokenizer makes of them (`literal`), so the
+model cannot spell them otherwise than the template's rendering of the turn will: a tool loop's
+next prompt then continues the tokens the model sampled, which gpt-oss's sliding-window layers
+(caches that cannot be trimmed back) need to reuse the turn.
 
 * `tool_choice` "auto": any messages, then the answer or a call;
-* "required" and a named function: at most one analysis message, then the call (a thinking
-  budget, chat.harmony_gate, ends an analysis that runs on);
+* "required" and a named function: at most one analysis message, then the call in the
+  template's form (a thinking budget, chat.harmony_gate, ends an analysis that runs on);
 * `response_format`: the final answer is that JSON.
 The template renders one call per assistant message, so parallel calls are not offered.
 """
@@ -29,13 +33,14 @@ from mlx_kvserve.chat import harmony
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import ChatRequest, Tool
 
-Marker = Callable[[str], str]  # a control token as a Lark item (its token id)
+Marker = Callable[[str], str]  # text as Lark items: a control token's id, fixed text's tokens
 _NAME = re.compile(r"[^\s<]+")  # what a call's header can carry as the recipient
 
 
 def harmony_rules(
     req: ChatRequest,
     marker: Marker,
+    literal: Marker,
     parameters: Callable[[Tool], dict[str, Any]],
     style: dict[str, Any],
     output: dict[str, Any] | None,
@@ -44,27 +49,33 @@ def harmony_rules(
     """The Lark rules (for chat.grammar's `_lark`) of a tools request's answer."""
     ch, msg = marker(harmony.CHANNEL), marker(harmony.MESSAGE)
     end, start, constrain = marker(harmony.END), marker(harmony.START), marker(harmony.CONSTRAIN)
+    forced = req.tool_choice.mode in {"required", "function"}
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
+    again = f"{end} {start} {literal('assistant')}"
     rules = [
         "BODY: /(.|\\n)*/",
-        f'analysis: {ch} "analysis" {msg} BODY {end} {start} "assistant"',
-        f'preamble: {ch} "commentary" {msg} BODY {end} {start} "assistant"',
+        f"analysis: {ch} {literal('analysis')} {msg} BODY {again}",
+        f"preamble: {ch} {literal('commentary')} {msg} BODY {again}",
     ]
     names = []
     for k, tool in enumerate(tools):
         if not _NAME.fullmatch(tool.name):
             continue  # the header could not carry this name: the model cannot call it
         schema = json.dumps({**parameters(tool), "x-guidance": style})
-        name = tool.name
+        to = harmony.FUNCTIONS + tool.name
         names.append(f"fn_{k}")
-        rules.append(
-            f"fn_{k}: {json.dumps(' to=' + harmony.FUNCTIONS + name)} {ch} "
-            f'"commentary json" {msg} %json {schema}\n'
-            f"    | {ch} {json.dumps('commentary to=' + harmony.FUNCTIONS + name)} "
-            f'(" " {constrain} "json" | " json")? {msg} %json {schema}'
+        rule = (
+            f"fn_{k}: {literal(' to=' + to)} {ch} {literal('commentary json')} {msg} %json {schema}"
         )
+        if not forced:  # the model's own habit; history re-renders in the template's form
+            rule += (
+                f"\n    | {ch} {literal('commentary to=' + to)} "
+                f"({literal(' ')} {constrain} {literal('json')} | {literal(' json')})? "
+                f"{msg} %json {schema}"
+            )
+        rules.append(rule)
     if not names:
         raise InvalidRequest(
             "Invalid value for 'tools': this model writes a tool's name in a message header, "
@@ -76,7 +87,7 @@ def harmony_rules(
         answer = f"%json {json.dumps({**output, 'x-guidance': output_style})}"
     else:
         answer = "BODY"
-    rules.append(f'final: {ch} "final" {msg} {answer}')
-    if req.tool_choice.mode in {"required", "function"}:
+    rules.append(f"final: {ch} {literal('final')} {msg} {answer}")
+    if forced:
         return ["start: analysis? call", *rules]
     return ["start: (analysis | preamble)* (final | call)", *rules]
