@@ -213,6 +213,9 @@ def test_our_prompt_is_the_templates_own(tokenizer) -> None:
         ("responses", "xhigh", "high"),
         ("anthropic", "medium", "medium"),
         ("anthropic", "max", "high"),
+        ("chat", "none", "low"),  # gpt-oss cannot stop reasoning: as little as it can
+        ("responses", "none", "low"),
+        ("anthropic", "disabled", "low"),
     ],
 )
 def test_effort_reaches_the_template(tokenizer, protocol: str, effort: str, expected: str) -> None:
@@ -233,8 +236,13 @@ def test_effort_reaches_the_template(tokenizer, protocol: str, effort: str, expe
         )
         req = openai_responses.to_chat_request(body)
     else:
+        control = (
+            {"thinking": {"type": "disabled"}}
+            if effort == "disabled"
+            else {"output_config": {"effort": effort}}
+        )
         body = MessagesRequest.model_validate(
-            {"model": "m", "max_tokens": 4, "messages": ASK, "output_config": {"effort": effort}}
+            {"model": "m", "max_tokens": 4, "messages": ASK, **control}
         )
         req = anthropic_request.to_chat_request(body, keep_billing_header=False)
     text = tokenizer.decode(render_chat(tokenizer, req).tokens)
