@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess, client_for
 from tests.support.fuzz_values import name, schema
-from tests.support.fuzzing import check
+from tests.support.fuzzing import check, json_body
 from tests.support.harmony_model import TEMPLATE, build_harmony_model
 
 pytestmark = pytest.mark.slow
@@ -436,6 +436,29 @@ def test_reasoning_is_apart_in_every_protocol(served: ServerProcess, client) -> 
     assert text == reasoning
 
 
+def test_response_format_makes_the_final_answer_that_json(client) -> None:
+    """Without tools, a json_schema answer still speaks harmony: the analysis (seed 2 opens one,
+    the budget ends it) is the reasoning, the final channel is the JSON."""
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 10}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}},
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(message.content), answer)
+    assert message.reasoning_content
+    _clean(message.reasoning_content)
+
+
 def test_no_control_token_reaches_the_answer(client) -> None:
     """Without tools nothing constrains the random model: whatever it writes (control tokens
     included, now and then), none reaches the content or the reasoning."""
@@ -607,3 +630,22 @@ def test_fuzzed_requests_never_break_harmony(served: ServerProcess, tools, choic
         message = r.json()["choices"][0]["message"]
         _clean(message.get("content"))
         _clean(message.get("reasoning_content"))
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_fuzzed_bodies_never_break_harmony(served: ServerProcess, path: str, data) -> None:
+    body = data.draw(json_body(path))
+    with httpx.Client(base_url=served.base_url, timeout=60) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        streamed = r.headers.get("content-type", "").startswith("text/event-stream")
+        assert check(r.status_code, r.content, streamed, path) is None, (body, r.text[:300])
+        if r.status_code == 200 and path == "/v1/chat/completions":  # it echoes nothing back
+            for token in CONTROL:
+                assert token.encode() not in r.content, (body, r.text[:300])

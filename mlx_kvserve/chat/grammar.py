@@ -125,7 +125,8 @@ class GrammarCompiler:
         mode = req.tool_choice.mode
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
-        if fmt is not None and fmt.harmony and calls is not None:  # gpt-oss: its own layout
+        harmony = fmt is not None and fmt.harmony
+        if harmony and (calls is not None or output is not None):  # gpt-oss: its own layout
             rules = harmony_rules(
                 req, self._marker, self._tokens, _parameters, TOOL_STYLE, output, JSON_STYLE
             )

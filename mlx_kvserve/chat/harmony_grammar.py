@@ -18,7 +18,8 @@ next prompt then continues the tokens the model sampled, which gpt-oss's sliding
 * `tool_choice` "auto": any messages, then the answer or a call;
 * "required" and a named function: at most one analysis message, then the call in the
   template's form (a thinking budget, chat.harmony_gate, ends an analysis that runs on);
-* `response_format`: the final answer is that JSON.
+* `response_format`: the final answer is that JSON (without tools: after at most one analysis
+  message).
 The template renders one call per assistant message, so parallel calls are not offered.
 """
 
@@ -46,11 +47,12 @@ def harmony_rules(
     output: dict[str, Any] | None,
     output_style: dict[str, Any],
 ) -> list[str]:
-    """The Lark rules (for chat.grammar's `_lark`) of a tools request's answer."""
+    """The Lark rules (for chat.grammar's `_lark`) of an answer with tools or an output
+    schema."""
     ch, msg = marker(harmony.CHANNEL), marker(harmony.MESSAGE)
     end, start, constrain = marker(harmony.END), marker(harmony.START), marker(harmony.CONSTRAIN)
-    forced = req.tool_choice.mode in {"required", "function"}
-    tools = req.tools
+    forced = req.tools_active and req.tool_choice.mode in {"required", "function"}
+    tools = req.tools if req.tools_active else []
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
     again = f"{end} {start} {literal('assistant')}"
@@ -76,13 +78,14 @@ def harmony_rules(
                 f"{msg} %json {schema}"
             )
         rules.append(rule)
-    if not names:
+    if tools and not names:
         raise InvalidRequest(
             "Invalid value for 'tools': this model writes a tool's name in a message header, "
             "so a name needs at least one character and no spaces or `<`.",
             param="tools",
         )
-    rules.append(f"call: {' | '.join(names)}")
+    if names:
+        rules.append(f"call: {' | '.join(names)}")
     if output is not None:
         answer = f"%json {json.dumps({**output, 'x-guidance': output_style})}"
     else:
@@ -90,4 +93,6 @@ def harmony_rules(
     rules.append(f"final: {ch} {literal('final')} {msg} {answer}")
     if forced:
         return ["start: analysis? call", *rules]
+    if not names:  # a response_format without tools: the final answer is that JSON
+        return ["start: analysis? final", *rules]
     return ["start: (analysis | preamble)* (final | call)", *rules]
