@@ -88,7 +88,7 @@ pieces = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(parts=st.lists(pieces, max_size=24), cuts=st.lists(st.integers(0, 200), max_size=8))
 def test_fuzzed_harmony_text(parts: list[str], cuts: list[int]) -> None:
     """Whatever the model writes, however it is cut into chunks: no control token reaches the

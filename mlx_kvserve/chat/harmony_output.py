@@ -77,6 +77,8 @@ class HarmonyParser:
     def finish(self) -> list[OutputEvent]:
         """End of generation: pass on held text, close a call the model left open."""
         events: list[OutputEvent] = []
+        if self._state == "header":  # a header held back, whole or not: decide on it now
+            self._pending, self._head = self._head + self._pending, ""
         while self._pending and self._step(events, final=True):
             pass
         if self._state == "body":
@@ -109,11 +111,15 @@ class HarmonyParser:
         head = self._head + self._pending
         at = head.find(harmony.MESSAGE)
         ended = [i for t in harmony.ENDS + (harmony.END,) if (i := head.find(t)) >= 0]
-        if at >= 0 and not any(i < at for i in ended):
+        header = 0 <= at <= MAX_HEADER and _could_be_header(head[:at])
+        if header and not any(i < at for i in ended):
             self._pending = head[at + len(harmony.MESSAGE) :]
             self._head = ""
             self._open(head[:at], events)
             return True
+        if not (final or ended) and len(head) <= MAX_HEADER and _partial(head, harmony.CONTROL):
+            self._head, self._pending = head, ""  # a control token may be arriving: wait
+            return False
         if ended or len(head) > MAX_HEADER or not _could_be_header(head):
             if ended and _could_be_header(head[: min(ended)]):
                 # a header cut off by an end token: nothing to show
