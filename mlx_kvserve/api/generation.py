@@ -20,6 +20,8 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling, ToolCall
 from mlx_kvserve.chat.events import OutputEvent
 from mlx_kvserve.chat.grammar import GrammarCompiler
+from mlx_kvserve.chat.harmony_gate import HarmonyGate
+from mlx_kvserve.chat.harmony_output import HarmonyParser
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text
@@ -103,7 +105,7 @@ class Generation:
     def __init__(
         self,
         req: GenerationRequest,
-        parser: OutputParser,
+        parser: OutputParser | HarmonyParser,
         model: str,
         count_tokens: Callable[[str], int] | None = None,
     ) -> None:
@@ -227,17 +229,23 @@ async def start_chat(
     def build() -> tuple[Prompt, Any]:
         prompt = render_chat(engine.tokenizer, chat, settings.template_defaults())
         constraint = _grammar(request, engine).constraint_for(chat, prompt.tool_format)
+        if prompt.harmony:
+            return prompt, _harmony_gate(engine, constraint, chat, settings.thinking_budget)
         return prompt, _gate(prompt, constraint, chat, settings.thinking_budget)
 
     prompt, constraint = await _off_loop(build)
-    parser = OutputParser(
-        prompt.tool_format,
-        chat.tools,
-        parse_calls=chat.tools_active,
-        id_prefix=id_prefix,
-        markers=prompt.markers,
-        reasoning=prompt.reasoning,
-    )
+    parser: OutputParser | HarmonyParser
+    if prompt.harmony:
+        parser = HarmonyParser(chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix)
+    else:
+        parser = OutputParser(
+            prompt.tool_format,
+            chat.tools,
+            parse_calls=chat.tools_active,
+            id_prefix=id_prefix,
+            markers=prompt.markers,
+            reasoning=prompt.reasoning,
+        )
     return _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
 
 
@@ -252,6 +260,14 @@ def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: in
     return ReasoningGate(
         prompt.markers, reasoning=prompt.reasoning, budget=budget, inner=constraint
     )
+
+
+def _harmony_gate(engine: Engine, constraint: Any, chat: ChatRequest, default: int) -> Any:
+    """gpt-oss's constraint: its grammar, and its analysis ended by a thinking budget."""
+    budget = chat.thinking.budget or default or None
+    if budget is None:
+        return constraint
+    return HarmonyGate(engine.tokenizer, budget, inner=constraint)
 
 
 async def start_text(request: Request, text: str, sampling: Sampling, *, model: str | None):
@@ -299,7 +315,7 @@ def _submit(
     sampling: Sampling,
     kind: str,
     served: str,
-    parser: OutputParser,
+    parser: OutputParser | HarmonyParser,
     constraint: Any,
 ) -> Generation:
     want_bytes = sampling.logprobs or sampling.top_logprobs > 0

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.harmony_grammar import harmony_rules
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
 
@@ -123,6 +124,12 @@ class GrammarCompiler:
         mode = req.tool_choice.mode
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
+        harmony = fmt is not None and fmt.harmony
+        if harmony and (calls is not None or output is not None):  # gpt-oss: its own layout
+            rules = harmony_rules(
+                req, self._marker, self._tokens, _parameters, TOOL_STYLE, output, JSON_STYLE
+            )
+            return _lark(*rules)
         if calls is None:
             return None if output is None else _json_grammar(output)
         assert fmt is not None
@@ -155,6 +162,12 @@ class GrammarCompiler:
         if len(ids) == 1 and lltok.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
+
+    def _tokens(self, text: str) -> str:
+        """Fixed text as the tokens the tokenizer makes of it (Lark items): the model cannot
+        spell it another way, so it re-tokenizes as sampled."""
+        ids = self._llg_tokenizer().tokenize_str(text)
+        return " ".join(f"<[{i}]>" for i in ids) or '""'
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
@@ -226,6 +239,8 @@ def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str])
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
+    if fmt.harmony:
+        return ""  # chat.harmony_grammar writes the whole answer's rules
     if fmt.syntax is not None:
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         return fmt.syntax.calls_rule(tools, _parameters, TOOL_STYLE, marker, fmt.end, most)

@@ -12,7 +12,7 @@ end itself where the cache cannot be trimmed (engine.generate).
 
 The template is also told what the client asked of the model's reasoning (chat.thinking), and
 each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
-GLM and DeepSeek templates read.
+GLM and DeepSeek templates read (gpt-oss's reads `thinking`: chat.harmony).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.harmony import harmony_messages, harmony_tools
 from mlx_kvserve.chat.request import ChatRequest, Message
 from mlx_kvserve.chat.thinking import (
     ThinkMarkers,
@@ -49,6 +50,11 @@ class Prompt:
     tool_format: ToolFormat | None = None
     markers: ThinkMarkers | None = None
     reasoning: bool = False
+
+    @property
+    def harmony(self) -> bool:
+        """The model speaks gpt-oss's harmony (chat.harmony): its own parser and gate."""
+        return self.tool_format is not None and self.tool_format.harmony
 
 
 def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
@@ -85,10 +91,14 @@ def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | Non
     if fmt.native:
         messages: list[dict[str, Any]] = native_messages(req.messages, arguments)
         kwargs: dict[str, Any] = {"tools": [t.as_openai() for t in tools]} if tools else {}
+        if fmt.harmony and tools:
+            kwargs["tools"] = harmony_tools(kwargs["tools"])
     else:
         messages = hermes_messages(req.messages, tools, arguments)
         kwargs = {}
     _add_reasoning(req.messages, messages)
+    if fmt.harmony:
+        messages = harmony_messages(messages)
     variables = template_variables(tokenizer)
     kwargs.update(template_kwargs(variables, req.thinking, req.template_kwargs, defaults or {}))
     try:

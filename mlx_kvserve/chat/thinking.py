@@ -14,7 +14,7 @@ a list of model names. The mapping, per variable the template reads:
 |--------------------|---------------------------------|---------------------------------------|
 | `enable_thinking`  | Qwen3, Qwen3.5/3.6, GLM-4.5/4.6 | on/off: `enabled`; effort "none" = off |
 | `thinking`         | DeepSeek-V3.1                   | on/off, as for `enable_thinking`      |
-| `reasoning_effort` | gpt-oss                         | effort: low / medium / high           |
+| `reasoning_effort` | gpt-oss                         | effort: low / medium / high; off: low |
 
 Templates that read none of them (DeepSeek-R1 distills, MiniMax-M2, Kimi K2 Thinking) always
 reason; the controls are then ignored, except the budget, which works for every model with
@@ -130,6 +130,8 @@ def template_kwargs(
                 mapped[name] = enabled
     if "reasoning_effort" in variables and thinking.effort in _GPT_OSS_EFFORT:
         mapped["reasoning_effort"] = _GPT_OSS_EFFORT[thinking.effort]
+    elif "reasoning_effort" in variables and enabled is False:
+        mapped["reasoning_effort"] = "low"  # gpt-oss always reasons: as little as it can
     return {**server_kwargs, **mapped, **request_kwargs}
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from mlx_lm.tool_parsers import json_tools
 
+from mlx_kvserve.chat import harmony
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
@@ -62,6 +63,7 @@ class ToolFormat:
     native: bool  # the chat template renders tools and calls itself
     json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
     own_syntax: CallSyntax | None = None  # a syntax read from the model's own template
+    harmony: bool = False  # gpt-oss's channels (chat.harmony): its own parser and grammar
 
     @property
     def name(self) -> str:
@@ -79,7 +81,7 @@ class ToolFormat:
     @property
     def constrained(self) -> bool:
         """Calls in this format get a grammar and stream their arguments."""
-        return self.json_body or self.syntax is not None
+        return self.json_body or self.syntax is not None or self.harmony
 
 
 HERMES = ToolFormat(
@@ -90,9 +92,20 @@ HERMES = ToolFormat(
     json_body=True,
 )
 
+HARMONY = ToolFormat(
+    start=harmony.FUNCTIONS,
+    end=harmony.CALL,
+    parse=harmony.parse_call,
+    native=True,
+    json_body=False,
+    harmony=True,
+)
+
 
 def tool_format_for(tokenizer: Any) -> ToolFormat:
     """The model's own format when mlx-lm found a parser for its template, else Hermes."""
+    if harmony.is_harmony(tokenizer):
+        return HARMONY
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None or not getattr(tokenizer, "has_tool_calling", False):
         return HERMES

@@ -115,6 +115,7 @@ def serve(settings: Settings) -> int:
 
     from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import CacheLockedError
+    from mlx_kvserve.chat.harmony import add_end_tokens
     from mlx_kvserve.chat.tool_format import tool_format_notice
     from mlx_kvserve.engine import Engine
     from mlx_kvserve.models.resolve import local_model_dir, resolve_model
@@ -138,6 +139,7 @@ def serve(settings: Settings) -> int:
 
     def load_model():
         model, tokenizer = mlx_load(str(model_dir))
+        add_end_tokens(tokenizer)  # gpt-oss's <|call|> and <|return|> end a generation
         log.info("%s", tool_format_notice(tokenizer))
         if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
