@@ -31,9 +31,42 @@ class Settings:
         default="127.0.0.1", metadata={"help": "Interface to bind; 0.0.0.0 exposes it."}
     )
     port: int = field(default=8080, metadata={"help": "TCP port (0 picks a free one)."})
-    model: str | None = field(
-        default=None,
-        metadata={"help": "Local mlx-lm model directory or Hugging Face repo id."},
+    model: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "A model to serve, [NAME=]PATH_OR_ID: a local mlx-lm model directory or a "
+            "Hugging Face repo id, under NAME if given. Repeat for several models: the first "
+            "is the default and loads at start; the others load when a request names them."
+        },
+    )
+    keep_alive: str = field(
+        default="30m",
+        metadata={
+            "help": "How long a model stays loaded with no request (30s, 5m, 1h; 0 = always); "
+            "its conversations stay in the prompt cache and are restored after a reload."
+        },
+    )
+    max_loaded_models: int = field(
+        default=3,
+        metadata={
+            "help": "Models resident at once; loading one more first unloads the least "
+            "recently used one that is not pinned, after its requests end."
+        },
+    )
+    memory_budget: str = field(
+        default="auto",
+        metadata={
+            "help": "Memory the loaded models may take together (weights and KV budgets), "
+            "e.g. 24GiB; auto = 75%% of the GPU working set on Metal, of RAM on the CPU."
+        },
+    )
+    models: list[dict] = field(
+        default_factory=list,
+        metadata={
+            "help": "[[models]] tables: name, model (directory or repo id), aliases, pinned, "
+            "keep_alive, settings. --model flags name these by NAME.",
+            "file_only": True,
+        },
     )
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on /v1/*."}
@@ -164,6 +197,25 @@ class Settings:
         """--chat-template-kwargs as an object (checked when the settings were loaded)."""
         return parse_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
+    def model_specs(self) -> list[Any]:
+        """The models to serve (models.specs.ModelSpec), the default first: the --model flags,
+        then the config file's [[models]] not named by a flag."""
+        from mlx_kvserve.models.specs import (
+            ModelSpec,
+            merge_specs,
+            parse_model_flag,
+            parse_model_table,
+        )
+
+        tables = [parse_model_table(t, f"models[{i}]") for i, t in enumerate(self.models)]
+        specs = merge_specs([parse_model_flag(m) for m in self.model], tables)
+        first = specs[0]  # --served-model-name: more names for the default model
+        aliases = tuple(dict.fromkeys([*first.aliases, *self.model_aliases()]))
+        specs[0] = ModelSpec(
+            first.name, first.source, aliases, first.pinned, first.keep_alive, first.settings
+        )
+        return specs
+
     def model_aliases(self) -> list[str]:
         """The --served-model-name values, in order, without blanks or repeats."""
         return list(dict.fromkeys(self.served_model_name))
@@ -221,7 +273,8 @@ class Settings:
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        """Settings that have a flag and an environment variable (all but the file's tables)."""
+        return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("file_only")]
 
 
 _UNITS = {
@@ -295,6 +348,7 @@ def split_list(raw: Any) -> list[str]:
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
+_POSITIVE |= {"max_loaded_models"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
@@ -337,6 +391,17 @@ def check_value(name: str, value: Any) -> Any:
         parse_size(value)
     if name == "chat_template_kwargs" and value is not None:
         parse_template_kwargs(value)
+    if name == "keep_alive":
+        from mlx_kvserve.models.specs import parse_duration
+
+        parse_duration(value)
+    if name == "memory_budget" and value != "auto":
+        parse_size(value)
+    if name == "model":
+        from mlx_kvserve.models.specs import parse_model_flag
+
+        for item in value:
+            parse_model_flag(item)
     return value
 
 
@@ -394,6 +459,9 @@ def resolve_settings(flags: dict[str, Any], config_path: Path | None = None) -> 
         except ValueError as exc:
             raise ConfigError(f"{source.detail}: setting '{name}': {exc}") from None
         sources[name] = source
+    if "models" in file_values:
+        values["models"] = file_values["models"].value
+        sources["models"] = Source("file", where(path, file_values["models"].line))
     settings = Settings(**values)
     if settings.isolate_cache and not (settings.api_key or settings.api_keys):
         raise ConfigError(

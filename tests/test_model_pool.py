@@ -161,13 +161,16 @@ def test_a_model_that_fails_to_load_says_why_and_is_tried_again(model_dirs, tmp_
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "llama"}')
 
+    clock = Clock()
+
     async def run() -> None:
-        pool = make_pool({"broken": broken})
+        pool = make_pool({"broken": broken}, clock=clock)
         slot = pool.find("broken")
-        for _ in range(2):
+        for _ in range(3):  # the second time without trying again; the third after a while
             with pytest.raises(ModelLoadFailed, match="failed to load"):
                 await pool.acquire(slot)
             assert slot.state == UNLOADED and slot.leases == 0 and "load" in slot.error
+            clock.now += 20
         await pool.close()
 
     asyncio.run(run())

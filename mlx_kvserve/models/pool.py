@@ -32,6 +32,7 @@ from mlx_kvserve.models.specs import DEFAULT_KEEP_ALIVE, ModelSpec
 log = logging.getLogger("mlx_kvserve.models")
 
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
+LOAD_RETRY = 30.0  # seconds before a model whose load failed is tried again
 
 
 class ModelTooLarge(Exception):
@@ -55,6 +56,7 @@ class Slot:
     loaded_at: float = 0.0
     leases: int = 0  # requests routed to it that have not ended yet
     error: str | None = None
+    failed_at: float | None = None  # when its last load failed (retried after LOAD_RETRY)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -99,6 +101,23 @@ class ModelPool:
             for name in slot.names:
                 self._by_name.setdefault(name, slot)
         self._room = asyncio.Lock()  # one load (and its evictions) at a time
+        # hooks: an engine made (before it starts: observers), a model loaded, one unloaded
+        self.on_engine: list[Callable[[Slot, Any], None]] = []
+        self.on_loaded: list[Callable[[Slot], None]] = []
+        self.on_unloaded: list[Callable[[Slot, str], None]] = []
+
+    @classmethod
+    def single(cls, engine: Any, model_id: str, *, aliases: tuple[str, ...] = ()) -> ModelPool:
+        """A pool of one model whose engine is already made (not started), kept loaded."""
+        slot = Slot(ModelSpec(None, None, aliases, pinned=True), model_id, footprint=0)
+        made = [engine]
+
+        def start(_slot: Slot) -> Any:
+            if not made:  # it failed to load: an engine runs once
+                raise ModelLoadFailed(engine.load_error or "the model's engine stopped")
+            return made.pop()
+
+        return cls([slot], start, memory_budget=1, max_loaded=1, keep_alive=0)
 
     @property
     def default(self) -> Slot:
@@ -113,6 +132,10 @@ class ModelPool:
 
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots if s.state in (LOADED, LOADING)]
+
+    def engines(self) -> list[Any]:
+        """The engines serving now (loaded, or draining before an unload)."""
+        return [s.engine for s in self.slots if s.engine is not None and s.engine.ready.is_set()]
 
     # -- leases: a request holds one from routing until its stream ends -------------------------
     async def acquire(self, slot: Slot) -> Any:
@@ -147,14 +170,18 @@ class ModelPool:
         async with self._room:
             if slot.state != UNLOADED:
                 return
-            slot.error = None
+            if slot.failed_at is not None and self._clock() - slot.failed_at < LOAD_RETRY:
+                raise ModelLoadFailed(slot.error or "it failed to load")
+            slot.error = slot.failed_at = None
             await self._make_room(slot)
             slot.state = LOADING
             slot._notify()
             log.info("loading model %s", slot.name)
             started = self._clock()
             try:
-                engine = self._start_engine(slot)
+                engine = slot.engine = self._start_engine(slot)  # visible while it loads
+                for hook in self.on_engine:
+                    hook(slot, engine)
                 engine.start()
                 await asyncio.to_thread(_wait_loaded, engine)
                 if not engine.ready.is_set():
@@ -162,12 +189,15 @@ class ModelPool:
                     raise ModelLoadFailed(engine.load_error or "the engine stopped while loading")
             except Exception as exc:
                 slot.state, slot.engine, slot.error = UNLOADED, None, str(exc)
+                slot.failed_at = self._clock()
                 log.error("could not load model %s: %s", slot.name, exc)
                 slot._notify()
                 raise ModelLoadFailed(str(exc)) from None
-            slot.engine, slot.state = engine, LOADED
+            slot.state = LOADED
             slot.loaded_at = slot.last_used = self._clock()
             log.info("model %s loaded in %.1f s", slot.name, slot.loaded_at - started)
+            for loaded in self.on_loaded:
+                loaded(slot)
             slot._notify()
 
     async def _make_room(self, coming: Slot) -> None:
@@ -184,9 +214,9 @@ class ModelPool:
                     f"no room for the model {coming.name!r}: the loaded models are pinned "
                     "(unpin one, raise --max-loaded-models or --memory-budget)"
                 )
-            await self.unload(victims[0], "to make room for " + coming.name)
+            await self.unload(victims[0], "room", f"to make room for {coming.name}")
 
-    async def unload(self, slot: Slot, reason: str) -> bool:
+    async def unload(self, slot: Slot, kind: str, reason: str = "") -> bool:
         """Drain the model's requests, then stop its engine. Nothing of its conversations is
         lost: each request's end state is checkpointed as it finishes ("generation"), and
         stopping flushes the pending checkpoint writes to disk."""
@@ -194,6 +224,7 @@ class ModelPool:
             return False
         slot.state = UNLOADING  # new requests for it wait for the reload
         slot._notify()
+        reason = reason or kind
         log.info("unloading model %s (%s): waiting for its requests to end", slot.name, reason)
         while slot.busy():
             await asyncio.sleep(0.05)
@@ -204,6 +235,8 @@ class ModelPool:
         _release_mlx_memory()
         slot.state = UNLOADED
         log.info("model %s unloaded (%s)", slot.name, reason)
+        for unloaded in self.on_unloaded:
+            unloaded(slot, kind)
         slot._notify()
         return True
 
@@ -214,7 +247,8 @@ class ModelPool:
             keep = slot.spec.keep_alive if slot.spec.keep_alive is not None else self.keep_alive
             if slot.state != LOADED or slot.spec.pinned or keep == 0 or slot.busy():
                 continue
-            if now - slot.last_used >= keep and await self.unload(slot, "idle"):
+            idle = now - slot.last_used
+            if idle >= keep and await self.unload(slot, "idle", f"idle for {idle:.0f} s"):
                 done.append(slot.name)
         return done
 
@@ -226,6 +260,11 @@ class ModelPool:
                 await self.unload_idle()
             except Exception:
                 log.exception("keep-alive check failed")
+
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: every engine refuses new work and ends its streams after `grace`."""
+        for engine in self.engines():
+            engine.drain(grace)
 
     async def close(self) -> None:
         for slot in self.slots:
