@@ -37,11 +37,43 @@ class Settings:
         default="127.0.0.1", metadata={"help": "Interface to bind; 0.0.0.0 exposes it."}
     )
     port: int = field(default=8080, metadata={"help": "TCP port (0 picks a free one)."})
-    model: str | None = field(
-        default=None,
+    model: list[str] = field(
+        default_factory=list,
         metadata={
-            "help": "Local mlx-lm model directory, Hugging Face repo id, or an embedded model: "
-            "default (SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3 270M, Gemma Terms of Use)."
+            "help": "A model to serve, [NAME=]PATH_OR_ID: a local mlx-lm model directory, a "
+            "Hugging Face repo id, or an embedded model (default: SmolLM2-135M-Instruct; "
+            "gemma3-270m: Gemma 3 270M, Gemma Terms of Use), under NAME if given. Repeat for "
+            "several models: the first is the default and loads at start; the others load "
+            "when a request names them."
+        },
+    )
+    keep_alive: str = field(
+        default="30m",
+        metadata={
+            "help": "How long a model stays loaded with no request (30s, 5m, 1h; 0 = always); "
+            "its conversations stay in the prompt cache and are restored after a reload."
+        },
+    )
+    max_loaded_models: int = field(
+        default=3,
+        metadata={
+            "help": "Models resident at once; loading one more first unloads the least "
+            "recently used one that is not pinned, after its requests end."
+        },
+    )
+    memory_budget: str = field(
+        default="auto",
+        metadata={
+            "help": "Memory the loaded models may take together (weights and KV budgets), "
+            "e.g. 24GiB; auto = 75%% of the GPU working set on Metal, of RAM on the CPU."
+        },
+    )
+    models: list[dict] = field(
+        default_factory=list,
+        metadata={
+            "help": "[[models]] tables: name, model (directory or repo id), aliases, pinned, "
+            "keep_alive, settings. --model flags name these by NAME.",
+            "file_only": True,
         },
     )
     api_key: str | None = field(
@@ -180,6 +212,25 @@ class Settings:
             return Path(self.cache_dir).expanduser()
         return paths.cache_dir(create=False)
 
+    def model_specs(self) -> list[Any]:
+        """The models to serve (models.specs.ModelSpec), the default first: the --model flags,
+        then the config file's [[models]] not named by a flag."""
+        from mlx_kvserve.models.specs import (
+            ModelSpec,
+            merge_specs,
+            parse_model_flag,
+            parse_model_table,
+        )
+
+        tables = [parse_model_table(t, f"models[{i}]") for i, t in enumerate(self.models)]
+        specs = merge_specs([parse_model_flag(m) for m in self.model], tables)
+        first = specs[0]  # --served-model-name: more names for the default model
+        aliases = tuple(dict.fromkeys([*first.aliases, *self.model_aliases()]))
+        specs[0] = ModelSpec(
+            first.name, first.source, aliases, first.pinned, first.keep_alive, first.settings
+        )
+        return specs
+
     def model_aliases(self) -> list[str]:
         """The --served-model-name values, in order, without blanks or repeats."""
         return list(dict.fromkeys(self.served_model_name))
@@ -237,7 +288,8 @@ class Settings:
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        """Settings that have a flag and an environment variable (all but the file's tables)."""
+        return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("file_only")]
 
 
 def setting_field(name: str) -> dataclasses.Field:

@@ -129,6 +129,14 @@ def check_type(f: dataclasses.Field, value: Any) -> Any:
                 raise ValueError(f"expected a finite number, got {value!r}")
             return float(value)
         raise ValueError(f"expected a number, got {_type_name(value)}")
+    if kind == "list[dict]":  # [[models]]: checked whole by models.specs
+        from mlx_kvserve.models.specs import parse_model_table
+
+        if not isinstance(value, list):
+            raise ValueError("expected [[models]] tables")
+        for i, table in enumerate(value):
+            parse_model_table(table, f"models[{i}]")
+        return value
     if kind == "list[str]":
         items = value if isinstance(value, list) else [value]
         if all(isinstance(item, str) for item in items):
@@ -141,7 +149,7 @@ def check_type(f: dataclasses.Field, value: Any) -> Any:
 
 # Values shown for settings that are unset by default (uncommenting one sets it).
 _EXAMPLES = {
-    "model": "mlx-community/Qwen2.5-Coder-7B-Instruct-4bit",
+    "model": ["mlx-community/Qwen2.5-Coder-7B-Instruct-4bit"],
     "api_key": "a-long-random-secret",
     "cache_dir": "~/mlx-kvserve-cache",
     "cache_budget": "20GiB",
@@ -169,17 +177,34 @@ def default_config_text(fields: list[dataclasses.Field], env_prefix: str) -> str
         "# effective values and where each one came from.",
         "",
     ]
-    for f in fields:
+    tables = [f for f in fields if f.metadata.get("file_only")]
+    for f in [f for f in fields if f not in tables]:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = str(f.metadata.get("help", "")).replace("%%", "%")
         out += textwrap.wrap(help_text, 98, initial_indent="# ", subsequent_indent="# ")
-        if default is None:
+        if default is None or (default == [] and f.name in _EXAMPLES):
             example = _EXAMPLES.get(f.name, "")
             out.append(f"# {f.name} = {toml_value(example)}    (example; unset by default)")
         else:
             out.append(f"# {f.name} = {toml_value(default)}")
         out.append("")
+    for f in tables:  # TOML tables come after the top-level keys
+        help_text = str(f.metadata.get("help", "")).replace("%%", "%")
+        out += textwrap.wrap(help_text, 98, initial_indent="# ", subsequent_indent="# ")
+        out += [f"# {line}" for line in _TABLE_EXAMPLES.get(f.name, [])] + [""]
     return "\n".join(out)
+
+
+_TABLE_EXAMPLES = {
+    "models": [
+        "[[models]]",
+        '  name = "haiku"',
+        '  model = "mlx-community/Qwen3-4B-Instruct-2507-4bit"',
+        '  aliases = ["claude-haiku-4-5"]',
+        '  keep_alive = "5m"',
+        "  pinned = false",
+    ]
+}
 
 
 def write_private(path: Path, text: str, *, overwrite: bool) -> None:

@@ -16,6 +16,8 @@ _TYPES = {"int": int, "float": float, "str": str, "str | None": str}
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, with its help, environment variable and default."""
     for f in dataclasses.fields(Settings):
+        if f.metadata.get("file_only"):
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = "embedded SmolLM2-135M-Instruct" if f.name == "model" else f.default
         default_text = "none" if default is None else default

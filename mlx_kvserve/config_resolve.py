@@ -95,6 +95,9 @@ def resolve_settings(flags: dict[str, Any], config_path: Path | None = None) -> 
         except ValueError as exc:
             raise ConfigError(f"{source.detail}: setting '{name}': {exc}") from None
         sources[name] = source
+    if "models" in file_values:  # [[models]] tables: the file only
+        values["models"] = file_values["models"].value
+        sources["models"] = Source("file", where(path, file_values["models"].line))
     settings = Settings(**values)
     if settings.isolate_cache and not (settings.api_key or settings.api_keys):
         raise ConfigError(

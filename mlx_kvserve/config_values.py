@@ -47,6 +47,7 @@ def split_list(raw: Any) -> list[str]:
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
+_POSITIVE |= {"max_loaded_models"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
@@ -89,4 +90,15 @@ def check_value(name: str, value: Any) -> Any:
         parse_size(value)
     if name == "chat_template_kwargs" and value is not None:
         parse_template_kwargs(value)
+    if name == "keep_alive":
+        from mlx_kvserve.models.specs import parse_duration
+
+        parse_duration(value)
+    if name == "memory_budget" and value != "auto":
+        parse_size(value)
+    if name == "model":
+        from mlx_kvserve.models.specs import parse_model_flag
+
+        for item in value:
+            parse_model_flag(item)
     return value

@@ -16,6 +16,7 @@ from mlx_kvserve.api.app import create_app
 from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.models import ensure_default_model
+from mlx_kvserve.models.pool import ModelPool
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -34,15 +35,24 @@ def test_health_and_requests_wait_for_the_model():
         return load(str(model_dir))
 
     engine = Engine(gated_load)
-    with TestClient(create_app(Settings(), engine, MODEL_ID), base_url=LOCAL) as client:
+    with TestClient(
+        create_app(Settings(), ModelPool.single(engine, MODEL_ID)), base_url=LOCAL
+    ) as client:
         loading = client.get("/health")
         assert loading.status_code == 503
         assert loading.json()["status"] == "loading"
         assert loading.headers["Retry-After"].isdigit()
-        busy = client.post("/v1/chat/completions", json=CHAT)
-        assert busy.status_code == 503
-        assert busy.json()["error"]["code"] == "server_unavailable"
+        # a request meanwhile waits for the model (as for any model loading on first use)
+        waiting: list = []
+        asking = threading.Thread(
+            target=lambda: waiting.append(client.post("/v1/chat/completions", json=CHAT))
+        )
+        asking.start()
+        time.sleep(0.5)
+        assert not waiting and client.get("/health").status_code == 503
         gate.set()
+        asking.join(120)
+        assert waiting and waiting[0].status_code == 200, waiting
         for _ in range(600):
             if client.get("/health").status_code == 200:
                 break
@@ -57,7 +67,9 @@ def test_failed_model_load_is_reported_not_hidden():
         raise FileNotFoundError("config.json not found in the model directory")
 
     engine = Engine(broken_load)
-    with TestClient(create_app(Settings(), engine, MODEL_ID), base_url=LOCAL) as client:
+    with TestClient(
+        create_app(Settings(), ModelPool.single(engine, MODEL_ID)), base_url=LOCAL
+    ) as client:
         for _ in range(200):
             if engine.load_error:
                 break

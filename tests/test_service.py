@@ -228,9 +228,11 @@ def test_systemd_quoting_round_trips(word):
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-model").mkdir()
-    argv = spec({"cache_dir": "kv", "model": "my-model"}).program
+    argv = spec({"cache_dir": "kv", "model": ["my-model"]}).program
     assert argv[-4:] == ["--model", str(tmp_path / "my-model"), "--cache-dir", str(tmp_path / "kv")]
-    assert spec({"model": "org/repo-id"}).program[-2:] == ["--model", "org/repo-id"]
+    assert spec({"model": ["org/repo-id"]}).program[-2:] == ["--model", "org/repo-id"]
+    named = spec({"model": ["small=my-model", "big=org/repo-id"]}).program
+    assert named[-4:] == ["--model", f"small={tmp_path / 'my-model'}", "--model", "big=org/repo-id"]
 
 
 def test_line_breaks_cannot_be_injected_into_a_unit(tmp_path):

@@ -64,11 +64,11 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     settings = request.app.state.settings
     body = parse_body(CountTokensRequest, await read_json(request, settings.max_body_bytes))
-    served_model(request, body.model)
+    served_model(request, body.model)  # an unknown name is a 404 before any work
     chat = to_chat_request(
         body, keep_billing_header=settings.keep_billing_header, seal=reasoning_seal(request)
     )
-    return JSONResponse({"input_tokens": await count_chat_tokens(request, chat)})
+    return JSONResponse({"input_tokens": await count_chat_tokens(request, chat, body.model)})
 
 
 async def _stream(

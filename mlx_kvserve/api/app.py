@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, status
+from mlx_kvserve.api import anthropic, model_admin, status
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.failsafe import InternalErrors
@@ -31,6 +31,7 @@ from mlx_kvserve.config import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
 from mlx_kvserve.engine.worker import EngineNotReady
+from mlx_kvserve.models.pool import LOADED, ModelPool, Slot
 from mlx_kvserve.observe import Metrics
 from mlx_kvserve.observe.activity import Activity
 from mlx_kvserve.observe.http import RequestMetrics, metrics_endpoint
@@ -39,23 +40,32 @@ log = logging.getLogger("mlx_kvserve.api")
 
 
 async def health(request: Request) -> Response:
+    """200 once the default model is loaded; 503 while it loads or when it failed. Every
+    configured model is listed with its state (a model loading on demand shows "loading")."""
     state = request.app.state
-    engine: Engine = state.engine
-    if not engine.ready.is_set():
-        status = "error" if engine.load_error else "loading"
-        body = {"status": status, "model": state.model_id, "version": __version__}
-        if engine.load_error:
-            body["error"] = engine.load_error
+    pool: ModelPool = state.pool
+    default = pool.default
+    engine = default.engine
+    body: dict = {"model": default.name, "version": __version__, "models": _states(pool)}
+    if engine is None or not engine.ready.is_set():
+        error = (engine.load_error if engine is not None else None) or default.error
+        body = {"status": "error" if error else "loading", **body}
+        if error:
+            body["error"] = error
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
+    engines = pool.engines()
     return JSONResponse(
         {
             "status": "ok",
-            "model": state.model_id,
-            "version": __version__,
-            "queued": engine.queued,
-            "running": engine.running,
+            **body,
+            "queued": sum(e.queued for e in engines),
+            "running": sum(e.running for e in engines),
         }
     )
+
+
+def _states(pool: ModelPool) -> dict[str, str]:
+    return {slot.name: slot.state for slot in pool.slots}
 
 
 CACHE_STATS_TIMEOUT = 30.0
@@ -63,17 +73,26 @@ CACHE_STATS_TIMEOUT = 30.0
 
 async def cache_stats(request: Request) -> Response:
     """Prompt-cache counters and entries (the server's own view, including hit rate) and MLX's
-    memory figures. Read on the engine thread, which owns the cache and MLX: reading the cache
-    applies the writer thread's finished work to it."""
-    engine: Engine = request.app.state.engine
+    memory figures, of the default model or of `?model=NAME`. Read on the model's engine
+    thread, which owns its cache and MLX: reading the cache applies the writer thread's
+    finished work to it."""
+    pool: ModelPool = request.app.state.pool
+    wanted = request.query_params.get("model")
+    slot = pool.find(wanted)
+    if slot is None:
+        raise APIError(404, f"The model {wanted!r} does not exist.", param="model")
+    engine = slot.engine
+    if engine is None:
+        raise APIError(503, f"The model {slot.name!r} is not loaded.", headers={"Retry-After": "2"})
     cache = cache_for(engine.prompt_cache, current_namespace.get())
 
     def snapshot() -> dict:
         memory = engine.memory.stats()
         if cache is None:
-            return {"enabled": False, "memory": memory}
+            return {"enabled": False, "model": slot.name, "memory": memory}
         return {
             "enabled": True,
+            "model": slot.name,
             **cache.stats(),
             "memory": memory,
             "entries_list": [e.as_dict() for e in cache.entries()],
@@ -89,27 +108,29 @@ async def cache_stats(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _model_card(request: Request, name: str) -> dict:
+def _model_card(request: Request, name: str, slot: Slot) -> dict:
     return {
         "id": name,
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "mlx-kvserve",
+        "loaded": slot.state == LOADED,
+        "state": slot.state,
+        "model": slot.name,  # the model an alias stands for
     }
 
 
 async def list_models(request: Request) -> Response:
-    """The served model's id, then its --served-model-name aliases."""
-    state = request.app.state
-    names = dict.fromkeys([state.model_id, *state.settings.model_aliases()])
-    return JSONResponse({"object": "list", "data": [_model_card(request, n) for n in names]})
+    """Every configured model, then its aliases, each with whether it is loaded."""
+    pool: ModelPool = request.app.state.pool
+    data = [_model_card(request, name, slot) for slot in pool.slots for name in slot.names]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:
-    """Any name is served by the loaded model (404 only with --strict-model-names)."""
+    """Any name is served by the default model (404 only with --strict-model-names)."""
     wanted = request.path_params["model_id"]
-    served_model(request, wanted)
-    return JSONResponse(_model_card(request, wanted))
+    return JSONResponse(_model_card(request, wanted, served_model(request, wanted)))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -140,22 +161,32 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
-def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
-    """Build the app; the engine thread starts with the app and stops with it."""
+def create_app(settings: Settings, pool: ModelPool) -> Starlette:
+    """Build the app; the default model starts loading with the app, the others when a request
+    first names them; every engine stops with the app."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        preload = asyncio.create_task(_preload(pool))
+        reaper = asyncio.create_task(pool.run_reaper())
         try:
             yield
         finally:
-            log.info("shutting down: stopping the engine")
-            await engine.stop_async()
+            log.info("shutting down: stopping the engines")
+            for task in (preload, reaper):
+                task.cancel()
+            await pool.close()
 
-    metrics = Metrics(engine, cache_enabled=engine.cache_enabled)
-    engine.add_observer(metrics.observe_request)
+    metrics = Metrics(pool.engines, cache_enabled=not settings.no_cache)
     activity = Activity()
-    engine.add_observer(activity.record)
+
+    def observe(slot: Slot, engine: Engine) -> None:
+        engine.add_observer(metrics.observe_request)
+        engine.add_observer(activity.record)
+
+    pool.on_engine.append(observe)
+    pool.on_loaded.append(lambda slot: metrics.loads.labels(slot.name).inc())
+    pool.on_unloaded.append(lambda slot, kind: metrics.unloads.labels(slot.name, kind).inc())
     routes = [
         # The status page (`/`, which also answers Claude Code's `HEAD /` probe) and its data.
         *(Route(path, status.page, methods=["GET"]) for path in status.ASSETS),
@@ -165,7 +196,9 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/cache", cache_stats, methods=["GET"]),
+        Route("/v1/models/{model_id:path}/unload", model_admin.unload_model, methods=["POST"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/api/ps", model_admin.loaded_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
@@ -208,8 +241,18 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.activity = activity
-    app.state.engine = engine
-    app.state.model_id = model_id
+    app.state.pool = pool
     app.state.started = int(time.time())
     app.state.reasoning_seal = make_reasoning_seal()
     return app
+
+
+async def _preload(pool: ModelPool) -> None:
+    """Load the default model at start-up (health says 503 until it is ready)."""
+    slot = pool.default
+    try:
+        await pool.acquire(slot)
+    except Exception as exc:  # health reports it; a request retries the load
+        log.error("the default model did not load: %s", exc)
+        return
+    pool.release(slot)

@@ -8,6 +8,7 @@ grammar compilation, context-window checks, queueing, tool-call parsing and usag
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from mlx_kvserve.engine import (
     TextChunk,
 )
 from mlx_kvserve.engine.requests import TokenLogprob
+from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
 DEFAULT_MAX_TOKENS = 256  # only when the model declares no context length
@@ -108,11 +110,19 @@ class Generation:
         parser: OutputParser | HarmonyParser,
         model: str,
         count_tokens: Callable[[str], int] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.req = req
         self.parser = parser
         self.model = model  # the name the response reports: the served model's id
         self.count_tokens = count_tokens  # the tokenizer's count, for the reasoning's usage
+        # the model's lease (models.pool): held until the stream ends, so it is not unloaded
+        self._release = weakref.finalize(self, release) if release else None
+
+    def close(self) -> None:
+        """Let the model go (idempotent); the stream's end does it too."""
+        if self._release is not None:
+            self._release()
 
     @property
     def id(self) -> str:
@@ -154,6 +164,7 @@ class Generation:
                     return
         finally:
             self.req.cancel()  # no-op when finished; stops the engine when the client left
+            self.close()
 
     async def result(self, request: Request) -> Result:
         """The whole answer; the request is cancelled the moment the client disconnects."""
@@ -197,19 +208,38 @@ class Generation:
         return min(self.count_tokens(reasoning), completion_tokens)
 
 
-def served_model(request: Request, asked: str | None, param: str = "model") -> str:
-    """The model answering: any name is served by the loaded model unless names are strict."""
+def served_model(request: Request, asked: str | None, param: str = "model") -> Slot:
+    """The model a request names (an id or alias); any other name is served by the default
+    model unless names are strict."""
     state = request.app.state
-    settings = state.settings
-    names = {state.model_id, *settings.model_aliases()}
-    if settings.strict_model_names and asked is not None and asked not in names:
+    pool: ModelPool = state.pool
+    slot = pool.find(asked)
+    if slot is not None:
+        return slot
+    if state.settings.strict_model_names:
         raise APIError(
             404,
-            f"The model {asked!r} does not exist; this server serves {sorted(names)}.",
+            f"The model {asked!r} does not exist; this server serves {sorted(pool.names())}.",
             param=param,
             code="model_not_found",
         )
-    return state.model_id
+    return pool.default
+
+
+async def _acquire(request: Request, slot: Slot) -> Engine:
+    """The slot's engine, loading its model if needed (the request waits meanwhile); the
+    caller owns a lease on the model and must release it."""
+    pool: ModelPool = request.app.state.pool
+    try:
+        engine = await pool.acquire(slot)
+    except ModelTooLarge as exc:
+        raise APIError(400, str(exc), param="model", code="model_too_large") from None
+    except ModelLoadFailed as exc:
+        raise unavailable(f"The model {slot.name!r} could not be loaded: {exc}") from None
+    if not engine.ready.is_set():
+        pool.release(slot)
+        raise unavailable(engine.load_error or "The model is still loading; retry shortly.")
+    return engine
 
 
 async def start_chat(
@@ -221,32 +251,38 @@ async def start_chat(
     kind: str = "chat",
 ) -> Generation:
     """Template, constrain and queue a chat request (raises APIError for the client)."""
-    served = served_model(request, model)
-    engine = _ready_engine(request)
-
+    slot = served_model(request, model)
+    engine = await _acquire(request, slot)
     settings = request.app.state.settings
 
     def build() -> tuple[Prompt, Any]:
         prompt = render_chat(engine.tokenizer, chat, settings.template_defaults())
-        constraint = _grammar(request, engine).constraint_for(chat, prompt.tool_format)
+        constraint = _grammar(engine).constraint_for(chat, prompt.tool_format)
         if prompt.harmony:
             return prompt, _harmony_gate(engine, constraint, chat, settings.thinking_budget)
         return prompt, _gate(prompt, constraint, chat, settings.thinking_budget)
 
-    prompt, constraint = await _off_loop(build)
-    parser: OutputParser | HarmonyParser
+    try:
+        prompt, constraint = await _off_loop(build)
+        parser = _parser(prompt, chat, id_prefix)
+        return _submit(request, engine, slot, prompt, chat.sampling, kind, parser, constraint)
+    except BaseException:
+        request.app.state.pool.release(slot)
+        raise
+
+
+def _parser(prompt: Prompt, chat: ChatRequest, id_prefix: str) -> OutputParser | HarmonyParser:
+    """What reads the model's text back: gpt-oss's channels, or reasoning, content and calls."""
     if prompt.harmony:
-        parser = HarmonyParser(chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix)
-    else:
-        parser = OutputParser(
-            prompt.tool_format,
-            chat.tools,
-            parse_calls=chat.tools_active,
-            id_prefix=id_prefix,
-            markers=prompt.markers,
-            reasoning=prompt.reasoning,
-        )
-    return _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
+        return HarmonyParser(chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix)
+    return OutputParser(
+        prompt.tool_format,
+        chat.tools,
+        parse_calls=chat.tools_active,
+        id_prefix=id_prefix,
+        markers=prompt.markers,
+        reasoning=prompt.reasoning,
+    )
 
 
 def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: int) -> Any:
@@ -272,17 +308,27 @@ def _harmony_gate(engine: Engine, constraint: Any, chat: ChatRequest, default: i
 
 async def start_text(request: Request, text: str, sampling: Sampling, *, model: str | None):
     """Tokenize and queue a plain text completion."""
-    served = served_model(request, model)
-    engine = _ready_engine(request)
-    prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
-    return _submit(request, engine, prompt, sampling, "text", served, OutputParser(None), None)
+    slot = served_model(request, model)
+    engine = await _acquire(request, slot)
+    try:
+        prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
+        parser = OutputParser(None)
+        return _submit(request, engine, slot, prompt, sampling, "text", parser, None)
+    except BaseException:
+        request.app.state.pool.release(slot)
+        raise
 
 
-def count_chat_tokens(request: Request, chat: ChatRequest) -> Any:
+async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | None) -> int:
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
-    engine = _ready_engine(request)
+    pool: ModelPool = request.app.state.pool
+    slot = served_model(request, model)
+    engine = await _acquire(request, slot)
     defaults = request.app.state.settings.template_defaults()
-    return _off_loop(lambda: len(render_chat(engine.tokenizer, chat, defaults).tokens))
+    try:
+        return await _off_loop(lambda: len(render_chat(engine.tokenizer, chat, defaults).tokens))
+    finally:
+        pool.release(slot)
 
 
 async def _off_loop(fn: Any) -> Any:
@@ -292,29 +338,25 @@ async def _off_loop(fn: Any) -> Any:
         raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
-def _ready_engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
-    if not engine.ready.is_set():
-        raise unavailable(engine.load_error or "The model is still loading; retry shortly.")
-    return engine
+_compilers: weakref.WeakKeyDictionary[Engine, GrammarCompiler] = weakref.WeakKeyDictionary()
 
 
-def _grammar(request: Request, engine: Engine) -> GrammarCompiler:
-    state = request.app.state
-    compiler = getattr(state, "grammar", None)
+def _grammar(engine: Engine) -> GrammarCompiler:
+    """The model's grammar compiler (its tokenizer's), made once per loaded engine."""
+    compiler = _compilers.get(engine)
     if compiler is None:
         vocab = getattr(getattr(engine.model, "args", None), "vocab_size", 0)
-        compiler = state.grammar = GrammarCompiler(engine.tokenizer, vocab or 0)
+        compiler = _compilers[engine] = GrammarCompiler(engine.tokenizer, vocab or 0)
     return compiler
 
 
 def _submit(
     request: Request,
     engine: Engine,
+    slot: Slot,
     prompt: Prompt,
     sampling: Sampling,
     kind: str,
-    served: str,
     parser: OutputParser | HarmonyParser,
     constraint: Any,
 ) -> Generation:
@@ -325,7 +367,7 @@ def _submit(
         kind=kind,
         boundaries=prompt.boundaries,
         constraint=constraint,
-        token_bytes=_grammar(request, engine).token_bytes if want_bytes else None,
+        token_bytes=_grammar(engine).token_bytes if want_bytes else None,
     )
     req.bind(asyncio.get_running_loop())
     try:
@@ -339,8 +381,13 @@ def _submit(
     except RequestTooLarge as exc:
         raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
     tokenizer = engine.tokenizer
+    pool: ModelPool = request.app.state.pool
     return Generation(
-        req, parser, served, lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+        req,
+        parser,
+        slot.name,
+        lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        release=lambda: pool.release(slot),
     )
 
 

@@ -99,18 +99,30 @@ async def status_events(request: Request) -> Response:
 
 
 async def snapshot(request: Request) -> dict[str, Any]:
-    """Models and memory, requests, the prompt cache, recent requests and live series."""
+    """Models and memory, requests, the default model's prompt cache, recent requests and live
+    series."""
     state = request.app.state
-    engine = state.engine
+    pool = state.pool
+    default = pool.default
+    engine = default.engine
+    engines = pool.engines()
+    ready = engine is not None and engine.ready.is_set()
+    failed = (engine is not None and engine.load_error) or default.error
     body: dict[str, Any] = {
         "version": __version__,
         "time": time.time(),
         "uptime_seconds": time.time() - state.started,
-        "status": "ok" if engine.ready.is_set() else ("error" if engine.load_error else "loading"),
-        "models": [_model(state)],
-        "requests": {"running": engine.running, "queued": engine.queued},
+        "status": "ok" if ready else ("error" if failed else "loading"),
+        "models": [_model(slot, pool) for slot in pool.slots],
+        "requests": {
+            "running": sum(e.running for e in engines),
+            "queued": sum(e.queued for e in engines),
+        },
         **state.activity.snapshot(),
     }
+    if not ready:
+        body.update(memory=None, cache={"enabled": False})
+        return body
     cache = cache_for(engine.prompt_cache, current_namespace.get())
 
     def read() -> dict[str, Any]:
@@ -132,18 +144,18 @@ async def snapshot(request: Request) -> dict[str, Any]:
     return body
 
 
-def _model(state: Any) -> dict[str, Any]:
-    engine = state.engine
-    layout = engine.layout
+def _model(slot: Any, pool: Any) -> dict[str, Any]:
+    """One model as `ModelPool.describe` gives it, with its engine's figures while loaded."""
+    described = next(m for m in pool.describe() if m["name"] == slot.name)
+    engine = slot.engine if slot.engine is not None and slot.engine.ready.is_set() else None
+    layout = engine.layout if engine is not None else None
     return {
-        "id": state.model_id,
-        "aliases": list(state.settings.model_aliases()),
-        "loaded": engine.ready.is_set(),
-        "context_length": engine.context_length,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        **described,
+        "id": slot.name,
+        "context_length": engine.context_length if engine else None,
+        "kv_bytes_per_token": engine.kv_bytes_per_token if engine else None,
         "layers": layout.summary() if layout is not None else None,
-        "kv_budget": engine.kv_budget,
-        "error": engine.load_error,
+        "kv_budget": engine.kv_budget if engine else None,
     }
 
 

@@ -1,5 +1,6 @@
 """Command line: `serve` runs the server, `service` runs it in the background under launchd or
-systemd, `config` shows where each setting comes from, `cache` inspects the prompt cache.
+systemd, `config` shows where each setting comes from, `cache` inspects the prompt cache,
+`ps` / `models` / `unload` show and unload the running server's models.
 
 Every `serve` option can also come from the environment (MLX_KVSERVE_<OPTION>) or the config file;
 flags win over the environment, which wins over the file, which wins over the defaults.
@@ -14,6 +15,7 @@ import sys
 from mlx_kvserve import __version__, paths
 from mlx_kvserve.cli.cache_commands import add_cache_commands, run_cache_command
 from mlx_kvserve.cli.config_commands import add_config_commands, run_config_command
+from mlx_kvserve.cli.model_commands import add_model_commands, run_model_command
 from mlx_kvserve.cli.serve import serve
 from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
 from mlx_kvserve.config import ENV_PREFIX
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_commands(sub)
     add_config_commands(sub)
     add_cache_commands(sub)
+    add_model_commands(sub, add_setting_flags)
     return parser
 
 
@@ -76,4 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(settings.log_level)
     if args.command == "serve":
         return serve(settings)
+    if args.command in ("ps", "models", "unload"):
+        return run_model_command(args, settings)
     return run_cache_command(args, settings)

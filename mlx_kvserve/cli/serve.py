@@ -9,7 +9,6 @@ import signal
 import sys
 from pathlib import Path
 
-from mlx_kvserve import paths
 from mlx_kvserve.config import Settings, parse_size
 from mlx_kvserve.startup import (
     api_keys,
@@ -68,15 +67,15 @@ def _draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn.Server that tells the engine to drain as soon as shutdown begins."""
+        """uvicorn.Server that tells the engines to drain as soon as shutdown begins."""
 
-        def __init__(self, config, engine, grace: float) -> None:
+        def __init__(self, config, pool, grace: float) -> None:
             super().__init__(config)
-            self.engine, self.grace = engine, grace
+            self.pool, self.grace = pool, grace
 
         async def shutdown(self, sockets=None) -> None:
             log.info("shutting down: in-flight requests get %.0f s to finish", self.grace)
-            self.engine.drain(self.grace)
+            self.pool.drain(self.grace)
             await super().shutdown(sockets)
 
     return DrainingServer
@@ -115,56 +114,44 @@ def serve(settings: Settings) -> int:
 
     from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import CacheLockedError
-    from mlx_kvserve.chat.harmony import add_end_tokens
-    from mlx_kvserve.chat.tool_format import tool_format_notice
-    from mlx_kvserve.engine import Engine
-    from mlx_kvserve.models.resolve import local_model_dir, resolve_model
+    from mlx_kvserve.models.pool import ModelPool
+    from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
 
     try:
-        model_id, model_ref = resolve_model(settings.model, paths.data_dir(), progress=True)
-        model_dir = local_model_dir(model_ref)
-    except (ValueError, RuntimeError, OSError) as exc:
-        log.error("cannot prepare the model: %s", exc)
+        slots, start_engine = prepare_slots(settings, open_prompt_cache, mlx_load)
+        premade = {slots[0].name: start_engine(slots[0])}  # the default's cache opens now
+    except ModelSetupError as exc:
+        log.error("%s", exc)
         return 2
-    from mlx_kvserve.models.preflight import model_dir_problem
-
-    problem = model_dir_problem(model_dir)
-    if problem:
-        log.error("cannot serve the model: %s", problem)
-        return 2
-    from mlx_kvserve.models.context import read_context_length
-    from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
-
-    kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
-
-    def load_model():
-        model, tokenizer = mlx_load(str(model_dir))
-        add_end_tokens(tokenizer)  # gpt-oss's <|call|> and <|return|> end a generation
-        log.info("%s", tool_format_notice(tokenizer))
-        if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
-            log.info("serving the model's activations and KV cache in %s", kv_dtype)
-        return model, tokenizer
-
-    try:
-        prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
     except CacheLockedError as exc:
         log.error("%s", exc)
         return 2
 
-    engine = Engine(
-        load_model,
-        prompt_cache=prompt_cache,
-        cache_enabled=not settings.no_cache,
-        prefill_step=settings.prefill_step,
-        checkpoint_interval=settings.checkpoint_interval,
-        mlx_cache_limit=parse_size(settings.mlx_cache_limit),
-        max_queue=settings.max_queue,
-        max_concurrency=settings.max_concurrency,
-        kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
-        live_budget=parse_size(settings.live_budget),
-        context_length=read_context_length(model_dir),
+    def engine_for(slot):
+        engine = premade.pop(slot.name, None)
+        return engine if engine is not None else start_engine(slot)
+
+    from mlx_kvserve.models.memory import memory_budget
+
+    budget = memory_budget(settings.memory_budget)
+    from mlx_kvserve.models.specs import parse_duration
+
+    pool = ModelPool(
+        slots,
+        engine_for,
+        memory_budget=budget,
+        max_loaded=settings.max_loaded_models,
+        keep_alive=parse_duration(settings.keep_alive),
     )
-    app = create_app(settings, engine, model_id)
+    if len(slots) > 1:
+        log.info(
+            "models: %s (default %s; others load on first use; at most %d loaded, %.1f GiB)",
+            ", ".join(slot.name for slot in slots),
+            slots[0].name,
+            pool.max_loaded,
+            budget / 2**30,
+        )
+    app = create_app(settings, pool)
     DrainingServer = _draining_server_class()
     config = uvicorn.Config(
         app,
@@ -182,13 +169,14 @@ def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        DrainingServer(config, engine, settings.shutdown_grace).run()
+        DrainingServer(config, pool, settings.shutdown_grace).run()
     finally:
-        if prompt_cache is not None:
-            prompt_cache.close()  # idempotent: flushes pending writes, removes the RUNNING marker
+        for engine in premade.values():  # never started: close its cache
+            if engine.prompt_cache is not None:
+                engine.prompt_cache.close()
     log.info(
         "stopped cleanly%s",
-        ": checkpoint writes flushed, clean shutdown recorded" if prompt_cache is not None else "",
+        "" if settings.no_cache else ": checkpoint writes flushed, clean shutdown recorded",
     )
     exit_now(0)
     return 0  # not reached

@@ -82,9 +82,11 @@ async def metrics_endpoint(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     metrics: Metrics = request.app.state.metrics
-    engine = request.app.state.engine
+    engines = request.app.state.pool.engines()
     with contextlib.suppress(EngineNotReady, TimeoutError):  # then the last figures stand
-        read = engine.call(lambda: metrics.observe_memory(engine.memory.stats()))
-        await asyncio.wait_for(asyncio.wrap_future(read), MEMORY_READ_TIMEOUT)
+        if engines:  # MLX's figures are the process's: any loaded model's thread reads them
+            engine = engines[0]
+            read = engine.call(lambda: metrics.observe_memory(engine.memory.stats()))
+            await asyncio.wait_for(asyncio.wrap_future(read), MEMORY_READ_TIMEOUT)
     body = await run_in_threadpool(generate_latest, metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

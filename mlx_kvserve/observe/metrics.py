@@ -13,7 +13,7 @@ Three sources, each observed where it is already known, never recomputed:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -36,7 +36,8 @@ class Metrics:
     """Every metric of one server. `observe_request` runs on the engine thread as each request
     finishes; prometheus_client's metrics are thread-safe."""
 
-    def __init__(self, engine: Any, *, cache_enabled: bool = True) -> None:
+    def __init__(self, engines: Callable[[], list[Any]], *, cache_enabled: bool = True) -> None:
+        """`engines()` gives the loaded models' engines (one per model; models.pool)."""
         self.registry = CollectorRegistry()
         self.cache_enabled = cache_enabled
         r = self.registry
@@ -104,11 +105,11 @@ class Metrics:
             registry=r,
         )
         queue_depth = Gauge(f"{PREFIX}_queue_depth", "Requests waiting for the engine.", registry=r)
-        queue_depth.set_function(lambda: engine.queued)
+        queue_depth.set_function(lambda: sum(e.queued for e in engines()))
         running = Gauge(
             f"{PREFIX}_running_requests", "Requests decoding in the batch now.", registry=r
         )
-        running.set_function(lambda: engine.running)
+        running.set_function(lambda: sum(e.running for e in engines()))
         for tier in TIERS:  # every series exists from the start, at 0
             self.lookups.labels("hit", tier)
             self.lookups.labels("failed", tier)
@@ -116,7 +117,20 @@ class Metrics:
         for tier in ("ram", "disk"):
             self.restores.labels(tier)
             self.restore_seconds.labels(tier)
-        r.register(CacheCollector(engine))
+        self.loads = Counter(
+            f"{PREFIX}_model_loads", "Models loaded (on first use or again).", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.unloads = Counter(
+            f"{PREFIX}_model_unloads",
+            "Models unloaded, by reason: idle (keep-alive), room (for another model), "
+            "pressure (the system ran short of memory), request (asked to).",
+            ["model", "reason"],
+            registry=r,
+        )
+        loaded = Gauge(f"{PREFIX}_models_loaded", "Models resident in memory now.", registry=r)
+        loaded.set_function(lambda: len(engines()))
+        r.register(CacheCollector(engines))
 
     def observe_memory(self, stats: dict[str, Any]) -> None:
         """Engine thread: the figures of `MemoryPolicy.stats()`."""
@@ -162,20 +176,22 @@ def _caches(prompt_cache: Any) -> list[Any]:
 
 
 class CacheCollector(Collector):
-    """The engine's busy time and the prompt cache's own counters (summed over namespaces),
-    read at each scrape."""
+    """The engines' busy time and the prompt caches' own counters (summed over loaded models
+    and namespaces), read at each scrape. A model that unloads takes its counts along: the
+    counters then reset, which Prometheus' rate() allows for."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, engines: Callable[[], list[Any]]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
+        engines = self.engines()
         yield CounterMetricFamily(
             f"{PREFIX}_engine_busy_seconds",
-            "Time the engine thread spent serving requests (rate() of it is utilisation).",
-            value=self.engine.busy_seconds,
+            "Time the engine threads spent serving requests (rate() of it is utilisation).",
+            value=sum(e.busy_seconds for e in engines),
         )
         totals: dict[str, int] = {}
-        for cache in _caches(self.engine.prompt_cache):
+        for cache in (c for e in engines for c in _caches(e.prompt_cache)):
             for name, value in cache.counters().items():
                 totals[name] = totals.get(name, 0) + int(value)
 

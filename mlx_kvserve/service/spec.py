@@ -63,15 +63,25 @@ def flag_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def _absolute_paths(flags: Mapping[str, Any]) -> dict[str, str]:
+def _absolute_paths(flags: Mapping[str, Any]) -> dict[str, Any]:
     """Paths made absolute: the service does not start in this shell's directory."""
     out = {}
     if flags.get("cache_dir"):
         out["cache_dir"] = str(Path(flags["cache_dir"]).expanduser().absolute())
-    model = flags.get("model")
-    if model and Path(model).expanduser().exists():  # a local directory, not a repo id
-        out["model"] = str(Path(model).expanduser().absolute())
+    models = flags.get("model") or []
+    if models:
+        out["model"] = [_absolute_model(m) for m in models]
     return out
+
+
+def _absolute_model(value: str) -> str:
+    """`[NAME=]PATH_OR_ID` with a local directory made absolute (a repo id stays as it is)."""
+    name, sep, source = value.partition("=")
+    if not sep or "/" in name or "~" in name:
+        name, source = "", value
+    if Path(source).expanduser().exists():
+        source = str(Path(source).expanduser().absolute())
+    return f"{name}={source}" if name else source
 
 
 def build_spec(

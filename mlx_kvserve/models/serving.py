@@ -1,0 +1,142 @@
+"""From settings to servable models: resolve every configured model at start-up (so a typo is
+an exit at start, not a 503 an hour later), and make each model's engine when the pool loads it.
+
+Per-model settings (`[[models]] settings = {...}`) override the server's for that model's
+engine and prompt cache: the keys in `PER_MODEL`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlx_kvserve import paths
+from mlx_kvserve.config import Settings, parse_size
+from mlx_kvserve.config_values import check_value
+from mlx_kvserve.models.memory import footprint
+from mlx_kvserve.models.pool import Slot
+from mlx_kvserve.models.specs import ModelSpec
+
+log = logging.getLogger("mlx_kvserve")
+
+PER_MODEL = frozenset(
+    {
+        "kv_dtype",
+        "kv_budget",
+        "live_budget",
+        "prefill_step",
+        "checkpoint_interval",
+        "max_concurrency",
+        "max_queue",
+        "cache_budget",
+        "cache_ram_budget",
+        "no_cache",
+    }
+)
+
+
+class ModelSetupError(Exception):
+    """A configured model cannot be served; the message says which and why."""
+
+
+def model_settings(settings: Settings, spec: ModelSpec) -> Settings:
+    """The server's settings with the model's own overrides."""
+    unknown = set(spec.settings) - PER_MODEL
+    if unknown:
+        raise ModelSetupError(
+            f"model {spec.name or spec.source}: settings {sorted(unknown)} cannot be set per "
+            f"model (these can: {', '.join(sorted(PER_MODEL))})"
+        )
+    try:
+        for key, value in spec.settings.items():
+            check_value(key, value)
+        return dataclasses.replace(settings, **dict(spec.settings))
+    except (ValueError, TypeError) as exc:
+        raise ModelSetupError(f"model {spec.name or spec.source}: {exc}") from None
+
+
+def prepare_slots(
+    settings: Settings,
+    open_prompt_cache: Callable[..., Any],
+    mlx_load: Callable[[str], tuple[Any, Any]],
+) -> tuple[list[Slot], Callable[[Slot], Any]]:
+    """Every configured model as a pool slot (default first), and the engine maker."""
+    from mlx_kvserve.models.preflight import model_dir_problem
+    from mlx_kvserve.models.resolve import local_model_dir, resolve_model
+
+    try:
+        specs = settings.model_specs()
+    except ValueError as exc:
+        raise ModelSetupError(str(exc)) from None
+    slots: list[Slot] = []
+    places: dict[str, tuple[Path, Settings]] = {}
+    taken: dict[str, str] = {}
+    for spec in specs:
+        try:
+            model_id, ref = resolve_model(spec.source, paths.data_dir(), progress=True)
+            model_dir = local_model_dir(ref)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelSetupError(f"cannot prepare the model {spec.source!r}: {exc}") from None
+        problem = model_dir_problem(model_dir)
+        if problem:
+            raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
+        own = model_settings(settings, spec)
+        kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
+        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve))
+        for name in slot.names:
+            if name in taken:
+                raise ModelSetupError(
+                    f"the name {name!r} is given to two models ({taken[name]} and "
+                    f"{slot.name}); name them apart with --model NAME=PATH"
+                )
+            taken[name] = slot.name
+        places[slot.name] = (model_dir, own)
+        slots.append(slot)
+
+    def start_engine(slot: Slot) -> Any:
+        model_dir, own = places[slot.name]
+        return make_engine(own, model_dir, slot.model_id, open_prompt_cache, mlx_load)
+
+    return slots, start_engine
+
+
+def make_engine(
+    settings: Settings,
+    model_dir: Path,
+    model_id: str,
+    open_prompt_cache: Callable[..., Any],
+    mlx_load: Callable[[str], tuple[Any, Any]],
+) -> Any:
+    """One model's engine (not started) with its prompt cache open."""
+    from mlx_kvserve.chat.harmony import add_end_tokens
+    from mlx_kvserve.chat.tool_format import tool_format_notice
+    from mlx_kvserve.engine import Engine
+    from mlx_kvserve.models.context import read_context_length
+    from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
+
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
+
+    def load_model() -> tuple[Any, Any]:
+        model, tokenizer = mlx_load(str(model_dir))
+        add_end_tokens(tokenizer)  # gpt-oss's <|call|> and <|return|> end a generation
+        log.info("%s", tool_format_notice(tokenizer))
+        if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
+            log.info("serving the model's activations and KV cache in %s", kv_dtype)
+        return model, tokenizer
+
+    return Engine(
+        load_model,
+        prompt_cache=open_prompt_cache(settings, model_dir, model_id, kv_dtype),
+        cache_enabled=not settings.no_cache,
+        prefill_step=settings.prefill_step,
+        checkpoint_interval=settings.checkpoint_interval,
+        mlx_cache_limit=parse_size(settings.mlx_cache_limit),
+        max_queue=settings.max_queue,
+        max_concurrency=settings.max_concurrency,
+        kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
+        live_budget=parse_size(settings.live_budget),
+        context_length=read_context_length(model_dir),
+    )
