@@ -300,7 +300,7 @@ class OutputParser:
                 if piece.name in self.custom or piece.slot in call.slots:
                     continue
                 index = call.index + piece.slot  # the parser returns the block's calls in order
-                call_id = call.id if piece.slot == 0 else new_call_id(self.id_prefix)
+                call_id = piece.id or (call.id if piece.slot == 0 else new_call_id(self.id_prefix))
                 call.slots[piece.slot] = (index, call_id, piece.name)
                 if call.name is None:
                     call.name = piece.name
