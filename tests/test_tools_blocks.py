@@ -57,11 +57,13 @@ TIME = {
     "type": "object",
     "properties": {"timezone": {"type": "string", "maxLength": 20}},
     "required": ["timezone"],
+    "additionalProperties": False,  # a JSON-body call (Kimi's) is bounded only so
 }
 PING = {  # a call with nothing left to choose but its index: (almost) every token is forced
     "type": "object",
     "properties": {"host": {"type": "string", "enum": ["localhost"]}},
     "required": ["host"],
+    "additionalProperties": False,
 }
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -285,7 +287,9 @@ def _events(tokenizer, chunks: list[str]) -> list[tuple]:
             out.append((kind, e.index, same(e.id), e.name))
         elif kind == "ToolCallFinished":
             call = e.call
-            out.append((kind, e.index, same(call.id), call.name, call.arguments, args[e.index]))
+            out.append(
+                (kind, e.index, same(call.id), call.name, call.arguments, args.get(e.index, ""))
+            )
         elif out and out[-1][0] == kind:  # text arrives in chunks of any size
             out[-1] = (kind, out[-1][1] + e.text)
         else:
@@ -329,6 +333,19 @@ def test_any_split_of_a_block_streams_the_same_calls(tokenizer, calls, cuts, dat
     finished = [e for e in whole if e[0] == "ToolCallFinished"]
     assert [(e[3], json.loads(e[4])) for e in finished] == calls
     assert all(e[4] == e[5] for e in finished)  # the fragments make the arguments
+
+
+def test_a_block_cut_short_names_only_declared_tools(tokenizer):
+    """Generation may stop anywhere in a block (max_tokens): whatever the parser makes of the
+    rest, a call keeps the declared name it was announced with."""
+    weather = {"city": "Paris", "unit": "celsius", "days": 2}
+    text = "Sure." + _block(tokenizer, [("get_weather", weather), ("ping", {"host": "localhost"})])
+    names = set()
+    for cut in range(len(text)):
+        for event in _events(tokenizer, [text[:cut]]):
+            if event[0] in ("ToolCallStarted", "ToolCallFinished"):
+                names.add(event[3])
+    assert names == {"get_weather", "ping"}
 
 
 # -- with a server -----------------------------------------------------------------------------

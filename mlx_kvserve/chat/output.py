@@ -322,11 +322,13 @@ class OutputParser:
             parsed = {"name": call.name}  # announced already: finish it with what was streamed
         items = [i for i in (parsed if isinstance(parsed, list) else [parsed]) if _is_call(i)]
         for n, item in enumerate(items):
+            slot = call.slots.get(n)
+            if call.stream is not None and slot is not None and slot[2] != item["name"]:
+                item = {"name": slot[2]}  # a block cut short, misread: keep what was announced
             arguments = item.get("arguments", {})
             index = len(self.calls)
             custom = item["name"] in self.custom
             streamed = call.name is not None and not custom
-            slot = call.slots.get(n)
             if call.stream is not None and slot is not None and slot[2] == item["name"]:
                 index, call_id = slot[0], slot[1]
                 last, text_args = call.stream.finish(n, item.get("arguments"))
