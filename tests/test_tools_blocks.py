@@ -27,83 +27,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess, client_for
+from tests.support.block_tools import (
+    ASK,
+    FAMILIES,
+    NAMED,
+    SCHEMAS,
+    TOOLS,
+    build_family_model,
+    render_prompt,
+)
 from tests.support.fuzz_values import name, schema
 from tests.support.fuzzing import check
-from tests.support.thinking_models import (
-    KIMI_TOOL_TOKENS,
-    MINIMAX_TOOL_TOKENS,
-    build_thinking_model,
-)
 
 pytestmark = pytest.mark.slow
-
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "detailed": {"type": "boolean"},
-        "hours": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0, "maximum": 23},
-            "maxItems": 3,
-        },
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,  # a JSON-body call (Kimi's) is bounded only so
-}
-PING = {  # a call with nothing left to choose but its index: (almost) every token is forced
-    "type": "object",
-    "properties": {"host": {"type": "string", "enum": ["localhost"]}},
-    "required": ["host"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-    {"type": "function", "function": {"name": "ping", "parameters": PING}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
-
-_MM_OPEN = "\n<minimax:tool_call>\n"
-_KIMI_OPEN = "<|tool_calls_section_begin|><|tool_call_begin|>"
-_KIMI_ARGS = "<|tool_call_argument_begin|>"
-# family: its tokenizer's markers, the parser mlx-lm picks, the server's extra flags, and sample
-# call texts (a call, what closes the block, what opens a call to an invented tool, an undeclared
-# parameter, a required parameter left out, a value the parser would not read back)
-FAMILIES = {
-    "minimax-m2": (
-        MINIMAX_TOOL_TOKENS,
-        "minimax_m2",
-        ("--thinking-budget", "2"),
-        _MM_OPEN + '<invoke name="get_time">\n<parameter name="timezone">UTC</parameter>\n',
-        "</invoke>\n</minimax:tool_call>",
-        _MM_OPEN + '<invoke name="get_tme">',
-        _MM_OPEN + '<invoke name="get_time">\n<parameter name="tz">',
-        _MM_OPEN + '<invoke name="get_time">\n</invoke>',
-        (">UTC<", ">null<"),
-    ),
-    "kimi-k2": (
-        KIMI_TOOL_TOKENS,
-        "kimi_k2",
-        (),
-        _KIMI_OPEN + "functions.get_time:0" + _KIMI_ARGS + '{"timezone": "UTC"}',
-        "<|tool_call_end|><|tool_calls_section_end|>",
-        _KIMI_OPEN + "functions.get_tme:",
-        _KIMI_OPEN + "functions.get_time:0" + _KIMI_ARGS + '{"tz"',
-        _KIMI_OPEN + "functions.get_time:0" + _KIMI_ARGS + "{}",
-        ('"UTC"', "5"),
-    ),
-}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -114,7 +50,7 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("block_tools") / family
-    return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+    return build_family_model(dest, family)
 
 
 @pytest.fixture(scope="module")
@@ -145,207 +81,6 @@ def _valid(call) -> dict:
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, SCHEMAS[call.function.name])
     return args
-
-
-# -- without a server: rendering, the grammar, the stream ------------------------------------
-HISTORY = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Weather and time in Paris?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "functions.get_weather:0",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": json.dumps({"city": "Paris", "unit": "celsius", "days": 2}),
-                },
-            },
-            {
-                "id": "functions.get_time:1",
-                "type": "function",
-                "function": {"name": "get_time", "arguments": '{"timezone": "CET"}'},
-            },
-        ],
-    },
-    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny, 21 C"},
-    {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "14:05"},
-    {"role": "assistant", "content": "Sunny, 21 C; it is 14:05."},
-    {"role": "user", "content": "And tomorrow?"},
-]
-
-
-def _render(tokenizer, messages: list[dict], choice: str = "auto") -> list[int]:
-    """The prompt the server renders for these messages (its own request parsing and render)."""
-    from mlx_kvserve.api.openai_chat import to_chat_request
-    from mlx_kvserve.api.schemas import ChatCompletionRequest
-    from mlx_kvserve.chat.render import render_chat
-
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": choice}
-    )
-    return render_chat(tokenizer, to_chat_request(body), {}).tokens
-
-
-def test_rendering_equals_the_templates_own(tokenizer):
-    """Tools, calls (two in one turn) and their results render as the template itself renders
-    them when handed the arguments as objects."""
-    own = json.loads(json.dumps(HISTORY))
-    for message in own:
-        for call in message.get("tool_calls", []):
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    expected = tokenizer.apply_chat_template(
-        own, tools=TOOLS, add_generation_prompt=True, tokenize=False
-    )
-    ours = tokenizer.decode(_render(tokenizer, HISTORY))
-    assert ours == expected
-    assert "get_weather" in ours and "14:05" in ours
-
-
-def test_the_grammar_admits_only_declared_tools(tokenizer, family):
-    """In `auto` the text is free until the block opens; from there only a declared function's
-    name and its declared parameters can follow (an invented tool is impossible)."""
-    import llguidance
-
-    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
-    from mlx_kvserve.chat.grammar import GrammarCompiler
-    from mlx_kvserve.chat.tool_format import tool_format_for
-
-    _, parser, _, call, close, invented, undeclared, missing, (value, unread) = FAMILIES[family]
-    fmt = tool_format_for(tokenizer)
-    assert fmt.name == parser and fmt.constrained
-    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
-
-    def accepts(mode: str, text: str, parallel: bool = False) -> bool:
-        choice = ToolChoice(mode, parallel=parallel)
-        req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=choice)
-        grammar = compiler.grammar_for(req, fmt)
-        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return all(matcher.consume_token(t) for t in ids) and not matcher.is_error()
-
-    assert accepts("auto", "Let me check." + call + close)
-    assert accepts("required", call + close)
-    assert not accepts("auto", "Let me check." + invented)
-    assert not accepts("required", invented)
-    assert not accepts("required", undeclared)
-    assert not accepts("required", missing)
-    assert not accepts("required", call.replace(value, unread))
-    # several calls share one block when parallel calls are allowed, and only then
-    between = "</invoke>\n" if fmt.name == "minimax_m2" else "<|tool_call_end|>"
-    twice = call + between + call[len(call.split("<invoke")[0]) :]
-    if fmt.name == "kimi_k2":
-        twice = call + between + call[len(call.split("<|tool_call_begin|>")[0]) :]
-    assert accepts("required", twice + close, parallel=True)
-    assert not accepts("required", twice)
-
-
-def _block(tokenizer, calls: list[tuple[str, dict]]) -> str:
-    """The block the template renders for these calls (after the opening marker)."""
-    from mlx_kvserve.chat.tool_format import tool_format_for
-
-    fmt = tool_format_for(tokenizer)
-    message = {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": f"functions.{n}:{i}",
-                "type": "function",
-                "function": {"name": n, "arguments": a},
-            }
-            for i, (n, a) in enumerate(calls)
-        ],
-    }
-    text = tokenizer.apply_chat_template([ASK[0], message], tools=TOOLS, tokenize=False)
-    start = text.rindex(fmt.start)  # the system turn shows an example block first
-    return text[start : text.index(fmt.end, start) + len(fmt.end)]
-
-
-def _events(tokenizer, chunks: list[str]) -> list[tuple]:
-    from mlx_kvserve.chat import Tool
-    from mlx_kvserve.chat.output import OutputParser
-    from mlx_kvserve.chat.tool_format import tool_format_for
-
-    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    parser = OutputParser(tool_format_for(tokenizer), tools)
-    events = [e for c in chunks for e in parser.feed(c)] + parser.finish()
-    out: list[tuple] = []
-    args: dict[int, str] = {}
-
-    def same(call_id: str) -> str:  # the server's own ids are random; the model's are not
-        return "call_" if call_id.startswith("call_") else call_id
-
-    for e in events:
-        kind = type(e).__name__
-        if kind == "ToolCallDelta":
-            args[e.index] = args.get(e.index, "") + e.arguments
-        elif kind == "ToolCallStarted":
-            out.append((kind, e.index, same(e.id), e.name))
-        elif kind == "ToolCallFinished":
-            call = e.call
-            out.append(
-                (kind, e.index, same(call.id), call.name, call.arguments, args.get(e.index, ""))
-            )
-        elif out and out[-1][0] == kind:  # text arrives in chunks of any size
-            out[-1] = (kind, out[-1][1] + e.text)
-        else:
-            out.append((kind, e.text))
-    return out
-
-
-_text = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12)
-_weather = st.fixed_dictionaries(
-    {
-        "city": _text.filter(lambda s: s == s.strip() and s and s.lower() != "null"),
-        "unit": st.sampled_from(["celsius", "fahrenheit"]),
-        "days": st.integers(1, 7),
-    },
-    optional={"hours": st.lists(st.integers(0, 23), max_size=3)},
-)
-_calls = st.lists(
-    st.one_of(
-        st.tuples(st.just("get_weather"), _weather),
-        st.tuples(st.just("ping"), st.just({"host": "localhost"})),
-    ),
-    min_size=1,
-    max_size=3,
-)
-
-
-@settings(max_examples=150, deadline=None, database=None)
-@given(calls=_calls, cuts=st.lists(st.integers(0, 400), max_size=12), data=st.data())
-def test_any_split_of_a_block_streams_the_same_calls(tokenizer, calls, cuts, data):
-    """Whatever chunks a valid block arrives in, the same calls are announced and finished, and
-    each call's streamed fragments concatenate to its final arguments, which are the ones the
-    template rendered."""
-    calls = [(n, a) for n, a in calls if "</" not in json.dumps(a)]
-    if not calls:
-        return
-    text = "Sure." + _block(tokenizer, calls)
-    points = sorted({c % (len(text) + 1) for c in cuts})
-    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    whole = _events(tokenizer, [text])
-    assert _events(tokenizer, [c for c in chunks if c]) == whole
-    finished = [e for e in whole if e[0] == "ToolCallFinished"]
-    assert [(e[3], json.loads(e[4])) for e in finished] == calls
-    assert all(e[4] == e[5] for e in finished)  # the fragments make the arguments
-
-
-def test_a_block_cut_short_names_only_declared_tools(tokenizer):
-    """Generation may stop anywhere in a block (max_tokens): whatever the parser makes of the
-    rest, a call keeps the declared name it was announced with."""
-    weather = {"city": "Paris", "unit": "celsius", "days": 2}
-    text = "Sure." + _block(tokenizer, [("get_weather", weather), ("ping", {"host": "localhost"})])
-    names = set()
-    for cut in range(len(text)):
-        for event in _events(tokenizer, [text[:cut]]):
-            if event[0] in ("ToolCallStarted", "ToolCallFinished"):
-                names.add(event[3])
-    assert names == {"get_weather", "ping"}
 
 
 # -- with a server -----------------------------------------------------------------------------
@@ -464,14 +199,14 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer, family
             logprobs=True,
         )
         choice = reply.choices[0]
-        prompt = _render(tokenizer, messages)
+        prompt = render_prompt(tokenizer, messages)
         assert len(prompt) == reply.usage.prompt_tokens
         sampled = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
         call = choice.message.tool_calls[0]
         _valid(call)
         messages.append(choice.message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
-        following = _render(tokenizer, messages)
+        following = render_prompt(tokenizer, messages)
         assert following[: len(prompt)] == prompt
         text = tokenizer.decode(following[len(prompt) :]).encode()
         opening = tool_format_for(tokenizer).start.encode()
