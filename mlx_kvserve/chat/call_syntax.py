@@ -33,12 +33,14 @@ Parameters = Callable[[Tool], dict[str, Any]]  # a tool's JSON Schema for its ar
 
 @dataclass(frozen=True)
 class CallPiece:
-    """One step of a streamed call: `name` is set once, when call `slot` is announced;
-    `fragment` is more of its arguments' JSON text."""
+    """One step of a streamed call: `name` is set once, when call `slot` is announced (with
+    `id`, the call's id when the format has the model write one, as Kimi's do); `fragment` is
+    more of its arguments' JSON text."""
 
     slot: int
     name: str | None = None
     fragment: str = ""
+    id: str | None = None
 
 
 class CallStream(Protocol):

@@ -300,7 +300,7 @@ class OutputParser:
                 if piece.name in self.custom or piece.slot in call.slots:
                     continue
                 index = call.index + piece.slot  # the parser returns the block's calls in order
-                call_id = call.id if piece.slot == 0 else new_call_id(self.id_prefix)
+                call_id = piece.id or (call.id if piece.slot == 0 else new_call_id(self.id_prefix))
                 call.slots[piece.slot] = (index, call_id, piece.name)
                 if call.name is None:
                     call.name = piece.name
@@ -322,11 +322,13 @@ class OutputParser:
             parsed = {"name": call.name}  # announced already: finish it with what was streamed
         items = [i for i in (parsed if isinstance(parsed, list) else [parsed]) if _is_call(i)]
         for n, item in enumerate(items):
+            slot = call.slots.get(n)
+            if call.stream is not None and slot is not None and slot[2] != item["name"]:
+                item = {"name": slot[2]}  # a block cut short, misread: keep what was announced
             arguments = item.get("arguments", {})
             index = len(self.calls)
             custom = item["name"] in self.custom
             streamed = call.name is not None and not custom
-            slot = call.slots.get(n)
             if call.stream is not None and slot is not None and slot[2] == item["name"]:
                 index, call_id = slot[0], slot[1]
                 last, text_args = call.stream.finish(n, item.get("arguments"))

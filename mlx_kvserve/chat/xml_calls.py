@@ -54,6 +54,8 @@ class Layout:
     tail: str  # after the last parameter, before the closing marker
     strict_strings: bool  # the parser maps "null" to None and keeps whitespace
     string_types: frozenset[str]
+    stops: tuple[str, ...] = ("</tool_call>",)  # tags a raw value may not hold, beyond its own
+    null_is_none: bool = False  # a stripping parser that still reads "null" as None (MiniMax)
 
     calls_per_block = False  # one call per <tool_call> block
 
@@ -286,9 +288,9 @@ def _plain(layout: Layout, value: str) -> bool:
     """The parser reads this raw string back unchanged."""
     if "</" in value:
         return False
-    if layout.strict_strings:
-        return value.lower() != "null"
-    return value == value.strip()
+    if (layout.strict_strings or layout.null_is_none) and value.lower() == "null":
+        return False
+    return layout.strict_strings or value == value.strip()
 
 
 def _text(layout: Layout, low: Any, high: Any) -> str:
@@ -302,10 +304,12 @@ def _text(layout: Layout, low: Any, high: Any) -> str:
 
 def _exclusions(layout: Layout) -> str:
     """What a raw value may not be: hold a closing tag, or be what the parser reads otherwise."""
-    tag = layout.value_close.strip().replace("/", "\\/")
-    bad = f"~/(?s:.*)({tag}|<\\/tool_call>)(?s:.*)/"
+    tags = [layout.value_close.strip(), *layout.stops]
+    alternatives = "|".join(re.escape(t).replace("/", "\\/") for t in tags)
+    bad = f"~/(?s:.*)({alternatives})(?s:.*)/"
     if layout.strict_strings:
         return f"{bad} & ~/(?i:null)/"
+    bad += " & ~/(?i:null)/" if layout.null_is_none else ""
     return f"{bad} & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"  # the parser strips the value's ends
 
 

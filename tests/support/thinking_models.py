@@ -24,10 +24,24 @@ FAMILIES = {
     "qwen3.5": "qwen3.5.jinja",
     "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
     "glm-4.6": "glm-4.6.jinja",
+    "minimax-m2": "minimax-m2.jinja",
+    "kimi-k2": "kimi-k2-thinking.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
 GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+MINIMAX_TOOL_TOKENS = ("<minimax:tool_call>", "</minimax:tool_call>", "]~b]", "]~!b[", "[e~[")
+KIMI_TOOL_TOKENS = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+)
 
 
 def build_thinking_model(
