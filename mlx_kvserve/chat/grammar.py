@@ -128,8 +128,9 @@ class GrammarCompiler:
         assert fmt is not None
         opening = self._marker(fmt.start)
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
-        more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
         syntax = fmt.syntax
+        between = json.dumps(getattr(syntax, "between", "\n"))  # what separates two blocks
+        more = f" ({between} call){{0,{most - 1}}}" if most > 1 else ""
         lead = f"{json.dumps(syntax.lead)} " if syntax and syntax.lead else ""
         if syntax is not None and syntax.calls_per_block:
             more = ""  # one block holds every call (its call_body allows up to `most`)

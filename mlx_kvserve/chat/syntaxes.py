@@ -4,8 +4,12 @@ name (chat.call_syntax). A format that is not here is parsed only, and says so a
 from __future__ import annotations
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
+from mlx_kvserve.chat.gemma4_calls import GEMMA4
+from mlx_kvserve.chat.pythonic_calls import PYTHONIC
 from mlx_kvserve.chat.xml_calls import LAYOUTS
 
 SYNTAXES: dict[str, CallSyntax] = {
     **LAYOUTS,
+    PYTHONIC.format: PYTHONIC,
+    GEMMA4.format: GEMMA4,
 }

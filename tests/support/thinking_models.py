@@ -24,10 +24,27 @@ FAMILIES = {
     "qwen3.5": "qwen3.5.jinja",
     "deepseek-r1": "deepseek-r1-distill-qwen.jinja",
     "glm-4.6": "glm-4.6.jinja",
+    "lfm2.5": "lfm2.5.jinja",
+    "gemma4": "gemma4.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
 GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+LFM_TOOL_TOKENS = ("<|tool_call_start|>", "<|tool_call_end|>")
+# Gemma 4's turn, tool and string-delimiter tokens (its `<|"|>` quotes strings in calls)
+GEMMA4_TOOL_TOKENS = (
+    "<|turn>",
+    "<turn|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+    "<|channel>",
+    "<channel|>",
+)
 
 
 def build_thinking_model(
