@@ -1,10 +1,12 @@
-"""Keyword-argument tool calls (LFM2's pythonic list, Gemma 4's `call:`), constrained and streamed.
+"""LFM2's, Gemma 4's and Mistral's tool calls, constrained and streamed.
 
 Each family's tiny random-weight model carries its real chat template (tests/fixtures/templates)
 and its tokenizer's tool markers as tokens; mlx-lm picks the parser from the template:
 
 * LFM2.5, `pythonic`: `<|tool_call_start|>[name(key='value', n=3), other()]<|tool_call_end|>`;
-* Gemma 4, `gemma4`: `<|tool_call>call:name{key:<|"|>value<|"|>,n:3}<tool_call|>`.
+* Gemma 4, `gemma4`: `<|tool_call>call:name{key:<|"|>value<|"|>,n:3}<tool_call|>`;
+* Mistral's v13 templates, `mistral`: `[TOOL_CALLS]name[ARGS]{"key": "value"}` per call, with no
+  closing marker (the call ends the answer).
 
 Whatever such a model samples at temperature 1, a forced call must parse (by mlx-lm's own parser)
 to arguments valid against the function's schema, and re-render as it was sampled.
@@ -28,6 +30,7 @@ from tests.support.fuzzing import check
 from tests.support.thinking_models import (
     GEMMA4_TOOL_TOKENS,
     LFM_TOOL_TOKENS,
+    MISTRAL_TOOL_TOKENS,
     build_thinking_model,
 )
 
@@ -53,11 +56,13 @@ TIME = {
     "type": "object",
     "properties": {"timezone": {"type": "string", "maxLength": 20}},
     "required": ["timezone"],
+    "additionalProperties": False,  # strict, as the Agents SDK sends: a JSON call is bounded
 }
 PING = {  # a call with nothing left to choose: every token of it is forced
     "type": "object",
     "properties": {"host": {"type": "string", "enum": ["localhost"]}},
     "required": ["host"],
+    "additionalProperties": False,
 }
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -93,6 +98,16 @@ FAMILIES = {
         "<|tool_call>call:get_time{}",
         f"call:get_weather{{city:{Q}Pa, {{ris}}]{Q},days:3,detailed:false,hours:[1,2],"
         f"unit:{Q}celsius{Q}}}",
+    ),
+    "mistral-v13": (
+        MISTRAL_TOOL_TOKENS,
+        "mistral",
+        '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
+        "[TOOL_CALLS]get_tme",
+        '[TOOL_CALLS]get_time[ARGS]{"tz"',
+        "[TOOL_CALLS]get_time[ARGS]{}",
+        'get_weather[ARGS]{"city": "Pa}[ris\\"", "unit": "celsius", "days": 3, "hours": [1, 2]}'
+        '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
     ),
 }
 
@@ -486,16 +501,17 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(cuts=st.lists(st.integers(0, 400), max_size=12), family=st.sampled_from(list(FAMILIES)))
-def test_any_chunking_of_a_block_streams_the_same_pieces(cuts, family):
-    """However the block's text arrives, the stream passes on the same names and fragments, and
+def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
+    """However the block's text arrives, the stream passes on the same names and arguments, and
     each call's fragments plus `finish`'s last one are the JSON of what the parser reads."""
-    from mlx_lm.tool_parsers import gemma4, pythonic
+    from mlx_lm.tool_parsers import gemma4, mistral, pythonic
 
+    from mlx_kvserve.chat.mistral_calls import MISTRAL
     from mlx_kvserve.chat.syntaxes import SYNTAXES
 
     parser = FAMILIES[family][1]
-    syntax = SYNTAXES[parser]
-    parse = {"pythonic": pythonic, "gemma4": gemma4}[parser].parse_tool_call
+    syntax = MISTRAL if parser == "mistral" else SYNTAXES[parser]
+    parse = {"pythonic": pythonic, "gemma4": gemma4, "mistral": mistral}[parser].parse_tool_call
     text = FAMILIES[family][6]
 
     def pieces(points: list[int]) -> list:
@@ -505,14 +521,46 @@ def test_any_chunking_of_a_block_streams_the_same_pieces(cuts, family):
             out += stream.feed(text[:at])
         return out, stream
 
+    def calls(found: list) -> list:
+        slots = sorted({p.slot for p in found})
+        return [
+            ([p.name for p in found if p.slot == s and p.name], _joined(found, s)) for s in slots
+        ]
+
     whole, _ = pieces([])
     chunked, stream = pieces(cuts)
-    merged = [(p.slot, p.name, p.fragment) for p in chunked]
-    assert merged == [(p.slot, p.name, p.fragment) for p in whole]
+    assert calls(chunked) == calls(whole)
+    if parser != "mistral":  # fragments are whole keys and values, however the text arrives
+        assert [(p.slot, p.name, p.fragment) for p in chunked] == [
+            (p.slot, p.name, p.fragment) for p in whole
+        ]
     parsed = parse(text, None)
     parsed = parsed if isinstance(parsed, list) else [parsed]
     assert [p.name for p in chunked if p.name] == [c["name"] for c in parsed]
     for slot, call in enumerate(parsed):
-        sent = "".join(p.fragment for p in chunked if p.slot == slot)
+        sent = _joined(chunked, slot)
         last, args = stream.finish(slot, call["arguments"])
         assert sent + last == args == json.dumps(call["arguments"], ensure_ascii=False)
+
+
+def _joined(pieces: list, slot: int) -> str:
+    return "".join(p.fragment for p in pieces if p.slot == slot)
+
+
+@pytest.mark.parametrize("template", ["mistral-v11", "mistral-v7"])
+def test_older_mistral_layouts_say_they_are_parsed_only(template, tmp_path):
+    """v7's JSON list and v11's `[CALL_ID]` layout have no grammar: the start-up line says so
+    (v11's calls are misread by mlx-lm's parser, v7's need a 9-character call id)."""
+    from mlx_lm import load
+
+    from mlx_kvserve.chat.tool_format import tool_format_notice
+
+    dest = build_thinking_model(tmp_path / "m", "mistral-v11", tool_tokens=MISTRAL_TOOL_TOKENS)
+    if template == "mistral-v7":
+        config_path = dest / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        fixture = Path(__file__).parent / "fixtures" / "mistral-v7.jinja"
+        config["chat_template"] = fixture.read_text(encoding="utf-8")
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+    notice = tool_format_notice(load(str(dest))[1])
+    assert notice.startswith("tool calls: mistral format, parsed only"), notice

@@ -32,6 +32,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.mistral_calls import mistral_syntax
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
 from mlx_kvserve.chat.syntaxes import SYNTAXES
 from mlx_kvserve.chat.xml_calls import glm_layout
@@ -98,12 +99,11 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
         return HERMES
     module = getattr(parser, "__module__", "") or ""
     own = None
-    if module.endswith(".glm47") and hasattr(tokenizer, "apply_chat_template"):
-        own = _layouts.get(tokenizer)
-        if own is None:
-            own = _layouts[tokenizer] = glm_layout(
-                lambda m: tokenizer.apply_chat_template(m, tokenize=False)
-            )
+    probe = _PROBES.get(module.rsplit(".", 1)[-1])
+    if probe is not None and hasattr(tokenizer, "apply_chat_template"):
+        if tokenizer not in _layouts:
+            _layouts[tokenizer] = probe(lambda m: tokenizer.apply_chat_template(m, tokenize=False))
+        own = _layouts[tokenizer]
     return ToolFormat(
         start=tokenizer.tool_call_start,
         end=tokenizer.tool_call_end,
@@ -114,7 +114,12 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     )
 
 
-_layouts: weakref.WeakKeyDictionary[Any, CallSyntax] = weakref.WeakKeyDictionary()
+# formats whose layout is read from the model's own template (None: parsed only)
+_PROBES: dict[str, Callable[[Callable[[list[dict[str, Any]]], str]], CallSyntax | None]] = {
+    "glm47": glm_layout,
+    "mistral": mistral_syntax,
+}
+_layouts: weakref.WeakKeyDictionary[Any, CallSyntax | None] = weakref.WeakKeyDictionary()
 
 
 def tool_format_notice(tokenizer: Any) -> str:

@@ -26,6 +26,8 @@ FAMILIES = {
     "glm-4.6": "glm-4.6.jinja",
     "lfm2.5": "lfm2.5.jinja",
     "gemma4": "gemma4.jinja",
+    "mistral-v13": "mistral-v13.jinja",
+    "mistral-v11": "mistral-v11.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
@@ -44,6 +46,21 @@ GEMMA4_TOOL_TOKENS = (
     '<|"|>',
     "<|channel>",
     "<channel|>",
+)
+# Mistral's control tokens (Tekken tokenizers)
+MISTRAL_TOOL_TOKENS = (
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[TOOL_RESULTS]",
+    "[TOOL_CONTENT]",
+    "[/TOOL_RESULTS]",
 )
 
 
