@@ -130,6 +130,7 @@ def _value(terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) 
             if plain:
                 quoted = (json.dumps("'" + o + "'") for o in plain)
                 return f"({' | '.join(quoted)})"
+            return f"%json {json.dumps({**prop, **shared})}"  # JSON strings Python reads too
         low, high = prop.get("minLength"), prop.get("maxLength")
         low = low if isinstance(low, int) and low >= 0 else 0
         high = high if isinstance(high, int) and high >= low else None
