@@ -1,4 +1,4 @@
-"""LFM2's, Gemma 4's and Mistral's tool calls, constrained and streamed.
+"""LFM2's, Gemma 4's, Mistral's and DeepSeek-V3.1's tool calls, constrained and streamed.
 
 Each family's tiny random-weight model carries its real chat template (tests/fixtures/templates)
 and its tokenizer's tool markers as tokens; mlx-lm picks the parser from the template:
@@ -6,7 +6,9 @@ and its tokenizer's tool markers as tokens; mlx-lm picks the parser from the tem
 * LFM2.5, `pythonic`: `<|tool_call_start|>[name(key='value', n=3), other()]<|tool_call_end|>`;
 * Gemma 4, `gemma4`: `<|tool_call>call:name{key:<|"|>value<|"|>,n:3}<tool_call|>`;
 * Mistral's v13 templates, `mistral`: `[TOOL_CALLS]name[ARGS]{"key": "value"}` per call, with no
-  closing marker (the call ends the answer).
+  closing marker (the call ends the answer);
+* DeepSeek-V3.1, our own `deepseek_v31` (mlx-lm has no parser for it):
+  `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
 
 Whatever such a model samples at temperature 1, a forced call must parse (by mlx-lm's own parser)
 to arguments valid against the function's schema, and re-render as it was sampled.
@@ -28,6 +30,7 @@ from tests.conftest import ServerProcess, client_for
 from tests.support.fuzz_values import name, schema
 from tests.support.fuzzing import check
 from tests.support.thinking_models import (
+    DEEPSEEK_TOOL_TOKENS,
     GEMMA4_TOOL_TOKENS,
     LFM_TOOL_TOKENS,
     MISTRAL_TOOL_TOKENS,
@@ -73,6 +76,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 Q = '<|"|>'
+DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 # family, its tokenizer's tool markers, the parser mlx-lm picks, and call texts: a whole call
 # (markers included), an invented tool's opening, an undeclared parameter, a required one left
@@ -109,6 +114,16 @@ FAMILIES = {
         'get_weather[ARGS]{"city": "Pa}[ris\\"", "unit": "celsius", "days": 3, "hours": [1, 2]}'
         '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
     ),
+    "deepseek-v3.1": (
+        DEEPSEEK_TOOL_TOKENS,
+        "deepseek_v31",
+        f'{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{"timezone": "UTC"}}{DS_END}{DS_BLOCK_END}',
+        f"{DS_BLOCK}{DS_CALL}get_tme",
+        f'{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{"tz"',
+        f"{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{}}",
+        f'{DS_CALL}get_weather{DS_SEP}{{"city": "Pa}}[{DS_END[:4]}", "unit": "celsius", "days": 3}}'
+        f'{DS_END}{DS_CALL}get_time{DS_SEP}{{"timezone": "UTC"}}{DS_END}',
+    ),
 }
 
 
@@ -130,9 +145,16 @@ def tokenizer(model_dir: Path):
     return load(str(model_dir))[1]
 
 
+# no reasoning section: the answer is the call, so each turn re-renders as it was sampled
+KWARGS = {"deepseek-v3.1": {"thinking": False}}
+
+
 @pytest.fixture(scope="module")
-def served(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir.parent, "--model", str(model_dir))
+def served(model_dir: Path, family: str) -> Iterator[ServerProcess]:
+    kwargs = json.dumps(KWARGS.get(family, {}))
+    proc = ServerProcess(
+        model_dir.parent, "--model", str(model_dir), "--chat-template-kwargs", kwargs
+    )
     yield proc.wait_ready()
     proc.stop()
 
@@ -168,11 +190,11 @@ def _request(messages: list[dict], choice: object = "required"):
     return to_chat_request(body)
 
 
-def _prompt(tokenizer, messages: list[dict]) -> list[int]:
+def _prompt(tokenizer, messages: list[dict], family: str) -> list[int]:
     """The prompt the server renders for these messages (its own request parsing and render)."""
     from mlx_kvserve.chat.render import render_chat
 
-    return render_chat(tokenizer, _request(messages)).tokens
+    return render_chat(tokenizer, _request(messages), KWARGS.get(family, {})).tokens
 
 
 HISTORY = [
@@ -211,12 +233,27 @@ def test_history_renders_as_the_template_renders_it(tokenizer, family):
         for m in HISTORY
     ]
     tools = [t for t in TOOLS]
+    if family == "deepseek-v3.1":  # its template writes arguments as text and lists no tools
+        from mlx_kvserve.chat.deepseek_v31 import tools_prompt
+
+        messages = [dict(m) for m in HISTORY]
+        messages[0]["content"] += "\n\n" + tools_prompt(TOOLS)
+        messages[2]["tool_calls"] = [_as_text(c) for c in messages[2]["tool_calls"]]
     own = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        **KWARGS.get(family, {}),
     )
-    ours = _prompt(tokenizer, HISTORY)
+    ours = _prompt(tokenizer, HISTORY, family)
     assert ours == tokenizer.encode(own, add_special_tokens=False)
     assert "get_weather" in own and "CET" in own and "sunny" in own
+
+
+def _as_text(call: dict) -> dict:
+    arguments = json.dumps(json.loads(call["function"]["arguments"]), ensure_ascii=False)
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def _as_objects(call: dict) -> dict:
@@ -299,7 +336,7 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(client):
     ]
 
 
-def test_tool_loop_hits_the_cache(client, tokenizer):
+def test_tool_loop_hits_the_cache(client, tokenizer, family):
     """The call re-renders byte for byte as the model sampled it, and the next turn reads the
     previous prompt and the call from the cache, as far as the sampled tokens are the ones the
     tokenizer makes of that text (all of them for a call the grammar wrote alone, `ping`)."""
@@ -320,14 +357,14 @@ def test_tool_loop_hits_the_cache(client, tokenizer):
             logprobs=True,
         )
         choice = reply.choices[0]
-        prompt = _prompt(tokenizer, messages)
+        prompt = _prompt(tokenizer, messages, family)
         assert len(prompt) == reply.usage.prompt_tokens
         sampled = [bytes(t.bytes) for t in choice.logprobs.content]
         call = choice.message.tool_calls[0]
         _valid(call)
         messages.append(choice.message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
-        following = _prompt(tokenizer, messages)
+        following = _prompt(tokenizer, messages, family)
         shared = _shared(prompt, following)
         if shared < len(prompt):  # only Gemma 4's empty thinking channel is left out
             assert tokenizer.decode(prompt[shared:]) == "<|channel>thought\n<channel|>"
@@ -506,12 +543,17 @@ def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
     each call's fragments plus `finish`'s last one are the JSON of what the parser reads."""
     from mlx_lm.tool_parsers import gemma4, mistral, pythonic
 
+    from mlx_kvserve.chat import deepseek_v31
     from mlx_kvserve.chat.mistral_calls import MISTRAL
     from mlx_kvserve.chat.syntaxes import SYNTAXES
 
     parser = FAMILIES[family][1]
-    syntax = MISTRAL if parser == "mistral" else SYNTAXES[parser]
-    parse = {"pythonic": pythonic, "gemma4": gemma4, "mistral": mistral}[parser].parse_tool_call
+    syntax, parse = {
+        "pythonic": (SYNTAXES["pythonic"], pythonic.parse_tool_call),
+        "gemma4": (SYNTAXES["gemma4"], gemma4.parse_tool_call),
+        "mistral": (MISTRAL, mistral.parse_tool_call),
+        "deepseek_v31": (deepseek_v31.DEEPSEEK_V31, deepseek_v31.parse_tool_call),
+    }[parser]
     text = FAMILIES[family][6]
 
     def pieces(points: list[int]) -> list:
@@ -530,7 +572,7 @@ def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
     whole, _ = pieces([])
     chunked, stream = pieces(cuts)
     assert calls(chunked) == calls(whole)
-    if parser != "mistral":  # fragments are whole keys and values, however the text arrives
+    if parser in {"pythonic", "gemma4"}:  # fragments are whole keys and values, however cut
         assert [(p.slot, p.name, p.fragment) for p in chunked] == [
             (p.slot, p.name, p.fragment) for p in whole
         ]

@@ -67,6 +67,9 @@ class Constraint:
     def forced(self, limit: int) -> list[int]:
         """The tokens that must come next whatever the model prefers (consumed here)."""
         tokens = self._matcher.compute_ff_tokens()[:limit]
+        # the library may tokenize forced multi-byte text otherwise than its grammar reads it
+        # (a name in a rare script): keep what it accepts, sampling under the mask does the rest
+        tokens = tokens[: self._matcher.validate_tokens(tokens)] if tokens else tokens
         if tokens and not self._matcher.consume_tokens(tokens):
             raise RuntimeError(
                 f"grammar rejected its own forced tokens: {self._matcher.get_error()}"

@@ -30,6 +30,7 @@ from typing import Any
 
 from mlx_lm.tool_parsers import json_tools
 
+from mlx_kvserve.chat import deepseek_v31  # noqa: I001 (the module, for its markers)
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.mistral_calls import mistral_syntax
@@ -63,6 +64,9 @@ class ToolFormat:
     native: bool  # the chat template renders tools and calls itself
     json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
     own_syntax: CallSyntax | None = None  # a syntax read from the model's own template
+    string_arguments: bool = False  # the template renders history arguments as JSON text
+    # the tool list as system-prompt text, for a template that does not render `tools` itself
+    system_tools: Callable[[list[dict[str, Any]]], str] | None = None
 
     @property
     def name(self) -> str:
@@ -96,7 +100,7 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     """The model's own format when mlx-lm found a parser for its template, else Hermes."""
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None or not getattr(tokenizer, "has_tool_calling", False):
-        return HERMES
+        return _own_format(tokenizer) or HERMES
     module = getattr(parser, "__module__", "") or ""
     own = None
     probe = _PROBES.get(module.rsplit(".", 1)[-1])
@@ -120,6 +124,23 @@ _PROBES: dict[str, Callable[[Callable[[list[dict[str, Any]]], str]], CallSyntax 
     "mistral": mistral_syntax,
 }
 _layouts: weakref.WeakKeyDictionary[Any, CallSyntax | None] = weakref.WeakKeyDictionary()
+
+
+def _own_format(tokenizer: Any) -> ToolFormat | None:
+    """A format mlx-lm has no parser for but this server has (DeepSeek-V3.1's), from the
+    model's template."""
+    if not deepseek_v31.is_deepseek_v31(getattr(tokenizer, "chat_template", None)):
+        return None
+    return ToolFormat(
+        start=deepseek_v31.tool_call_start,
+        end=deepseek_v31.tool_call_end,
+        parse=deepseek_v31.parse_tool_call,
+        native=True,
+        json_body=False,
+        own_syntax=deepseek_v31.DEEPSEEK_V31,
+        string_arguments=True,
+        system_tools=deepseek_v31.tools_prompt,
+    )
 
 
 def tool_format_notice(tokenizer: Any) -> str:
@@ -211,15 +232,23 @@ def hermes_messages(
 
 
 def native_messages(
-    messages: list[Message], arguments: list[list[dict[str, Any]]]
+    messages: list[Message], arguments: list[list[dict[str, Any]]], *, as_text: bool = False
 ) -> list[dict[str, Any]]:
-    """OpenAI-style message dicts with arguments as objects, as tool templates iterate them."""
+    """OpenAI-style message dicts with arguments as objects, as tool templates iterate them
+    (`as_text`: as canonical JSON text, for a template that writes them out whole)."""
     out: list[dict[str, Any]] = []
     for message, args in zip(messages, arguments, strict=True):
         item: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
             item["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.name,
+                        "arguments": json.dumps(a, ensure_ascii=False) if as_text else a,
+                    },
+                }
                 for c, a in zip(message.tool_calls, args, strict=True)
             ]
         if message.role == "tool":
@@ -228,3 +257,11 @@ def native_messages(
                 item["name"] = message.name
         out.append(item)
     return out
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` at the end of the system message (one is added when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]["content"]
+        return [{**messages[0], "content": f"{first}\n\n{text}" if first else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

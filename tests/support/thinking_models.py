@@ -28,6 +28,7 @@ FAMILIES = {
     "gemma4": "gemma4.jinja",
     "mistral-v13": "mistral-v13.jinja",
     "mistral-v11": "mistral-v11.jinja",
+    "deepseek-v3.1": "deepseek-v3.1.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
@@ -61,6 +62,18 @@ MISTRAL_TOOL_TOKENS = (
     "[TOOL_RESULTS]",
     "[TOOL_CONTENT]",
     "[/TOOL_RESULTS]",
+)
+DEEPSEEK_TOOL_TOKENS = (
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
 )
 
 
