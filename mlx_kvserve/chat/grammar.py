@@ -68,6 +68,9 @@ class Constraint:
     def forced(self, limit: int) -> list[int]:
         """The tokens that must come next whatever the model prefers (consumed here)."""
         tokens = self._matcher.compute_ff_tokens()[:limit]
+        # the library may tokenize forced multi-byte text otherwise than its grammar reads it
+        # (a name in a rare script): keep what it accepts, sampling under the mask does the rest
+        tokens = tokens[: self._matcher.validate_tokens(tokens)] if tokens else tokens
         if tokens and not self._matcher.consume_tokens(tokens):
             raise RuntimeError(
                 f"grammar rejected its own forced tokens: {self._matcher.get_error()}"
@@ -135,8 +138,9 @@ class GrammarCompiler:
         assert fmt is not None
         opening = self._marker(fmt.start)
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
-        more = f' ("\\n" call){{0,{most - 1}}}' if most > 1 else ""
         syntax = fmt.syntax
+        between = json.dumps(getattr(syntax, "between", "\n"))  # what separates two blocks
+        more = f" ({between} call){{0,{most - 1}}}" if most > 1 else ""
         lead = f"{json.dumps(syntax.lead)} " if syntax and syntax.lead else ""
         if syntax is not None and syntax.calls_per_block:
             more = ""  # one block holds every call (its call_body allows up to `most`)

@@ -223,7 +223,7 @@ class OutputParser:
         if not call.body_done and not self._scan_json_body(call, events):
             return False
         end = self._end_marker(call, events)
-        at = self._pending.find(end)
+        at = self._pending.find(end) if end else -1  # no closing marker: the call ends at EOS
         take = self._pending if at < 0 else self._pending[:at]
         if at < 0:
             keep = _partial_suffix(take, end)

@@ -37,6 +37,7 @@ from mlx_kvserve.chat.tool_format import (
     native_messages,
     parse_arguments,
     tool_format_for,
+    with_system_text,
 )
 
 
@@ -89,10 +90,14 @@ def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | Non
     fmt = tool_format_for(tokenizer)
     tools = req.tools
     if fmt.native:
-        messages: list[dict[str, Any]] = native_messages(req.messages, arguments)
+        messages: list[dict[str, Any]] = native_messages(
+            req.messages, arguments, as_text=fmt.string_arguments
+        )
         kwargs: dict[str, Any] = {"tools": [t.as_openai() for t in tools]} if tools else {}
         if fmt.harmony and tools:
             kwargs["tools"] = harmony_tools(kwargs["tools"])
+        if tools and fmt.system_tools is not None:  # a template that does not list the tools
+            messages = with_system_text(messages, fmt.system_tools(kwargs["tools"]))
     else:
         messages = hermes_messages(req.messages, tools, arguments)
         kwargs = {}

@@ -4,12 +4,16 @@ name (chat.call_syntax). A format that is not here is parsed only, and says so a
 from __future__ import annotations
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
+from mlx_kvserve.chat.gemma4_calls import GEMMA4
 from mlx_kvserve.chat.kimi_calls import KIMI_K2
 from mlx_kvserve.chat.minimax_calls import MINIMAX_M2
+from mlx_kvserve.chat.pythonic_calls import PYTHONIC
 from mlx_kvserve.chat.xml_calls import LAYOUTS
 
 SYNTAXES: dict[str, CallSyntax] = {
     **LAYOUTS,
     MINIMAX_M2.format: MINIMAX_M2,
     KIMI_K2.format: KIMI_K2,
+    PYTHONIC.format: PYTHONIC,
+    GEMMA4.format: GEMMA4,
 }

@@ -30,9 +30,13 @@ from typing import Any
 
 from mlx_lm.tool_parsers import json_tools
 
-from mlx_kvserve.chat import harmony
+from mlx_kvserve.chat import (
+    deepseek_v31,  # noqa: I001 (the module, for its markers)
+    harmony,
+)
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.mistral_calls import mistral_syntax
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
 from mlx_kvserve.chat.syntaxes import SYNTAXES
 from mlx_kvserve.chat.xml_calls import glm_layout
@@ -64,6 +68,9 @@ class ToolFormat:
     json_body: bool  # calls are {"name", "arguments"} JSON: constrainable and streamable
     own_syntax: CallSyntax | None = None  # a syntax read from the model's own template
     harmony: bool = False  # gpt-oss's channels (chat.harmony): its own parser and grammar
+    string_arguments: bool = False  # the template renders history arguments as JSON text
+    # the tool list as system-prompt text, for a template that does not render `tools` itself
+    system_tools: Callable[[list[dict[str, Any]]], str] | None = None
 
     @property
     def name(self) -> str:
@@ -108,15 +115,14 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
         return HARMONY
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None or not getattr(tokenizer, "has_tool_calling", False):
-        return HERMES
+        return _own_format(tokenizer) or HERMES
     module = getattr(parser, "__module__", "") or ""
     own = None
-    if module.endswith(".glm47") and hasattr(tokenizer, "apply_chat_template"):
-        own = _layouts.get(tokenizer)
-        if own is None:
-            own = _layouts[tokenizer] = glm_layout(
-                lambda m: tokenizer.apply_chat_template(m, tokenize=False)
-            )
+    probe = _PROBES.get(module.rsplit(".", 1)[-1])
+    if probe is not None and hasattr(tokenizer, "apply_chat_template"):
+        if tokenizer not in _layouts:
+            _layouts[tokenizer] = probe(lambda m: tokenizer.apply_chat_template(m, tokenize=False))
+        own = _layouts[tokenizer]
     return ToolFormat(
         start=tokenizer.tool_call_start,
         end=tokenizer.tool_call_end,
@@ -127,7 +133,29 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     )
 
 
-_layouts: weakref.WeakKeyDictionary[Any, CallSyntax] = weakref.WeakKeyDictionary()
+# formats whose layout is read from the model's own template (None: parsed only)
+_PROBES: dict[str, Callable[[Callable[[list[dict[str, Any]]], str]], CallSyntax | None]] = {
+    "glm47": glm_layout,
+    "mistral": mistral_syntax,
+}
+_layouts: weakref.WeakKeyDictionary[Any, CallSyntax | None] = weakref.WeakKeyDictionary()
+
+
+def _own_format(tokenizer: Any) -> ToolFormat | None:
+    """A format mlx-lm has no parser for but this server has (DeepSeek-V3.1's), from the
+    model's template."""
+    if not deepseek_v31.is_deepseek_v31(getattr(tokenizer, "chat_template", None)):
+        return None
+    return ToolFormat(
+        start=deepseek_v31.tool_call_start,
+        end=deepseek_v31.tool_call_end,
+        parse=deepseek_v31.parse_tool_call,
+        native=True,
+        json_body=False,
+        own_syntax=deepseek_v31.DEEPSEEK_V31,
+        string_arguments=True,
+        system_tools=deepseek_v31.tools_prompt,
+    )
 
 
 def tool_format_notice(tokenizer: Any) -> str:
@@ -219,15 +247,23 @@ def hermes_messages(
 
 
 def native_messages(
-    messages: list[Message], arguments: list[list[dict[str, Any]]]
+    messages: list[Message], arguments: list[list[dict[str, Any]]], *, as_text: bool = False
 ) -> list[dict[str, Any]]:
-    """OpenAI-style message dicts with arguments as objects, as tool templates iterate them."""
+    """OpenAI-style message dicts with arguments as objects, as tool templates iterate them
+    (`as_text`: as canonical JSON text, for a template that writes them out whole)."""
     out: list[dict[str, Any]] = []
     for message, args in zip(messages, arguments, strict=True):
         item: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
             item["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": a}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.name,
+                        "arguments": json.dumps(a, ensure_ascii=False) if as_text else a,
+                    },
+                }
                 for c, a in zip(message.tool_calls, args, strict=True)
             ]
         if message.role == "tool":
@@ -236,3 +272,11 @@ def native_messages(
                 item["name"] = message.name
         out.append(item)
     return out
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` at the end of the system message (one is added when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]["content"]
+        return [{**messages[0], "content": f"{first}\n\n{text}" if first else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

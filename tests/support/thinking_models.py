@@ -26,6 +26,11 @@ FAMILIES = {
     "glm-4.6": "glm-4.6.jinja",
     "minimax-m2": "minimax-m2.jinja",
     "kimi-k2": "kimi-k2-thinking.jinja",
+    "lfm2.5": "lfm2.5.jinja",
+    "gemma4": "gemma4.jinja",
+    "mistral-v13": "mistral-v13.jinja",
+    "mistral-v11": "mistral-v11.jinja",
+    "deepseek-v3.1": "deepseek-v3.1.jinja",
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
@@ -41,6 +46,48 @@ KIMI_TOOL_TOKENS = (
     "<|im_assistant|>",
     "<|im_system|>",
     "<|im_middle|>",
+)
+LFM_TOOL_TOKENS = ("<|tool_call_start|>", "<|tool_call_end|>")
+# Gemma 4's turn, tool and string-delimiter tokens (its `<|"|>` quotes strings in calls)
+GEMMA4_TOOL_TOKENS = (
+    "<|turn>",
+    "<turn|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+    "<|channel>",
+    "<channel|>",
+)
+# Mistral's control tokens (Tekken tokenizers)
+MISTRAL_TOOL_TOKENS = (
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[TOOL_RESULTS]",
+    "[TOOL_CONTENT]",
+    "[/TOOL_RESULTS]",
+)
+DEEPSEEK_TOOL_TOKENS = (
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
 )
 
 

@@ -1,0 +1,186 @@
+"""DeepSeek-V3.1's tool calls, which mlx-lm has no parser for: the format, its parser, its
+grammar and streaming.
+
+DeepSeek-V3.1 writes every call of a turn in one block, each call's arguments as JSON:
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+    <｜tool▁call▁end｜><｜tool▁calls▁end｜>   (one line, nothing between the markers)
+
+Its chat template renders calls in history (their `arguments` as the JSON text itself) and tool
+results, but not the tool list: the model card has the caller describe the tools in the system
+prompt, in a fixed form (`tools_prompt`, as Ollama's renderer writes it). The grammar makes the
+model write declared functions' names and arguments following their schemas, in the canonical
+JSON form (`", "`, `": "`) history is rendered in, so a tool loop re-renders what it sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.request import Tool
+
+tool_call_start = "<｜tool▁calls▁begin｜>"
+tool_call_end = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+SEP = "<｜tool▁sep｜>"
+_CALL = re.compile(
+    re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.DOTALL
+)
+_HEADER = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP))
+# a name the parser reads back whole, and a tokenizer can write (no control characters)
+_NAME = re.compile(r"[^\s<>｜\x00-\x1f\x7f]+")
+
+
+def is_deepseek_v31(template: Any) -> bool:
+    """The chat template renders DeepSeek-V3.1's calls (V3.1 and V3.1-Terminus)."""
+    return isinstance(template, str) and all(m in template for m in (tool_call_start, SEP))
+
+
+def parse_tool_call(text: str, tools: Any | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+    """The calls of one block (the text after `<｜tool▁calls▁begin｜>`), in mlx-lm's parser
+    shape: one call, or a list of them."""
+    calls = []
+    for name, arguments in _CALL.findall(text):
+        value = json.loads(arguments) if arguments.strip() else {}
+        if not isinstance(value, dict):
+            raise ValueError(f"Could not parse tool call arguments: {arguments!r}")
+        calls.append({"name": name.strip(), "arguments": value})
+    if not calls:
+        raise ValueError("No function provided.")
+    return calls[0] if len(calls) == 1 else calls
+
+
+def tools_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tool section of the system prompt, in the form DeepSeek-V3.1's model card gives."""
+    lines = ["## Tools", "You have access to the following tools:"]
+    for tool in tools:
+        function = tool.get("function", {})
+        lines += [
+            "",
+            f"### {function.get('name', '')}",
+            f"Description: {function.get('description') or ''}",
+            "",
+            f"Parameters: {json.dumps(function.get('parameters') or {}, ensure_ascii=False)}",
+        ]
+    lines += [
+        "",
+        "IMPORTANT: ALWAYS adhere to this exact format for tool use:",
+        f"{tool_call_start}{CALL_BEGIN}tool_call_name{SEP}tool_call_arguments{CALL_END}"
+        "{{additional_tool_calls}}" + tool_call_end,
+        "",
+        "Where:",
+        "",
+        "- `tool_call_name` must be an exact match to one of the available tools",
+        "- `tool_call_arguments` must be valid JSON that strictly follows the tool's "
+        "Parameters Schema",
+        "- For multiple tool calls, chain them directly without separators or spaces",
+    ]
+    return "\n".join(lines)
+
+
+class DeepSeekV31Syntax:
+    """The CallSyntax of DeepSeek-V3.1's block of calls."""
+
+    format = "deepseek_v31"
+    lead = ""
+    calls_per_block = True
+
+    def calls_rule(
+        self,
+        tools: list[Tool],
+        parameters: Parameters,
+        style: dict[str, Any],
+        marker: Marker,
+        end: str,
+        most: int,
+    ) -> str:
+        names, rules = [], []
+        for k, tool in enumerate(tools):
+            if not _NAME.fullmatch(tool.name):
+                continue  # the parser could not read this name back: the model cannot call it
+            schema = {**parameters(tool), "x-guidance": style}
+            names.append(f"fn_{k}")
+            rules.append(
+                f"fn_{k}: {marker(CALL_BEGIN)} {json.dumps(tool.name)} {marker(SEP)} "
+                f"%json {json.dumps(schema)} {marker(CALL_END)}"
+            )
+        if not names:
+            raise InvalidRequest(
+                "Invalid value for 'tools': this model writes a tool's name bare in its calls, "
+                "so a name needs at least one character and no spaces, `<` or `>`.",
+                param="tools",
+            )
+        more = f" one_call{{0,{most - 1}}}" if most > 1 else ""
+        return "\n".join(
+            [
+                f"call_body: one_call{more} {marker(end)}",
+                f"one_call: {' | '.join(names)}",
+                *rules,
+            ]
+        )
+
+    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> DeepSeekV31Stream:
+        return DeepSeekV31Stream()
+
+
+class DeepSeekV31Stream:
+    """Follows one block as it grows: each call's name at its `<｜tool▁sep｜>`, then its JSON
+    arguments as they are written, up to the call's end marker."""
+
+    def __init__(self) -> None:
+        self._pos = 0
+        self._slot = -1
+        self._open = False
+        self.sent: dict[int, str] = {}
+
+    def feed(self, text: str) -> list[CallPiece]:
+        out: list[CallPiece] = []
+        while True:
+            if not self._open:
+                header = _HEADER.search(text, self._pos)
+                if header is None:
+                    return out
+                self._slot += 1
+                self.sent[self._slot] = ""
+                out.append(CallPiece(self._slot, header.group(1).strip()))
+                self._pos, self._open = header.end(), True
+            end = text.find(CALL_END, self._pos)
+            upto = end if end >= 0 else len(text) - _partial(text[self._pos :], CALL_END)
+            fresh = text[self._pos : upto]
+            if fresh:
+                self.sent[self._slot] += fresh
+                out.append(CallPiece(self._slot, fragment=fresh))
+            self._pos = upto
+            if end < 0:
+                return out
+            self._pos, self._open = end + len(CALL_END), False
+
+    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+        sent = self.sent.get(slot, "")
+        if arguments is None:
+            return "", sent
+        try:
+            if json.loads(sent) == arguments:
+                return "", sent
+        except ValueError:
+            pass
+        whole = json.dumps(arguments if isinstance(arguments, dict) else {}, ensure_ascii=False)
+        if whole.startswith(sent):
+            return whole[len(sent) :], whole
+        return "", whole  # unconstrained text the parser read otherwise than streamed
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+DEEPSEEK_V31 = DeepSeekV31Syntax()

@@ -1,0 +1,177 @@
+"""The tool-call families tests/test_tools_formats.py runs: their tools, sample call texts,
+history and hostile tool strategies (a module of data, so the test file stays readable)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import strategies as st
+
+from tests.support.fuzz_values import name, schema
+from tests.support.thinking_models import (
+    DEEPSEEK_TOOL_TOKENS,
+    GEMMA4_TOOL_TOKENS,
+    LFM_TOOL_TOKENS,
+    MISTRAL_TOOL_TOKENS,
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "detailed": {"type": "boolean"},
+        "hours": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 23},
+            "maxItems": 3,
+        },
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 20}},
+    "required": ["timezone"],
+    "additionalProperties": False,  # strict, as the Agents SDK sends: a JSON call is bounded
+}
+PING = {  # a call with nothing left to choose: every token of it is forced
+    "type": "object",
+    "properties": {"host": {"type": "string", "enum": ["localhost"]}},
+    "required": ["host"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+    {"type": "function", "function": {"name": "ping", "parameters": PING}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+Q = '<|"|>'
+DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+# family, its tokenizer's tool markers, the parser mlx-lm picks, and call texts: a whole call
+# (markers included), an invented tool's opening, an undeclared parameter, a required one left
+# out, and a call's block text (after the opening marker) with values that hold the format's
+# separators
+FAMILIES = {
+    "lfm2.5": (
+        LFM_TOOL_TOKENS,
+        "pythonic",
+        "<|tool_call_start|>[get_time(timezone='UTC')]<|tool_call_end|>",
+        "<|tool_call_start|>[get_tme(",
+        "<|tool_call_start|>[get_time(tz=",
+        "<|tool_call_start|>[get_time()",
+        "[get_weather(city='Pa, (ris)]', unit='celsius', days=3, detailed=False, hours=[1, 2]),"
+        " get_time(timezone='UTC'), ping(host='localhost')]",
+    ),
+    "gemma4": (
+        GEMMA4_TOOL_TOKENS,
+        "gemma4",
+        f"<|tool_call>call:get_time{{timezone:{Q}UTC{Q}}}<tool_call|>",
+        "<|tool_call>call:get_tme{",
+        "<|tool_call>call:get_time{tz:",
+        "<|tool_call>call:get_time{}",
+        f"call:get_weather{{city:{Q}Pa, {{ris}}]{Q},days:3,detailed:false,hours:[1,2],"
+        f"unit:{Q}celsius{Q}}}",
+    ),
+    "mistral-v13": (
+        MISTRAL_TOOL_TOKENS,
+        "mistral",
+        '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
+        "[TOOL_CALLS]get_tme",
+        '[TOOL_CALLS]get_time[ARGS]{"tz"',
+        "[TOOL_CALLS]get_time[ARGS]{}",
+        'get_weather[ARGS]{"city": "Pa}[ris\\"", "unit": "celsius", "days": 3, "hours": [1, 2]}'
+        '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}',
+    ),
+    "deepseek-v3.1": (
+        DEEPSEEK_TOOL_TOKENS,
+        "deepseek_v31",
+        f'{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{"timezone": "UTC"}}{DS_END}{DS_BLOCK_END}',
+        f"{DS_BLOCK}{DS_CALL}get_tme",
+        f'{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{"tz"',
+        f"{DS_BLOCK}{DS_CALL}get_time{DS_SEP}{{}}",
+        f'{DS_CALL}get_weather{DS_SEP}{{"city": "Pa}}[{DS_END[:4]}", "unit": "celsius", "days": 3}}'
+        f'{DS_END}{DS_CALL}get_time{DS_SEP}{{"timezone": "UTC"}}{DS_END}',
+    ),
+}
+
+
+# no reasoning section: the answer is the call, so each turn re-renders as it was sampled
+KWARGS = {"deepseek-v3.1": {"thinking": False}}
+
+
+HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    *ASK,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": json.dumps(
+                        {"city": "Paris", "unit": "celsius", "days": 2, "hours": [9, 12]}
+                    ),
+                },
+            },
+            {
+                "id": "c2",
+                "type": "function",
+                "function": {"name": "get_time", "arguments": '{"timezone": "CET"}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+]
+
+
+# tools as hostile clients write them: names neither syntax can hold, schemas of every shape,
+# property names with spaces, quotes and markup, typed and untyped, nested properties
+kw_leaf = st.fixed_dictionaries({"type": st.sampled_from(["integer", "string", "boolean"])})
+kw_key = st.one_of(
+    st.just("k"), st.sampled_from(["class", "None", "a-b"]), st.text("ab _<>'=:{\n", max_size=6)
+)
+kw_property = st.one_of(
+    schema,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "array"])},
+        optional={
+            "enum": st.lists(st.text(max_size=8), max_size=3),
+            "maxLength": st.integers(-2, 5),
+            "minItems": st.integers(-1, 3),
+            "maxItems": st.integers(-1, 3),
+            "items": kw_leaf,
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(kw_key, kw_leaf, max_size=2)}
+    ),
+)
+kw_name = st.one_of(
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
+    st.sampled_from(["a b", "x.y", "def", "1st", "call:x", "<tool_call|>"]),
+    name,
+)
+kw_parameters = st.fixed_dictionaries(
+    {"type": st.just("object"), "properties": st.dictionaries(kw_key, kw_property, max_size=3)},
+    optional={"required": st.lists(kw_key, max_size=3)},
+)
+kw_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": kw_name}, optional={"parameters": st.one_of(schema, kw_parameters)}
+        ),
+    }
+)

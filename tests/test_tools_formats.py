@@ -1,0 +1,451 @@
+"""LFM2's, Gemma 4's, Mistral's and DeepSeek-V3.1's tool calls, constrained and streamed.
+
+Each family's tiny random-weight model carries its real chat template (tests/fixtures/templates)
+and its tokenizer's tool markers as tokens; mlx-lm picks the parser from the template:
+
+* LFM2.5, `pythonic`: `<|tool_call_start|>[name(key='value', n=3), other()]<|tool_call_end|>`;
+* Gemma 4, `gemma4`: `<|tool_call>call:name{key:<|"|>value<|"|>,n:3}<tool_call|>`;
+* Mistral's v13 templates, `mistral`: `[TOOL_CALLS]name[ARGS]{"key": "value"}` per call, with no
+  closing marker (the call ends the answer);
+* DeepSeek-V3.1, our own `deepseek_v31` (mlx-lm has no parser for it):
+  `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`.
+
+Whatever such a model samples at temperature 1, a forced call must parse (by mlx-lm's own parser)
+to arguments valid against the function's schema, and re-render as it was sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ServerProcess, client_for
+from tests.support.call_formats import (
+    ASK,
+    FAMILIES,
+    HISTORY,
+    KWARGS,
+    NAMED,
+    PING,
+    SCHEMAS,
+    TOOLS,
+    kw_tool,
+)
+from tests.support.fuzzing import check
+from tests.support.thinking_models import MISTRAL_TOOL_TOKENS, build_thinking_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("kw_tools") / family
+    return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from mlx_lm import load
+
+    return load(str(model_dir))[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path, family: str) -> Iterator[ServerProcess]:
+    kwargs = json.dumps(KWARGS.get(family, {}))
+    proc = ServerProcess(
+        model_dir.parent, "--model", str(model_dir), "--chat-template-kwargs", kwargs
+    )
+    yield proc.wait_ready()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: ServerProcess):
+    return client_for(served)
+
+
+def test_the_format_is_named_once_at_start_up(served, family):
+    notice = f"tool calls: {FAMILIES[family][1]} format, constrained and streamed"
+    assert served.log().count(notice) == 1
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _valid(call) -> dict:
+    assert call.type == "function" and call.function.name in SCHEMAS
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def _request(messages: list[dict], choice: object = "required"):
+    from mlx_kvserve.api.openai_chat import to_chat_request
+    from mlx_kvserve.api.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": choice}
+    )
+    return to_chat_request(body)
+
+
+def _prompt(tokenizer, messages: list[dict], family: str) -> list[int]:
+    """The prompt the server renders for these messages (its own request parsing and render)."""
+    from mlx_kvserve.chat.render import render_chat
+
+    return render_chat(tokenizer, _request(messages), KWARGS.get(family, {})).tokens
+
+
+def test_history_renders_as_the_template_renders_it(tokenizer, family):
+    """Tools, parallel calls and their results: the server's prompt is the template's own."""
+    messages = [
+        {**m, "tool_calls": [_as_objects(c) for c in m["tool_calls"]]} if "tool_calls" in m else m
+        for m in HISTORY
+    ]
+    tools = [t for t in TOOLS]
+    if family == "deepseek-v3.1":  # its template writes arguments as text and lists no tools
+        from mlx_kvserve.chat.deepseek_v31 import tools_prompt
+
+        messages = [dict(m) for m in HISTORY]
+        messages[0]["content"] += "\n\n" + tools_prompt(TOOLS)
+        messages[2]["tool_calls"] = [_as_text(c) for c in messages[2]["tool_calls"]]
+    own = tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        **KWARGS.get(family, {}),
+    )
+    ours = _prompt(tokenizer, HISTORY, family)
+    assert ours == tokenizer.encode(own, add_special_tokens=False)
+    assert "get_weather" in own and "CET" in own and "sunny" in own
+
+
+def _as_text(call: dict) -> dict:
+    arguments = json.dumps(json.loads(call["function"]["arguments"]), ensure_ascii=False)
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
+def _as_objects(call: dict) -> dict:
+    function = {**call["function"], "arguments": json.loads(call["function"]["arguments"])}
+    return {**call, "function": function}
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
+def test_forced_calls_always_validate(client, named):
+    """20 seeds per mode at temperature 1: every call is a declared tool with valid arguments,
+    and nothing of the call's syntax leaks into content."""
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model=_model(client),
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=NAMED if named else "required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert not choice.message.content
+        assert len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        _valid(call)
+        if named:
+            assert call.function.name == "get_weather"
+
+
+def test_parallel_forced_calls_validate(client):
+    """With parallel calls allowed the model may write several (one list, or one block each):
+    each is declared and valid."""
+    for seed in range(6):
+        reply = client.chat.completions.create(
+            model=_model(client),
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
+        calls = reply.choices[0].message.tool_calls
+        assert calls and len(calls) <= 4
+        for call in calls:
+            _valid(call)
+        assert len({c.id for c in calls}) == len(calls)
+
+
+def test_streamed_call_reassembles_to_the_non_streamed_one(client):
+    kwargs = dict(
+        model=_model(client),
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=1.0,
+        seed=3,
+        max_tokens=120,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    fragments = 0
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        assert not choice.delta.content
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+            if delta.id:
+                assert entry["name"] is None and entry["arguments"] == ""  # id and name first
+                entry["name"] = delta.function.name
+            if delta.function and delta.function.arguments:
+                entry["arguments"] += delta.function.arguments
+                fragments += 1
+    assert fragments >= 7  # `{"key": ` and the value per parameter, as each is written
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+def test_tool_loop_hits_the_cache(client, tokenizer, family):
+    """The call re-renders byte for byte as the model sampled it, and the next turn reads the
+    previous prompt and the call from the cache, as far as the sampled tokens are the ones the
+    tokenizer makes of that text (all of them for a call the grammar wrote alone, `ping`)."""
+    messages = list(ASK)
+    for turn in range(4):
+        forced = turn % 2 == 0
+        reply = client.chat.completions.create(
+            model=_model(client),
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "ping"}}
+            if forced
+            else "required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=turn,
+            max_tokens=120,
+            logprobs=True,
+        )
+        choice = reply.choices[0]
+        prompt = _prompt(tokenizer, messages, family)
+        assert len(prompt) == reply.usage.prompt_tokens
+        sampled = [bytes(t.bytes) for t in choice.logprobs.content]
+        call = choice.message.tool_calls[0]
+        _valid(call)
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
+        following = _prompt(tokenizer, messages, family)
+        shared = _shared(prompt, following)
+        if shared < len(prompt):  # only Gemma 4's empty thinking channel is left out
+            assert tokenizer.decode(prompt[shared:]) == "<|channel>thought\n<channel|>"
+        rest = following[shared:]
+        text = tokenizer.decode(rest).encode()
+        assert text.startswith(b"".join(sampled)), (text, sampled)  # byte for byte
+        same = 0
+        while (
+            same < min(len(rest), len(sampled))
+            and tokenizer.decode([rest[same]]).encode() == sampled[same]
+        ):
+            same += 1
+        if forced:
+            assert same == len(sampled), (sampled, [tokenizer.decode([t]) for t in rest])
+        nxt = client.chat.completions.create(
+            model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
+        )
+        assert nxt.usage.prompt_tokens == len(following)
+        cached = nxt.usage.prompt_tokens_details.cached_tokens
+        assert cached >= shared + min(same, len(sampled) - 1), (turn, same, shared, len(prompt))
+
+
+def _shared(prompt: list[int], following: list[int]) -> int:
+    """How much of the previous prompt the next one keeps: all of it, or (Gemma 4, whose
+    generation prompt closes an empty thinking channel that its template leaves out of history,
+    as the real model's does) all but that channel."""
+    n = 0
+    while n < min(len(prompt), len(following)) and prompt[n] == following[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"n": {"type": "integer", "minimum": "x"}},
+                            },
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b", "parameters": PING}}]},
+            "tools",
+        ),
+    ],
+)
+def test_bad_tools_are_400s_naming_the_field(served, body, param):
+    payload = {
+        "model": "m",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 8,
+        **body,
+    }
+    reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=payload, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert param in reply.json()["error"]["param"]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    tools=st.lists(kw_tool, min_size=1, max_size=2), choice=st.sampled_from(["auto", "required"])
+)
+def test_fuzzed_tools_never_break_the_grammar(served, tools, choice):
+    body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4}
+    try:
+        content = json.dumps(body).encode()
+    except (UnicodeEncodeError, ValueError):
+        content = json.dumps(body, ensure_ascii=True).encode()
+    r = httpx.post(
+        f"{served.base_url}/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert check(r.status_code, r.content, False, "/v1/chat/completions") is None, (
+        body,
+        r.text[:300],
+    )
+
+
+def test_the_grammar_admits_only_declared_tools(tokenizer, family):
+    """In `auto` the text is free until the opening marker; from there only a declared
+    function's name and its declared parameters can follow (an invented tool is impossible)."""
+    import llguidance
+
+    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    _, parser, call, invented, undeclared, missing, _ = FAMILIES[family]
+    fmt = tool_format_for(tokenizer)
+    assert fmt.name == parser and fmt.constrained
+    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+
+    def accepts(mode: str, text: str) -> bool:
+        req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
+        grammar = compiler.grammar_for(req, fmt)
+        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids)
+
+    assert accepts("auto", "Let me check." + call)
+    assert accepts("required", call)
+    assert not accepts("auto", "Let me check." + invented)
+    assert not accepts("required", invented)
+    assert not accepts("required", undeclared)
+    assert not accepts("required", missing)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=12), family=st.sampled_from(list(FAMILIES)))
+def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
+    """However the block's text arrives, the stream passes on the same names and arguments, and
+    each call's fragments plus `finish`'s last one are the JSON of what the parser reads."""
+    from mlx_lm.tool_parsers import gemma4, mistral, pythonic
+
+    from mlx_kvserve.chat import deepseek_v31
+    from mlx_kvserve.chat.mistral_calls import MISTRAL
+    from mlx_kvserve.chat.syntaxes import SYNTAXES
+
+    parser = FAMILIES[family][1]
+    syntax, parse = {
+        "pythonic": (SYNTAXES["pythonic"], pythonic.parse_tool_call),
+        "gemma4": (SYNTAXES["gemma4"], gemma4.parse_tool_call),
+        "mistral": (MISTRAL, mistral.parse_tool_call),
+        "deepseek_v31": (deepseek_v31.DEEPSEEK_V31, deepseek_v31.parse_tool_call),
+    }[parser]
+    text = FAMILIES[family][6]
+
+    def pieces(points: list[int]) -> list:
+        stream = syntax.stream(parse, None)
+        out = []
+        for at in [*sorted({p % (len(text) + 1) for p in points}), len(text)]:
+            out += stream.feed(text[:at])
+        return out, stream
+
+    def calls(found: list) -> list:
+        slots = sorted({p.slot for p in found})
+        return [
+            ([p.name for p in found if p.slot == s and p.name], _joined(found, s)) for s in slots
+        ]
+
+    whole, _ = pieces([])
+    chunked, stream = pieces(cuts)
+    assert calls(chunked) == calls(whole)
+    if parser in {"pythonic", "gemma4"}:  # fragments are whole keys and values, however cut
+        assert [(p.slot, p.name, p.fragment) for p in chunked] == [
+            (p.slot, p.name, p.fragment) for p in whole
+        ]
+    parsed = parse(text, None)
+    parsed = parsed if isinstance(parsed, list) else [parsed]
+    assert [p.name for p in chunked if p.name] == [c["name"] for c in parsed]
+    for slot, call in enumerate(parsed):
+        sent = _joined(chunked, slot)
+        last, args = stream.finish(slot, call["arguments"])
+        assert sent + last == args == json.dumps(call["arguments"], ensure_ascii=False)
+
+
+def _joined(pieces: list, slot: int) -> str:
+    return "".join(p.fragment for p in pieces if p.slot == slot)
+
+
+@pytest.mark.parametrize("template", ["mistral-v11", "mistral-v7"])
+def test_older_mistral_layouts_say_they_are_parsed_only(template, tmp_path):
+    """v7's JSON list and v11's `[CALL_ID]` layout have no grammar: the start-up line says so
+    (v11's calls are misread by mlx-lm's parser, v7's need a 9-character call id)."""
+    from mlx_lm import load
+
+    from mlx_kvserve.chat.tool_format import tool_format_notice
+
+    dest = build_thinking_model(tmp_path / "m", "mistral-v11", tool_tokens=MISTRAL_TOOL_TOKENS)
+    if template == "mistral-v7":
+        config_path = dest / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        fixture = Path(__file__).parent / "fixtures" / "mistral-v7.jinja"
+        config["chat_template"] = fixture.read_text(encoding="utf-8")
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+    notice = tool_format_notice(load(str(dest))[1])
+    assert notice.startswith("tool calls: mistral format, parsed only"), notice
