@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import glm47, json_tools, pythonic, qwen3_coder
+from mlx_lm.tool_parsers import function_gemma, glm47, json_tools, qwen3_coder
 
 from mlx_kvserve import paths
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Message, Tool, ToolCall, ToolChoice
@@ -164,17 +164,17 @@ def _native(module) -> object:
 
 
 def test_parser_for_other_formats_sends_each_call_whole():
-    fmt = _native(pythonic)
+    fmt = _native(function_gemma)  # a format without a grammar (parsed only)
     assert not fmt.constrained
     tokenizer = SimpleNamespace(
-        tool_parser=pythonic.parse_tool_call,
+        tool_parser=function_gemma.parse_tool_call,
         has_tool_calling=True,
-        tool_call_start=pythonic.tool_call_start,
-        tool_call_end=pythonic.tool_call_end,
+        tool_call_start=function_gemma.tool_call_start,
+        tool_call_end=function_gemma.tool_call_end,
     )
-    assert "pythonic format, parsed only" in tool_format_notice(tokenizer)
+    assert "function_gemma format, parsed only" in tool_format_notice(tokenizer)
     parser = OutputParser(fmt, [TOOL])
-    text = '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
+    text = "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>"
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
     assert [type(e).__name__ for e in events] == [
         "ToolCallStarted",
