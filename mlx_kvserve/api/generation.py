@@ -321,7 +321,8 @@ def _submit(
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
     except RequestTooLarge as exc:
-        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        field = "prompt" if kind == "text" else "messages"
+        raise APIError(400, str(exc), param=field, code="kv_budget_exceeded") from None
     tokenizer = engine.tokenizer
     return Generation(
         req, parser, served, lambda text: len(tokenizer.encode(text, add_special_tokens=False))
