@@ -53,6 +53,9 @@ async def health(request: Request) -> Response:
             "version": __version__,
             "queued": engine.queued,
             "running": engine.running,
+            "paused": engine.paused,
+            # as the engine last counted it (engine/admission.py); /v1/cache reads it afresh
+            "kv_memory": engine.room.ledger.report() if engine.room is not None else None,
         }
     )
 
@@ -75,6 +78,8 @@ async def cache_stats(request: Request) -> Response:
 
     def snapshot() -> dict:
         memory = engine.memory.stats()
+        if engine.room is not None:
+            memory["kv"] = engine.room.report()  # what admission counts, part by part
         if cache is None:
             return {"enabled": False, "memory": memory}
         return {

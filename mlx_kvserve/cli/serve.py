@@ -139,15 +139,26 @@ def serve(settings: Settings) -> int:
         log.error("cannot serve the model: %s", problem)
         return 2
     from mlx_kvserve.models.context import read_context_length
-    from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
+    from mlx_kvserve.models.precision import (
+        apply_kv_dtype,
+        on_metal,
+        resolve_kv_dtype,
+        served_dtype,
+    )
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
 
     def load_model():
         model, tokenizer = mlx_load(str(model_dir))
         log.info("%s", tool_format_notice(tokenizer))
-        if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
+        cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
+        if cast:
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
+        used = served_dtype(settings.kv_dtype, kv_dtype, cast)
+        if used != kv_dtype and engine.prompt_cache is not None:
+            # "auto" left the model in its own dtype: its cache is the one named for that dtype
+            engine.prompt_cache.close()
+            engine.prompt_cache = open_prompt_cache(settings, model_dir, model_id, used)
         return model, tokenizer
 
     try:
@@ -167,6 +178,7 @@ def serve(settings: Settings) -> int:
         max_concurrency=settings.max_concurrency,
         kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
         live_budget=parse_size(settings.live_budget),
+        kv_reserve=settings.kv_reserve,
         context_length=read_context_length(model_dir),
     )
     app = create_app(settings, engine, model_id)
@@ -189,8 +201,8 @@ def serve(settings: Settings) -> int:
     try:
         DrainingServer(config, engine, settings.shutdown_grace).run()
     finally:
-        if prompt_cache is not None:
-            prompt_cache.close()  # idempotent: flushes pending writes, removes the RUNNING marker
+        if engine.prompt_cache is not None:  # the one the engine used (see load_model)
+            engine.prompt_cache.close()  # idempotent: flushes pending writes, clean-exit mark
     log.info(
         "stopped cleanly%s",
         ": checkpoint writes flushed, clean shutdown recorded" if prompt_cache is not None else "",

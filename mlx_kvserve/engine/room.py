@@ -29,8 +29,10 @@ log = logging.getLogger("mlx_kvserve.engine")
 class Room:
     """Who holds how much KV, and the pauses that keep it within the budget."""
 
-    def __init__(self, layers: Any, budget: int, states: Any, prompt_cache: Any) -> None:
-        self.ledger = Ledger(KVCost.of(layers), budget)
+    def __init__(
+        self, layers: Any, budget: int, states: Any, prompt_cache: Any, reserve: int
+    ) -> None:
+        self.ledger = Ledger(KVCost.of(layers), budget, reserve)
         self.states = states
         self.prompt_cache = prompt_cache
         self.paused: list[tuple[Sequence, int]] = []  # (sequence, its admission order)
@@ -103,9 +105,9 @@ class Room:
         paused, full = self.ledger.plan_step(needs, needs.keys(), limits)
         by_id = {id(seq.req): seq for seq in batch.seqs}
         for rid in full:
-            log.warning(
-                "request %s: the KV budget is full; it ends here", by_id[rid].req.request_id
-            )
+            if self._drain_copies() and self.ledger.grow(rid, needs[rid], limits.get(rid)):
+                continue  # the copies beside it were in the way, not its own KV
+            log.warning("request %s: the KV budget is full: it ends", by_id[rid].req.request_id)
             by_id[rid].out_of_memory()
         for rid in paused:
             self._pause(by_id[rid], batch, orders[rid])
@@ -173,6 +175,17 @@ class Room:
                 freed += cache.release_ram(nbytes - freed)
         self.refresh()
         return freed > 0
+
+    def _drain_copies(self) -> bool:
+        """Alone and out of room: drop every copy that can go and wait for the queued host
+        copies to reach the disk (pauses queue them); whether anything was freed."""
+        before = self.ledger.total()
+        self._shed(before)
+        for cache in _caches(self.prompt_cache):
+            cache.flush()
+            cache.release_ram(cache.memory()["ram_tier"])
+        self.refresh()
+        return self.ledger.total() < before
 
     def report(self) -> dict[str, int]:
         self.refresh()

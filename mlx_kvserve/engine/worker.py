@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from mlx_kvserve.cache.kinds import KVLayout
+from mlx_kvserve.engine.admission import RESERVE_TOKENS
 from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
@@ -78,6 +79,7 @@ class Engine:
         max_concurrency: int = 8,
         kv_budget: int | None = None,
         live_budget: int = 1 << 30,
+        kv_reserve: int = RESERVE_TOKENS,
         context_length: int | None = None,
     ) -> None:
         """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
@@ -100,6 +102,7 @@ class Engine:
         self.max_concurrency = max(1, max_concurrency)
         self.kv_budget = kv_budget
         self.live_budget = live_budget
+        self.kv_reserve = kv_reserve
         self.room: Room | None = None  # the KV ledger, once the model is loaded
         self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
@@ -239,7 +242,9 @@ class Engine:
             self._can_batch = can_batch(self.layout)
             if self.kv_budget is None:
                 self.kv_budget = self.memory.default_kv_budget(self.model)
-            self.room = Room(self.layout.layers, self.kv_budget, states, self.prompt_cache)
+            self.room = Room(
+                self.layout.layers, self.kv_budget, states, self.prompt_cache, self.kv_reserve
+            )
             self.batch = DecodeBatch(self.model, self._ended)
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"

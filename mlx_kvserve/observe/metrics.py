@@ -174,6 +174,32 @@ class CacheCollector(Collector):
             "Time the engine thread spent serving requests (rate() of it is utilisation).",
             value=self.engine.busy_seconds,
         )
+        room = getattr(self.engine, "room", None)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_paused_requests",
+            "Requests paused mid-decode because the KV budget was full, waiting to resume.",
+            value=len(room.paused) if room is not None else 0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_request_pauses",
+            "Times a decoding request was paused (checkpointed and freed) for memory.",
+            value=room.pauses if room is not None else 0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_request_resumes",
+            "Times a paused request was resumed from its checkpoint.",
+            value=room.resumes if room is not None else 0,
+        )
+        kv = room.ledger.report() if room is not None else {}
+        family = GaugeMetricFamily(
+            f"{PREFIX}_kv_accounted_bytes",
+            "Memory the admission ledger counts against --kv-budget, by part (as last read).",
+            labels=["part"],
+        )
+        for name, value in kv.items():
+            if name.endswith("_bytes"):
+                family.add_metric([name.removesuffix("_bytes")], value)
+        yield family
         totals: dict[str, int] = {}
         for cache in _caches(self.engine.prompt_cache):
             for name, value in cache.counters().items():
