@@ -85,7 +85,7 @@ class Room:
         needs = {}
         for seq in batch.seqs:
             rid = id(seq.req)
-            if rid in holds:
+            if rid in holds and not seq.req.cancelled.is_set():  # a cancelled one ends now
                 needs[rid] = len(seq.live.tokens) + max(1, len(seq.feed)) + 1
         if all(n <= holds[rid].reserved for rid, n in needs.items()):
             return  # the common case: within every reserve

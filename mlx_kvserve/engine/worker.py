@@ -20,8 +20,6 @@ thread between requests, or between two decode steps or prefill chunks of a runn
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -43,11 +41,11 @@ from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.stopping import STOP, Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-_STOP = object()
 IDLE_POLL = 0.05  # seconds: how soon an idle engine runs a call()
 
 DEFAULT_MLX_CACHE_LIMIT = 512 << 20
@@ -65,7 +63,7 @@ class RequestTooLarge(Exception):
     """The request's prompt could never fit in the KV budget, even alone; the message says why."""
 
 
-class Engine:
+class Engine(Stopping):
     def __init__(
         self,
         loader: Callable[[], tuple[Any, Any]],
@@ -158,28 +156,6 @@ class Engine:
         except queue.Full:
             raise EngineBusy from None
 
-    def drain(self, grace: float) -> None:
-        """Graceful shutdown: refuse new work now; after `grace` seconds cancel what remains.
-
-        Cancelled streams end with an error event and `[DONE]`, so their connections close and
-        the HTTP server can finish shutting down without tearing down live tasks.
-        """
-        self._draining.set()
-        timer = threading.Timer(grace, self._cancel_all)
-        timer.daemon = True
-        timer.start()
-
-    def _cancel_all(self) -> None:
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(pending, GenerationRequest):
-                pending.emit(EngineError("the server is shutting down"))
-        for req in self._active():
-            req.cancel()
-
     def _active(self) -> list[GenerationRequest]:
         """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
         batch = self.batch
@@ -193,31 +169,6 @@ class Engine:
         down = self._stopping.is_set() or not self.ready.is_set() or not self._thread.is_alive()
         refuse = EngineNotReady(self.load_error or "the engine is not running") if down else None
         return self._calls.put(fn, refuse)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail queued requests, cancel the running one, join the thread."""
-        self._signal_stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self._close_cache()
-
-    async def stop_async(self, timeout: float = 30.0) -> None:
-        """`stop()` without blocking the event loop while the thread finishes and the cache
-        flushes its writes (up to `timeout` seconds at shutdown)."""
-        self._signal_stop()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, timeout)
-        await asyncio.to_thread(self._close_cache)
-
-    def _signal_stop(self) -> None:
-        self._stopping.set()
-        self._cancel_all()
-        with contextlib.suppress(queue.Full):  # drained just above
-            self._queue.put_nowait(_STOP)
-
-    def _close_cache(self) -> None:
-        if self.prompt_cache is not None and not self._thread.is_alive():
-            self.prompt_cache.close()  # flush pending checkpoint writes, mark a clean exit
 
     def _run(self) -> None:
         try:
@@ -268,7 +219,7 @@ class Engine:
                 self._shut_down()
                 return
             item = self._next()
-            if item is _STOP:
+            if item is STOP:
                 self._shut_down()
                 return
             started = time.perf_counter()
@@ -299,7 +250,7 @@ class Engine:
             self.schedule.add(task)
 
     def _next(self) -> Any:
-        """The next request if there is room for it, _STOP, or None (run work / idle)."""
+        """The next request if there is room for it, STOP, or None (run work / idle)."""
         if self._held is None:
             if self._busy() and not self._can_join():
                 return None  # full by count: leave the queue as it is
@@ -413,28 +364,6 @@ class Engine:
                 self._release(req)
             self._observe(req, None)
             req.emit(EngineError("internal error while generating; see the server log"))
-
-    def _shut_down(self) -> None:
-        """Stopping: whatever is queued, held or decoding ends now."""
-        assert self.batch is not None
-        for req in self._active():
-            req.cancel()
-        self._end_paused()
-        if self._held is not None:
-            self._end_unstarted(self._held)
-            self._held = None
-        while self.batch:
-            self._step()
-        for task in self.schedule:  # each ends at its next check, cancelled
-            while task in self.schedule.tasks:
-                self._advance(task)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, GenerationRequest):
-                item.emit(EngineError("the server is shutting down"))
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         for observer in self._observers:

@@ -61,7 +61,7 @@ def layers_from_config(config: dict[str, Any], dtype_bytes: int = 2) -> list[Lay
         return LayerShape(WINDOW, per_token, per_token * size, size)
 
     if family in GEMMA3:
-        pattern, size = int(c["sliding_window_pattern"]), int(c["sliding_window"])
+        pattern, size = int(c.get("sliding_window_pattern", 6)), int(c["sliding_window"])
         return [grows() if i % pattern == pattern - 1 else window(size) for i in range(n)]
     if family == "gpt_oss":
         kinds = c.get("layer_types") or ["sliding_attention", "full_attention"] * (n // 2)

@@ -14,8 +14,9 @@ parameter is float32 decides nothing. A cast honours `cast_predicate` as `mlx_lm
 Why float16 rather than bfloat16 for the default model: docs/benchmarks.md, "KV precision"
 (`scripts/kv_dtype_check.py`).
 
-The dtype actually served (`served_dtype`: after "auto" decided) is part of the fingerprint, so a cache written in one dtype
-lives in another directory than one written in another and can never be restored into it.
+The dtype actually served (`served_dtype`: what "auto" decided once the model is loaded) is
+part of the prompt cache's fingerprint, so a cache written in one dtype lives in another
+directory than one written in another and can never be restored into it.
 """
 
 from __future__ import annotations
