@@ -55,7 +55,7 @@ async def health(request: Request) -> Response:
             "running": engine.running,
             "paused": engine.paused,
             # as the engine last counted it (engine/admission.py); /v1/cache reads it afresh
-            "kv_memory": engine.room.ledger.report() if engine.room is not None else None,
+            "kv_memory": engine.room.last if engine.room is not None else None,
         }
     )
 

@@ -38,6 +38,7 @@ class Room:
         self.paused: list[tuple[Sequence, int]] = []  # (sequence, its admission order)
         self.pauses = 0  # counters for /metrics
         self.resumes = 0
+        self.last: dict[str, int] = self.ledger.report()  # for other threads (/health)
 
     # -- admission ------------------------------------------------------------------------------
     def fits_alone(self, req: GenerationRequest) -> bool:
@@ -55,8 +56,8 @@ class Room:
     def admit(self, req: GenerationRequest, busy: bool) -> bool:
         """Charge `req` its prompt and first reserve if that fits (after dropping what can be
         dropped); a request always gets in when nothing runs. Paused requests go first."""
-        if busy and self.paused:
-            return False
+        if self.paused:
+            return False  # they resume first (even when nothing runs: see `next_resume`)
         shortfall = self._shortfall(req)
         if shortfall and busy and self._shed(shortfall):
             shortfall = self._shortfall(req)
@@ -72,10 +73,12 @@ class Room:
     def release(self, req: GenerationRequest) -> None:
         """`req` holds nothing any more (ended, failed, or its prefill was cancelled)."""
         self.ledger.finish(id(req))
+        self.last = self.ledger.report()
 
     def rows(self, batch: DecodeBatch) -> None:
         """The batch changed: its rows share the longest row's length when merged."""
         self.ledger.set_merged(id(seq.req) for seq in batch.seqs)
+        self.last = self.ledger.report()
 
     # -- growth ---------------------------------------------------------------------------------
     def before_step(self, batch: DecodeBatch) -> None:
@@ -163,6 +166,7 @@ class Room:
             pending += parts["pending_writes"]
         self.ledger.set_extra("ram_tier", ram)
         self.ledger.set_extra("pending_writes", pending)
+        self.last = self.ledger.report()
 
     def _shed(self, nbytes: int) -> bool:
         """Drop resident sessions, then RAM-tier copies, to free `nbytes`; whether any went."""
@@ -188,8 +192,9 @@ class Room:
         return self.ledger.total() < before
 
     def report(self) -> dict[str, int]:
+        """Read afresh (engine thread); other threads read `last`, a copy made here."""
         self.refresh()
-        return {**self.ledger.report(), "paused": len(self.paused)}
+        return {**self.last, "paused": len(self.paused)}
 
 
 def _caches(prompt_cache: Any) -> list[Any]:

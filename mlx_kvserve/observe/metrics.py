@@ -190,7 +190,7 @@ class CacheCollector(Collector):
             "Times a paused request was resumed from its checkpoint.",
             value=room.resumes if room is not None else 0,
         )
-        kv = room.ledger.report() if room is not None else {}
+        kv = room.last if room is not None else {}  # a copy the engine thread made
         family = GaugeMetricFamily(
             f"{PREFIX}_kv_accounted_bytes",
             "Memory the admission ledger counts against --kv-budget, by part (as last read).",
