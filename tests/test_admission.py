@@ -74,17 +74,23 @@ def test_growth_is_reserved_a_step_at_a_time_and_refused_beyond_the_budget():
     assert ledger.grow("a", 650, limit=650)
 
 
-def test_merged_rows_pay_the_longest_row_left_padding():
-    ledger = Ledger(LLAMA, budget=10**9, reserve=1)
-    ledger.admit("long", 1000, 1)
-    ledger.admit("short", 10, 1)
-    solo = ledger.held()
-    ledger.set_merged(["long", "short"])
-    assert ledger.held() == 2 * LLAMA.bytes_for(1001)
-    assert ledger.padding() == LLAMA.bytes_for(1001) - LLAMA.bytes_for(11)
-    assert ledger.held() == solo + ledger.padding()
-    ledger.set_merged(["long"])  # one row left: solo again
-    assert ledger.padding() == 0 and ledger.held() == solo
+def test_rows_of_a_batch_pay_the_longest_row_left_padding():
+    batched = Ledger(LLAMA, budget=10**9, reserve=1)
+    alone = Ledger(LLAMA, budget=10**9, reserve=1, batched=False)
+    for ledger in (batched, alone):
+        ledger.admit("long", 1000, 1)
+        ledger.admit("short", 10, 1)
+    assert alone.held() == LLAMA.bytes_for(1001) + LLAMA.bytes_for(11)
+    assert alone.padding() == 0
+    assert batched.held() == 2 * LLAMA.bytes_for(1001)
+    assert batched.padding() == LLAMA.bytes_for(1001) - LLAMA.bytes_for(11)
+    batched.finish("long")  # one row left: no padding
+    assert batched.padding() == 0 and batched.held() == LLAMA.bytes_for(11)
+    # admission counts the padding a newcomer will bring when it joins
+    tight = Ledger(LLAMA, budget=LLAMA.bytes_for(1001) + LLAMA.bytes_for(11), reserve=1)
+    tight.admit("long", 1000, 1)
+    assert tight.shortfall(10, 1) == LLAMA.bytes_for(1001) - LLAMA.bytes_for(11)
+    assert Ledger(LLAMA, tight.budget, 1, batched=False).shortfall(10, 1) == 0
 
 
 def test_a_prompt_that_cannot_fit_alone_is_refused_and_extras_count():
@@ -137,7 +143,6 @@ ops = st.lists(
         st.tuples(st.just("admit"), st.integers(1, 3000), st.integers(1, 40_000)),
         st.tuples(st.just("grow"), st.integers(0, 9), st.integers(1, 600)),
         st.tuples(st.just("finish"), st.integers(0, 9), st.just(0)),
-        st.tuples(st.just("merge"), st.integers(0, 9), st.integers(0, 1023)),
         st.tuples(st.just("extra"), st.integers(0, 2), st.integers(0, 400_000)),
         st.tuples(st.just("step"), st.integers(1, 300), st.just(0)),
     ),
@@ -151,11 +156,14 @@ ops = st.lists(
     budget=st.integers(1, 2_000_000),
     reserve=st.integers(1, 512),
     cost=st.sampled_from([LLAMA, GEMMA, HYBRID]),
+    batched=st.booleans(),
 )
-def test_any_sequence_keeps_the_accounted_bytes_within_the_budget(ops, budget, reserve, cost):
+def test_any_sequence_keeps_the_accounted_bytes_within_the_budget(
+    ops, budget, reserve, cost, batched
+):
     """Whatever happens, what the ledger accounts never exceeds the budget, nothing is ever
     negative, and a pause always takes the youngest of those that can be paused."""
-    ledger = Ledger(cost, budget, reserve)
+    ledger = Ledger(cost, budget, reserve, batched)
     extras = ("resident_sessions", "ram_tier", "pending_writes")
     n = 0
     for op, a, b in ops:
@@ -169,8 +177,6 @@ def test_any_sequence_keeps_the_accounted_bytes_within_the_budget(ops, budget, r
             ledger.grow(rid, ledger.holds[rid].tokens + b)
         elif op == "finish" and rids:
             ledger.finish(rids[a % len(rids)])
-        elif op == "merge":
-            ledger.set_merged([r for i, r in enumerate(rids) if b >> i & 1])
         elif op == "extra":
             # copies only appear in what is left (the engine drops them before pausing anyone)
             room = ledger.budget - ledger.total() + ledger.extras.get(extras[a], 0)

@@ -20,7 +20,9 @@ Bytes per position come from the layer descriptions (`cache.kinds.LayerKind`, as
 caches; or `models.kv_shape` for a config.json): KV that grows per token costs per position;
 a sliding window costs per position up to its length and no more; a recurrent state costs the
 same at any length. In a merged decode batch every row is padded on the left to the longest row
-(`BatchKVCache`), so a merged row is charged the longest row's length.
+(`BatchKVCache`), so when the model batches (`batched`), every running request is charged the
+longest reservation: those still prefilling join the batch as soon as they are done, and a
+join must never take more than admission allowed.
 
 Beside the requests, the same unified memory holds copies the budget counts too (`extras`):
 resident sessions, the RAM tier of the prompt cache and host copies still queued for the disk.
@@ -103,14 +105,16 @@ class Hold:
     order: int  # admission order: the larger, the younger
     tokens: int  # positions its KV holds now
     reserved: int  # positions reserved for it (>= tokens)
-    merged: bool = False  # a row of the merged decode batch
 
 
 class Ledger:
     """The bytes the running requests and the other copies hold, within `budget`."""
 
-    def __init__(self, cost: KVCost, budget: int, reserve: int = RESERVE_TOKENS) -> None:
+    def __init__(
+        self, cost: KVCost, budget: int, reserve: int = RESERVE_TOKENS, batched: bool = True
+    ) -> None:
         self.cost = cost
+        self.batched = batched  # the requests decode as rows of one merged batch
         self.budget = max(0, int(budget))
         self.reserve = max(1, int(reserve))
         self.holds: dict[Hashable, Hold] = {}
@@ -119,20 +123,16 @@ class Ledger:
 
     # -- what is held -------------------------------------------------------------------------
     def held(self, holds: Iterable[Hold] | None = None) -> int:
-        """Bytes of the requests' KV: solo rows at their reservation, merged rows each at the
-        longest merged reservation (left padding)."""
-        holds = list(self.holds.values() if holds is None else holds)
-        solo = sum(self.cost.bytes_for(h.reserved) for h in holds if not h.merged)
-        merged = [h.reserved for h in holds if h.merged]
-        return solo + (len(merged) * self.cost.bytes_for(max(merged)) if merged else 0)
+        """Bytes of the requests' KV: each at its reservation, or, as rows of one merged batch
+        (two or more of a model that batches), each at the longest (left padding)."""
+        reserved = [h.reserved for h in (self.holds.values() if holds is None else holds)]
+        if self.batched and len(reserved) > 1:
+            return len(reserved) * self.cost.bytes_for(max(reserved))
+        return sum(self.cost.bytes_for(r) for r in reserved)
 
     def padding(self) -> int:
-        """Bytes of the merged rows' left padding (part of `held`)."""
-        merged = [h.reserved for h in self.holds.values() if h.merged]
-        if not merged:
-            return 0
-        longest = self.cost.bytes_for(max(merged))
-        return sum(longest - self.cost.bytes_for(r) for r in merged)
+        """Bytes of the rows' left padding (part of `held`)."""
+        return self.held() - sum(self.cost.bytes_for(h.reserved) for h in self.holds.values())
 
     def total(self) -> int:
         return self.held() + sum(self.extras.values())
@@ -205,12 +205,6 @@ class Ledger:
             return False
         hold.tokens = int(tokens)
         return True
-
-    def set_merged(self, rids: Iterable[Hashable]) -> None:
-        """The requests that are rows of the merged batch now (two or more, else none)."""
-        rows = set(rids)
-        for hold in self.holds.values():
-            hold.merged = len(rows) > 1 and hold.rid in rows
 
     def finish(self, rid: Hashable) -> Hold | None:
         return self.holds.pop(rid, None)

@@ -30,9 +30,15 @@ class Room:
     """Who holds how much KV, and the pauses that keep it within the budget."""
 
     def __init__(
-        self, layers: Any, budget: int, states: Any, prompt_cache: Any, reserve: int
+        self,
+        layers: Any,
+        budget: int,
+        states: Any,
+        prompt_cache: Any,
+        reserve: int,
+        batched: bool,
     ) -> None:
-        self.ledger = Ledger(KVCost.of(layers), budget, reserve)
+        self.ledger = Ledger(KVCost.of(layers), budget, reserve, batched)
         self.states = states
         self.prompt_cache = prompt_cache
         self.paused: list[tuple[Sequence, int]] = []  # (sequence, its admission order)
@@ -75,11 +81,6 @@ class Room:
         self.ledger.finish(id(req))
         self.last = self.ledger.report()
 
-    def rows(self, batch: DecodeBatch) -> None:
-        """The batch changed: its rows share the longest row's length when merged."""
-        self.ledger.set_merged(id(seq.req) for seq in batch.seqs)
-        self.last = self.ledger.report()
-
     # -- growth ---------------------------------------------------------------------------------
     def before_step(self, batch: DecodeBatch) -> None:
         """Reserve what the next decode step adds: drop copies, pause the youngest, or end a
@@ -118,7 +119,6 @@ class Room:
     def _pause(self, seq: Sequence, batch: DecodeBatch, order: int) -> None:
         """Take `seq` out of the batch, checkpoint its KV and free it."""
         batch.take(seq)
-        self.rows(batch)
         cache = seq.states.cache
         if cache is not None and seq.live.tokens:
             cache.checkpoint(seq.live.tokens, seq.live.caches, "pause", probe=seq.last_logits)

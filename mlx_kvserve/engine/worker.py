@@ -194,7 +194,12 @@ class Engine(Stopping):
             if self.kv_budget is None:
                 self.kv_budget = self.memory.default_kv_budget(self.model)
             self.room = Room(
-                self.layout.layers, self.kv_budget, states, self.prompt_cache, self.kv_reserve
+                self.layout.layers,
+                self.kv_budget,
+                states,
+                self.prompt_cache,
+                self.kv_reserve,
+                batched=self._can_batch,
             )
             self.batch = DecodeBatch(self.model, self._ended)
         except Exception as exc:  # a broken model must not kill the server silently
@@ -322,14 +327,11 @@ class Engine(Stopping):
             self._release(task.req)
         else:
             self.batch.add(seq)
-            self._release(None)
 
-    def _release(self, req: GenerationRequest | None) -> None:
-        """`req` holds no KV any more; the batch's rows may have changed."""
-        assert self.room is not None and self.batch is not None
-        if req is not None:
-            self.room.release(req)
-        self.room.rows(self.batch)
+    def _release(self, req: GenerationRequest) -> None:
+        """`req` holds no KV any more (ended, failed, cancelled in its prefill)."""
+        assert self.room is not None
+        self.room.release(req)
 
     def _step(self) -> None:
         assert self.batch is not None and self.room is not None
