@@ -137,9 +137,17 @@ class Settings:
     kv_budget: str = field(
         default="auto",
         metadata={
-            "help": "KV memory the running requests may need together (prompt + max_tokens "
-            "each), e.g. 4GiB; auto = half of the memory left beside the model. A request that "
-            "needs more than this alone is refused with a 400."
+            "help": "Memory for KV beside the weights, e.g. 4GiB: what the running requests "
+            "hold (prompt plus a growth reserve each; the youngest pauses when it runs out), "
+            "resident sessions, the RAM tier and queued host copies; auto = half of the memory "
+            "left beside the model (docs/memory.md). A prompt that cannot fit alone is a 400."
+        },
+    )
+    kv_reserve: int = field(
+        default=256,
+        metadata={
+            "help": "Tokens of KV a request reserves ahead as it grows (and at admission, "
+            "beside its prompt)."
         },
     )
     live_budget: str = field(

@@ -47,7 +47,7 @@ def split_list(raw: Any) -> list[str]:
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
-_POSITIVE |= {"max_loaded_models"}
+_POSITIVE |= {"max_loaded_models", "kv_reserve"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 

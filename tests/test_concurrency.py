@@ -2,8 +2,7 @@
 
 Greedy answers must not depend on whether a request decoded alone or in a batch (cache on and
 off), `cached_tokens` stays exact, a client that leaves mid-stream leaves the others' answers
-intact, and admission is by KV memory: a request that could never fit is a 400 in the
-protocol's own error shape, and requests that do not fit together wait instead of joining.
+intact. Admission by KV memory is tests/test_memory_admission.py.
 Which requests shared passes is read from the engine's one log line per request (`batch=N`).
 """
 
@@ -87,50 +86,3 @@ def test_a_client_leaving_mid_stream_leaves_the_others_intact(server):
     cancelled = [ln for ln in lines if ln["finish"] == "cancelled"]
     assert cancelled and int(cancelled[0]["completion_tokens"]) < 400, lines
     assert max(int(ln["batch"]) for ln in lines) >= 2, lines
-
-
-def test_admission_by_kv_memory(start_server):
-    budget_tokens = 200
-    srv = start_server("--kv-budget", str(budget_tokens * KV_BYTES_PER_TOKEN))
-    # Never fits, even alone: a clear 400 in each protocol's shape, before anything runs.
-    too_big = {"prompt": "1, 2,", "max_tokens": 500}
-    resp = httpx.post(srv.base_url + "/v1/completions", json=too_big, timeout=60)
-    assert resp.status_code == 400, resp.text
-    error = resp.json()["error"]
-    assert error["param"] == "max_tokens" and "--kv-budget" in error["message"]
-    anthropic = {
-        "model": "x",
-        "max_tokens": 500,
-        "messages": [{"role": "user", "content": "Count."}],
-    }
-    resp = httpx.post(srv.base_url + "/v1/messages", json=anthropic, timeout=60)
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["type"] == "error"
-    assert resp.json()["error"]["type"] == "invalid_request_error"
-
-    def run_pair(max_tokens: int) -> list[dict[str, str]]:
-        mark = len(request_lines(srv))
-        first_token = threading.Event()
-
-        def first() -> None:
-            body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "stream": True}
-            with httpx.stream(
-                "POST", srv.base_url + "/v1/completions", json=body, timeout=300
-            ) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        first_token.set()
-
-        thread = threading.Thread(target=first)
-        thread.start()
-        assert first_token.wait(120)
-        complete(srv, PROMPTS[1], max_tokens)  # sent while the first decodes
-        thread.join(300)
-        lines = request_lines(srv, mark)
-        assert len(lines) == 2 and all(ln["finish"] != "cancelled" for ln in lines), lines
-        return lines
-
-    # Each needs ~130 tokens of KV: two do not fit in 200, so the second waits its turn.
-    assert [ln["batch"] for ln in run_pair(120)] == ["1", "1"]
-    # ~45 tokens each: both fit, and they decode together.
-    assert "2" in [ln["batch"] for ln in run_pair(36)]

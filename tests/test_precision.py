@@ -104,3 +104,15 @@ def test_a_cast_keeps_the_tensors_mlx_lm_keeps_in_float32(tmp_path):
     assert {d for k, d in after.items() if k.endswith("A_log")} == {mx.float32}
     assert {d for k, d in after.items() if not k.endswith("A_log")} == {getattr(mx, HALF)}
     assert PromptStates(model, None).kv_dtype == getattr(mx, HALF)
+
+
+def test_the_fingerprint_names_the_dtype_actually_served():
+    """`--kv-dtype auto` on Metal resolves to float16 but leaves a bf16 model alone: the cache
+    it uses is then the one of the model's own dtype, not float16's."""
+    from mlx_kvserve.models.precision import served_dtype
+
+    assert served_dtype("auto", "float16", cast=True) == "float16"  # a float32 model, cast
+    assert served_dtype("auto", "float16", cast=False) is None  # a bf16 model, left alone
+    assert served_dtype("auto", None, cast=False) is None  # auto on the CPU
+    assert served_dtype("float16", "float16", cast=False) == "float16"  # already float16
+    assert served_dtype("native", None, cast=False) is None

@@ -60,6 +60,10 @@ async def health(request: Request) -> Response:
             **body,
             "queued": sum(e.queued for e in engines),
             "running": sum(e.running for e in engines),
+            "paused": sum(e.paused for e in engines),
+            # as the default model's engine last counted it (engine/admission.py); /v1/cache
+            # reads it afresh
+            "kv_memory": engine.room.last if engine.room is not None else None,
         }
     )
 
@@ -88,6 +92,8 @@ async def cache_stats(request: Request) -> Response:
 
     def snapshot() -> dict:
         memory = engine.memory.stats()
+        if engine.room is not None:
+            memory["kv"] = engine.room.report()  # what admission counts, part by part
         if cache is None:
             return {"enabled": False, "model": slot.name, "memory": memory}
         return {

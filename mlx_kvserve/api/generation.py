@@ -379,7 +379,8 @@ def _submit(
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
     except RequestTooLarge as exc:
-        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        field = "prompt" if kind == "text" else "messages"
+        raise APIError(400, str(exc), param=field, code="kv_budget_exceeded") from None
     tokenizer = engine.tokenizer
     pool: ModelPool = request.app.state.pool
     return Generation(

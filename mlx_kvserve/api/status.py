@@ -153,7 +153,7 @@ def _model(slot: Any, pool: Any) -> dict[str, Any]:
         **described,
         "id": slot.name,
         "context_length": engine.context_length if engine else None,
-        "kv_bytes_per_token": engine.kv_bytes_per_token if engine else None,
+        "kv_bytes_per_token": layout.bytes_per_token if layout is not None else None,
         "layers": layout.summary() if layout is not None else None,
         "kv_budget": engine.kv_budget if engine else None,
     }

@@ -224,6 +224,28 @@ class PromptCache:
                 rebuild_seconds=self.rebuild_seconds,
             )
 
+    def memory(self) -> dict[str, int]:
+        """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
+        the disk that are not in it. Any thread (for the engine's memory ledger)."""
+        with self._lock:
+            cat = self._catalog
+            return {"ram_tier": cat.ram.nbytes, "pending_writes": cat.pending_only_bytes()}
+
+    def release_ram(self, nbytes: int) -> int:
+        """Drop at least `nbytes` of the RAM tier if it can (least recently used first; copies
+        still queued for the disk stay) so running requests get the memory; returns the bytes
+        freed. Entries that live only in RAM (no disk) leave the cache."""
+        with self._lock:
+            self._drain()
+            ram = self._catalog.ram
+            before, budget = ram.nbytes, ram.budget
+            ram.budget = max(0, before - max(0, int(nbytes)))
+            try:
+                self._policy.enforce_ram_budget(set())
+            finally:
+                ram.budget = budget
+            return before - ram.nbytes
+
     def counters(self) -> dict[str, int]:
         """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
         results (engine-thread work), so a metrics scrape may call it from any thread."""

@@ -76,10 +76,22 @@ class DecodeBatch:
             self._merged = [
                 _merge([a, b]) for a, b in zip(solo.live.caches, seq.live.caches, strict=True)
             ]
+            solo.live.caches = []  # merged: the solo copy would stay alive beside its row
         else:
             for batch_cache, cache in zip(self._merged, seq.live.caches, strict=True):
                 batch_cache.extend(_merge([cache]))
+        seq.live.caches = []
         self.seqs.append(seq)
+
+    def take(self, seq: Sequence) -> None:
+        """Take a running sequence out between steps (to pause it): it gets its own caches back,
+        holding exactly its `live.tokens`; it is not reported as ended."""
+        assert not any(s.done for s in self.seqs)  # between steps, none has ended
+        seq.finish = "paused"
+        try:
+            self._leave(report=False)
+        finally:
+            seq.finish = None
 
     def step(self) -> None:
         """One decode step for every sequence: cancellations, one pass, reads, departures."""
@@ -119,7 +131,7 @@ class DecodeBatch:
         for i, seq in enumerate(self.seqs):
             seq.after_pass(logits[i : i + 1])
 
-    def _leave(self) -> None:
+    def _leave(self, *, report: bool = True) -> None:
         """Cut the sequences that ended out of the batch, then report them."""
         ended = [i for i, seq in enumerate(self.seqs) if seq.done]
         if not ended:
@@ -139,5 +151,5 @@ class DecodeBatch:
             else:
                 self._merged = None
         self.seqs = [seq for seq in self.seqs if not seq.done]
-        for seq in gone:
+        for seq in gone if report else ():
             self.on_end(seq)

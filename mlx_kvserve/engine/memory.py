@@ -12,10 +12,10 @@
   them. `mx.set_cache_limit(limit)` bounds what is kept, and after a prefill of more than one
   chunk or a restore the cache is released (`mx.clear_cache()`, as `generate_step` does after
   each prefill chunk) when it holds more than the limit.
-* **KV budget.** Requests decode together only while the KV they may need (prompt plus
-  max_tokens each, at the model's bytes per token) fits a budget; by default half of what is
-  left beside the weights and the resident sessions: the working set on Metal, physical memory
-  on the CPU.
+* **KV budget.** What requests hold (prompt and a growth reserve each, engine/admission.py),
+  resident sessions, the RAM tier and queued host copies together stay within a budget; by
+  default half of what is left beside the weights: of the working set on Metal, of physical
+  memory on the CPU.
 * **Figures** for /v1/cache: MLX active, peak and cache memory, read on this thread.
 """
 
@@ -27,6 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_reduce
+
+from mlx_kvserve.engine.admission import default_budget
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -61,13 +63,12 @@ class MemoryPolicy:
                 limit // 2**20,
             )
 
-    def default_kv_budget(self, model: Any, live_budget: int) -> int:
-        """Half of the memory left beside the weights and the resident sessions."""
+    def default_kv_budget(self, model: Any) -> int:
+        """Half of the memory left beside the weights (engine/admission.py: `default_budget`)."""
         total = mx.device_info().get("max_recommended_working_set_size")
         if not isinstance(total, int) or total <= 0:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        left = total - _model_bytes(model) - live_budget
-        return max(left // 2, 256 << 20)
+        return default_budget(total, _model_bytes(model))
 
     def stop(self) -> None:
         """Put the previous wired limit back, once no work is in flight."""

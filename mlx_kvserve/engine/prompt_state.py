@@ -118,6 +118,11 @@ class PromptStates:
     def reset(self) -> None:
         self._residents = []
 
+    @property
+    def resident_bytes(self) -> int:
+        """KV the resident sessions hold (the engine's memory ledger counts it)."""
+        return sum(_nbytes(r.caches) for r in self._residents)
+
     def evict(self, start: Start, problem: str) -> None:
         """Drop whatever `start` came from, after it failed during prefill."""
         self.reset()

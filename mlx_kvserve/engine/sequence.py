@@ -115,6 +115,11 @@ class Sequence:
             step, self.step = self.step, None
             self._accept(step)
 
+    def out_of_memory(self) -> None:
+        """Alone in the server, it has filled the KV budget: it ends as at the end of the
+        context window (engine/admission.py)."""
+        self._end("length")
+
     def cancel(self) -> None:
         self.finish = self.timings.finish_reason = "cancelled"
         self.timings.decode_seconds = time.perf_counter() - self.decode_started

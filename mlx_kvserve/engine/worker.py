@@ -1,11 +1,12 @@
 """The engine thread: loads the model, then serves queued requests in a continuous batch.
 
 The loop admits a waiting request when there is room (a count, `max_concurrency`, and the
-KV bytes the running requests may need, `kv_budget`) and starts its prefill through the prompt
-cache. Each turn of the loop then runs one piece of work, chosen by engine/schedule.py: a
-chunk of one request's prefill, or one decode step of the batch (engine/batch.py), which a
-request joins once its prefill is done. A request that waits for room stays at the head of the
-queue.
+KV bytes it holds, its prompt and a growth reserve, within `kv_budget`: engine/admission.py,
+engine/room.py, which also pause the youngest request when memory runs out mid-decode and
+resume it later) and starts its prefill through the prompt cache. Each turn of the loop then
+runs one piece of work, chosen by engine/schedule.py: a chunk of one request's prefill, or one
+decode step of the batch (engine/batch.py), which a request joins once its prefill is done. A
+request that waits for room stays at the head of the queue.
 
 MLX arrays and streams belong to the thread that made them, so this thread creates and touches
 every MLX object; the event loop only enqueues requests and receives events. Since MLX 0.32 the
@@ -19,8 +20,6 @@ thread between requests, or between two decode steps or prefill chunks of a runn
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -30,21 +29,23 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from mlx_kvserve.cache.kinds import KVLayout, describe_model
+from mlx_kvserve.cache.kinds import KVLayout
+from mlx_kvserve.engine.admission import RESERVE_TOKENS
 from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
+from mlx_kvserve.engine.loading import describe_loaded, log_ready
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.namespaces import make_states
 from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.stopping import STOP, Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
-from mlx_kvserve.models.context import context_from_model
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-_STOP = object()
 IDLE_POLL = 0.05  # seconds: how soon an idle engine runs a call()
 
 DEFAULT_MLX_CACHE_LIMIT = 512 << 20
@@ -59,10 +60,10 @@ class EngineBusy(Exception):
 
 
 class RequestTooLarge(Exception):
-    """The request's KV could never fit in the KV budget, even alone; the message says why."""
+    """The request's prompt could never fit in the KV budget, even alone; the message says why."""
 
 
-class Engine:
+class Engine(Stopping):
     def __init__(
         self,
         loader: Callable[[], tuple[Any, Any]],
@@ -76,6 +77,7 @@ class Engine:
         max_concurrency: int = 8,
         kv_budget: int | None = None,
         live_budget: int = 1 << 30,
+        kv_reserve: int = RESERVE_TOKENS,
         context_length: int | None = None,
     ) -> None:
         """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
@@ -98,8 +100,8 @@ class Engine:
         self.max_concurrency = max(1, max_concurrency)
         self.kv_budget = kv_budget
         self.live_budget = live_budget
-        self.kv_bytes_per_token = 0  # what one more token adds (layers whose KV grows)
-        self.kv_fixed_bytes = 0  # what a sequence holds at any length (windows, SSM states)
+        self.kv_reserve = kv_reserve
+        self.room: Room | None = None  # the KV ledger, once the model is loaded
         self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
         self.schedule = Scheduler(prefill_step)  # the prefills in flight
@@ -134,11 +136,10 @@ class Engine:
         """Requests prefilling or decoding."""
         return len(self.schedule) + (len(self.batch) if self.batch is not None else 0)
 
-    def kv_need(self, req: GenerationRequest) -> int:
-        """Bytes of KV `req` may hold at most: its prompt plus every token it may generate, in
-        the layers that grow per token, and the full windows and states of the others."""
-        tokens = len(req.prompt_tokens) + req.params.max_tokens
-        return tokens * self.kv_bytes_per_token + self.kv_fixed_bytes
+    @property
+    def paused(self) -> int:
+        """Requests paused mid-decode for memory, waiting to resume."""
+        return len(self.room.paused) if self.room is not None else 0
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request for the engine thread; raises instead of waiting when it cannot."""
@@ -146,14 +147,8 @@ class Engine:
             raise EngineNotReady("the server is shutting down")
         if not self.ready.is_set():
             raise EngineNotReady(self.load_error or "the model is still loading")
-        budget = self.kv_budget or 0
-        if budget and self.kv_need(req) > budget:
-            most = (budget - self.kv_fixed_bytes) // max(1, self.kv_bytes_per_token)
-            raise RequestTooLarge(
-                f"The prompt ({len(req.prompt_tokens)} tokens) plus max_tokens "
-                f"({req.params.max_tokens}) needs more KV memory than this server may use "
-                f"({most} tokens in all, --kv-budget); shorten the prompt or lower max_tokens."
-            )
+        if self.room is not None and not self.room.fits_alone(req):
+            raise RequestTooLarge(self.room.too_large(req))
         if self.queued >= self._queue.maxsize:  # the request held for room counts too
             raise EngineBusy
         try:
@@ -161,33 +156,12 @@ class Engine:
         except queue.Full:
             raise EngineBusy from None
 
-    def drain(self, grace: float) -> None:
-        """Graceful shutdown: refuse new work now; after `grace` seconds cancel what remains.
-
-        Cancelled streams end with an error event and `[DONE]`, so their connections close and
-        the HTTP server can finish shutting down without tearing down live tasks.
-        """
-        self._draining.set()
-        timer = threading.Timer(grace, self._cancel_all)
-        timer.daemon = True
-        timer.start()
-
-    def _cancel_all(self) -> None:
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(pending, GenerationRequest):
-                pending.emit(EngineError("the server is shutting down"))
-        for req in self._active():
-            req.cancel()
-
     def _active(self) -> list[GenerationRequest]:
         """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
         batch = self.batch
         active = list(batch.requests) if batch is not None else []
         active += [task.req for task in self.schedule]
+        active += [seq.req for seq, _ in (self.room.paused if self.room is not None else ())]
         return active + ([self._held] if isinstance(self._held, GenerationRequest) else [])
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -196,48 +170,10 @@ class Engine:
         refuse = EngineNotReady(self.load_error or "the engine is not running") if down else None
         return self._calls.put(fn, refuse)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail queued requests, cancel the running one, join the thread."""
-        self._signal_stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self._close_cache()
-
-    async def stop_async(self, timeout: float = 30.0) -> None:
-        """`stop()` without blocking the event loop while the thread finishes and the cache
-        flushes its writes (up to `timeout` seconds at shutdown)."""
-        self._signal_stop()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, timeout)
-        await asyncio.to_thread(self._close_cache)
-
-    def _signal_stop(self) -> None:
-        self._stopping.set()
-        self._cancel_all()
-        with contextlib.suppress(queue.Full):  # drained just above
-            self._queue.put_nowait(_STOP)
-
-    def _close_cache(self) -> None:
-        if self.prompt_cache is not None and not self._thread.is_alive():
-            self.prompt_cache.close()  # flush pending checkpoint writes, mark a clean exit
-
     def _run(self) -> None:
         try:
             self.model, self.tokenizer = self._loader()
-            if self.context_length is None:
-                self.context_length = context_from_model(self.model)
-            if self.context_length is None:
-                log.warning(
-                    "the model's config states no context length: prompts are not checked "
-                    "against a window and requests without max_tokens get the default cap"
-                )
-            self.layout = describe_model(self.model)
-            if self.layout.unknown:
-                log.warning(
-                    "cache class(es) %s unknown to mlx-kvserve: their state is checkpointed "
-                    "whole (snapshots) and requests run one at a time",
-                    ", ".join(self.layout.unknown),
-                )
+            self.context_length, self.layout = describe_loaded(self.model, self.context_length)
             states = make_states(
                 self.model,
                 self.prompt_cache,
@@ -254,27 +190,25 @@ class Engine:
             self.generator.after_prefill = self.memory.after_prefill
             self.generator.before_done = self._observe
             self.memory.start(self.model)
-            self.kv_bytes_per_token = self.layout.bytes_per_token
-            self.kv_fixed_bytes = self.layout.fixed_bytes
             self._can_batch = can_batch(self.layout)
             if self.kv_budget is None:
-                self.kv_budget = self.memory.default_kv_budget(self.model, self.live_budget)
+                self.kv_budget = self.memory.default_kv_budget(self.model)
+            self.room = Room(
+                self.layout.layers,
+                self.kv_budget,
+                states,
+                self.prompt_cache,
+                self.kv_reserve,
+                batched=self._can_batch,
+            )
             self.batch = DecodeBatch(self.model, self._ended)
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
             return
         self.ready.set()
-        log.info(
-            "model ready (context %s tokens; layers: %s; up to %d requests decode together%s; "
-            "KV budget %.1f GiB, %d bytes per token + %d per sequence)",
-            self.context_length,
-            self.layout.summary(),
-            self.max_concurrency if self._can_batch else 1,
-            "" if self._can_batch else ": this model's caches cannot be batched",
-            self.kv_budget / 2**30,
-            self.kv_bytes_per_token,
-            self.kv_fixed_bytes,
+        log_ready(
+            self.context_length, self.layout, self.max_concurrency, self._can_batch, self.kv_budget
         )
         try:
             self._loop()
@@ -290,12 +224,13 @@ class Engine:
                 self._shut_down()
                 return
             item = self._next()
-            if item is _STOP:
+            if item is STOP:
                 self._shut_down()
                 return
             started = time.perf_counter()
             if isinstance(item, GenerationRequest):
                 self._begin(item)
+            self._resume()
             task = self.schedule.choose(decoding=bool(self.batch))
             if task is not None:
                 self._advance(task)
@@ -309,8 +244,18 @@ class Engine:
         assert self.batch is not None
         return bool(self.batch) or bool(self.schedule)
 
+    def _resume(self) -> None:
+        """A paused request rejoins (a prefill from its checkpoint) when it fits again."""
+        assert self.room is not None and self.generator is not None
+        self._end_paused()
+        if not self.room.paused or (self._busy() and not self._can_join()):
+            return
+        task = self.room.next_resume(self.model, self.prefill_step, self._busy())
+        if task is not None:
+            self.schedule.add(task)
+
     def _next(self) -> Any:
-        """The next request if there is room for it, _STOP, or None (run work / idle)."""
+        """The next request if there is room for it, STOP, or None (run work / idle)."""
         if self._held is None:
             if self._busy() and not self._can_join():
                 return None  # full by count: leave the queue as it is
@@ -333,16 +278,19 @@ class Engine:
     def _can_join(self) -> bool:
         return self._can_batch and self.running < self.max_concurrency
 
+    def _end_paused(self) -> None:
+        """Paused requests whose client went away end now (their KV was stored at the pause)."""
+        assert self.room is not None
+        for seq in self.room.cancel_paused():
+            seq.cancel()
+            seq.live.tokens = []  # no caches: nothing to store or keep resident
+            self._ended(seq)
+
     def _has_room(self, req: GenerationRequest) -> bool:
-        assert self.batch is not None
-        if not self._busy():
-            return True
-        if not self._can_join():
+        assert self.room is not None
+        if self._busy() and not self._can_join():
             return False
-        needed = self.batch.kv_tokens() * self.kv_bytes_per_token + self.kv_need(req)
-        needed += len(self.batch) * self.kv_fixed_bytes
-        needed += sum(self.kv_need(task.req) for task in self.schedule)
-        return needed <= (self.kv_budget or needed)
+        return self.room.admit(req, self._busy())
 
     def _end_unstarted(self, req: GenerationRequest) -> None:
         """End a request that never reached the generator (cancelled while queued)."""
@@ -376,11 +324,20 @@ class Engine:
         timings, seq = task.result
         if seq is None:  # cancelled during its prefill
             log.info(timings.log_line(task.req))
+            self._release(task.req)
         else:
             self.batch.add(seq)
 
+    def _release(self, req: GenerationRequest) -> None:
+        """`req` holds no KV any more (ended, failed, cancelled in its prefill)."""
+        assert self.room is not None
+        self.room.release(req)
+
     def _step(self) -> None:
-        assert self.batch is not None
+        assert self.batch is not None and self.room is not None
+        self.room.before_step(self.batch)  # may pause the youngest, or end one alone and full
+        if not self.batch:
+            return
         started = time.perf_counter()
         try:
             self.batch.step()
@@ -392,6 +349,7 @@ class Engine:
         """A sequence left the batch: Done to its client, its log line, its checkpoint."""
         assert self.generator is not None
         log.info(seq.timings.log_line(seq.req))
+        self._release(seq.req)
         try:
             self.generator.finish(seq)
         except Exception:  # after its Done: only the checkpoint is lost
@@ -404,29 +362,10 @@ class Engine:
             traceback.format_exc(),
         )
         for req in reqs:
+            if self.room is not None:
+                self._release(req)
             self._observe(req, None)
             req.emit(EngineError("internal error while generating; see the server log"))
-
-    def _shut_down(self) -> None:
-        """Stopping: whatever is queued, held or decoding ends now."""
-        assert self.batch is not None
-        for req in self._active():
-            req.cancel()
-        if self._held is not None:
-            self._end_unstarted(self._held)
-            self._held = None
-        while self.batch:
-            self._step()
-        for task in self.schedule:  # each ends at its next check, cancelled
-            while task in self.schedule.tasks:
-                self._advance(task)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, GenerationRequest):
-                item.emit(EngineError("the server is shutting down"))
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         for observer in self._observers:

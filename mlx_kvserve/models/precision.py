@@ -14,8 +14,9 @@ parameter is float32 decides nothing. A cast honours `cast_predicate` as `mlx_lm
 Why float16 rather than bfloat16 for the default model: docs/benchmarks.md, "KV precision"
 (`scripts/kv_dtype_check.py`).
 
-The resolved dtype is part of the prompt cache's fingerprint, so a cache written in one dtype
-lives in another directory than one written in another and can never be restored into it.
+The dtype actually served (`served_dtype`: what "auto" decided once the model is loaded) is
+part of the prompt cache's fingerprint, so a cache written in one dtype lives in another
+directory than one written in another and can never be restored into it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def resolve_kv_dtype(setting: str, *, metal: bool) -> str | None:
     if setting == "native" or (setting == "auto" and not metal):
         return None
     return HALF if setting == "auto" else setting
+
+
+def served_dtype(setting: str, resolved: str | None, cast: bool) -> str | None:
+    """The dtype the model is actually served in, for the fingerprint: `resolved` when it was
+    cast (or asked for explicitly: a model already in that dtype needs no cast), the model's own
+    (None) when "auto" left it alone, a bf16 model being the usual case."""
+    if resolved is None or (setting == "auto" and not cast):
+        return None
+    return resolved
 
 
 def activation_dtype(model: Any) -> Any:

@@ -115,7 +115,12 @@ def make_engine(
     from mlx_kvserve.chat.tool_format import tool_format_notice
     from mlx_kvserve.engine import Engine
     from mlx_kvserve.models.context import read_context_length
-    from mlx_kvserve.models.precision import apply_kv_dtype, on_metal, resolve_kv_dtype
+    from mlx_kvserve.models.precision import (
+        apply_kv_dtype,
+        on_metal,
+        resolve_kv_dtype,
+        served_dtype,
+    )
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
 
@@ -123,11 +128,17 @@ def make_engine(
         model, tokenizer = mlx_load(str(model_dir))
         add_end_tokens(tokenizer)  # gpt-oss's <|call|> and <|return|> end a generation
         log.info("%s", tool_format_notice(tokenizer))
-        if apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto"):
+        cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
+        if cast:
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
+        used = served_dtype(settings.kv_dtype, kv_dtype, cast)
+        if used != kv_dtype and engine.prompt_cache is not None:
+            # "auto" left the model in its own dtype: its cache is the one named for that dtype
+            engine.prompt_cache.close()
+            engine.prompt_cache = open_prompt_cache(settings, model_dir, model_id, used)
         return model, tokenizer
 
-    return Engine(
+    engine = Engine(
         load_model,
         prompt_cache=open_prompt_cache(settings, model_dir, model_id, kv_dtype),
         cache_enabled=not settings.no_cache,
@@ -138,5 +149,7 @@ def make_engine(
         max_concurrency=settings.max_concurrency,
         kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
         live_budget=parse_size(settings.live_budget),
+        kv_reserve=settings.kv_reserve,
         context_length=read_context_length(model_dir),
     )
+    return engine

@@ -190,6 +190,32 @@ class CacheCollector(Collector):
             "Time the engine threads spent serving requests (rate() of it is utilisation).",
             value=sum(e.busy_seconds for e in engines),
         )
+        room = getattr(self.engine, "room", None)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_paused_requests",
+            "Requests paused mid-decode because the KV budget was full, waiting to resume.",
+            value=len(room.paused) if room is not None else 0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_request_pauses",
+            "Times a decoding request was paused (checkpointed and freed) for memory.",
+            value=room.pauses if room is not None else 0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_request_resumes",
+            "Times a paused request was resumed from its checkpoint.",
+            value=room.resumes if room is not None else 0,
+        )
+        kv = room.last if room is not None else {}  # a copy the engine thread made
+        family = GaugeMetricFamily(
+            f"{PREFIX}_kv_accounted_bytes",
+            "Memory the admission ledger counts against --kv-budget, by part (as last read).",
+            labels=["part"],
+        )
+        for name, value in kv.items():
+            if name.endswith("_bytes"):
+                family.add_metric([name.removesuffix("_bytes")], value)
+        yield family
         totals: dict[str, int] = {}
         for cache in (c for e in engines for c in _caches(e.prompt_cache)):
             for name, value in cache.counters().items():

@@ -1,0 +1,54 @@
+"""What the engine learns about a model once it is loaded, and what it says about it. ENGINE THREAD.
+
+The context window (models/context.py), the per-layer cache description (cache/kinds.py) and
+the warnings a user needs when either is incomplete, then the one line that says the model is
+ready and how much KV memory it may use.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_kvserve.cache.kinds import KVLayout, describe_model
+from mlx_kvserve.engine.admission import KVCost
+from mlx_kvserve.models.context import context_from_model
+
+log = logging.getLogger("mlx_kvserve.engine")
+
+
+def describe_loaded(model: Any, context_length: int | None) -> tuple[int | None, KVLayout]:
+    """(the context window, the model's cache layout), with a warning for each gap."""
+    if context_length is None:
+        context_length = context_from_model(model)
+    if context_length is None:
+        log.warning(
+            "the model's config states no context length: prompts are not checked "
+            "against a window and requests without max_tokens get the default cap"
+        )
+    layout = describe_model(model)
+    if layout.unknown:
+        log.warning(
+            "cache class(es) %s unknown to mlx-kvserve: their state is checkpointed "
+            "whole (snapshots) and requests run one at a time",
+            ", ".join(layout.unknown),
+        )
+    return context_length, layout
+
+
+def log_ready(
+    context_length: int | None, layout: KVLayout, concurrency: int, batched: bool, budget: int
+) -> None:
+    cost = KVCost.of(layout.layers)
+    log.info(
+        "model ready (context %s tokens; layers: %s; up to %d requests decode together%s; "
+        "KV budget %.1f GiB, %d bytes per token + %d per sequence: %d tokens fit)",
+        context_length,
+        layout.summary(),
+        concurrency if batched else 1,
+        "" if batched else ": this model's caches cannot be batched",
+        budget / 2**30,
+        layout.bytes_per_token,
+        layout.fixed_bytes,
+        cost.tokens_within(budget),
+    )
