@@ -19,16 +19,14 @@ Each sequence's next token is in one of two places between steps:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from mlx_kvserve.engine.decode import Decoder, Step, keep_leading_space
+from mlx_kvserve.engine.live import Live, Timings
 from mlx_kvserve.engine.requests import GenerationRequest, TextChunk, TokenLogprob
 from mlx_kvserve.engine.stops import StopMatcher
-
-if TYPE_CHECKING:
-    from mlx_kvserve.engine.generate import Live, Timings
 
 
 class Sequence:

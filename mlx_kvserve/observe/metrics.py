@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mlx_kvserve.engine.generate import Timings
+from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.requests import GenerationRequest
 
 PREFIX = "mlx_kvserve"
