@@ -259,7 +259,7 @@ class Engine:
             self._can_batch = can_batch(self.layout)
             if self.kv_budget is None:
                 self.kv_budget = self.memory.default_kv_budget(self.model, self.live_budget)
-            self.batch = DecodeBatch(self.model, self._ended)
+            self.batch = DecodeBatch(self.model, self._ended, mergeable=self._can_batch)
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
@@ -331,7 +331,9 @@ class Engine:
         return None
 
     def _can_join(self) -> bool:
-        return self._can_batch and self.running < self.max_concurrency
+        """Room by count. A model that decodes one at a time takes requests all the same: their
+        lookups, restores and prefills run beside the one decoding (the batch holds them)."""
+        return self.running < self.max_concurrency
 
     def _has_room(self, req: GenerationRequest) -> bool:
         assert self.batch is not None

@@ -1,0 +1,151 @@
+"""Decode shaped for Metal, in-process on the tiny random llama of the engine unit tests.
+
+- A step of the batch samples every row in one call and reads the tokens back once, however
+  many rows decode (`DecodeBatch.readbacks` against `DecodeBatch.steps`), with rows of
+  different sampler settings, seeds and grammars; greedy tokens stay those of mlx-lm's loop.
+- A lazy grammar (tool_choice "auto": free text until a trigger) keeps its sequence pipelined
+  while the grammar is in its free text, and gives exactly the tokens of the read-first path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_batching import PROMPTS, AllowAll, Driver
+from tests.test_engine_units import reference, request, tiny_model, tokens_of
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_one_readback_per_step_whatever_the_batch_size(model):
+    lengths = [24, 24, 24, 24]
+    want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    driver = Driver(model)
+    reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    for req in reqs:
+        driver.join(req)
+    driver.drain()
+    batch = driver.batch
+    tokens = sum(req.done.completion_tokens for req in reqs)
+    assert max(driver.sizes) == 4
+    assert batch.readbacks <= batch.steps + 1  # one per step, plus a newcomer's first read
+    assert tokens >= 3 * batch.steps  # the rows really shared their steps
+    for req, expected in zip(reqs, want, strict=True):
+        assert tokens_of(req.text) == expected
+
+
+def test_mixed_rows_share_the_readback(model):
+    """Greedy, sampled, seeded and grammar rows in one batch: still one readback a step, and
+    the greedy rows (free and constrained) still give mlx-lm's tokens."""
+    n = 16
+    driver = Driver(model)
+    greedy = request(PROMPTS[0], max_tokens=n)
+    constrained = request(PROMPTS[1], max_tokens=n)
+    constrained.constraint = AllowAll()
+    warm = request(PROMPTS[2], max_tokens=n)
+    warm.params = type(warm.params)(temperature=0.8, max_tokens=n)
+    seeded = request(PROMPTS[3], max_tokens=n)
+    seeded.params = type(seeded.params)(temperature=1.0, max_tokens=n, seed=7)
+    reqs = [greedy, constrained, warm, seeded]
+    for req in reqs:
+        driver.join(req)
+    driver.drain()
+    batch = driver.batch
+    assert batch.readbacks <= batch.steps + 2
+    assert tokens_of(greedy.text) == reference(model, PROMPTS[0], n)
+    assert tokens_of(constrained.text) == reference(model, PROMPTS[1], n)
+    assert all(req.done.completion_tokens == n for req in reqs)
+
+
+class LazyCall:
+    """A lazy grammar's shape: free text (every token but `banned`) until its trigger (here the
+    `opens_at`-th token, whichever it is: the tiny model repeats itself); then a call: the
+    grammar forces two tokens (with `forces`), allows only `inside` for three more, and returns
+    to free text. `lazy` says the engine may pipeline its free text."""
+
+    finished = False
+
+    def __init__(
+        self, opens_at: int, banned: int, inside: set[int], *, lazy: bool, forces: bool
+    ) -> None:
+        self.opens_at, self.banned, self.inside, self.lazy = opens_at, banned, inside, lazy
+        self.forces = forces
+        self.state = "free"
+        self.seen = 0
+        self.left = 0
+
+    def allowed(self, n_logits: int) -> np.ndarray:
+        if self.state == "call":
+            mask = np.zeros(n_logits, dtype=bool)
+            mask[sorted(self.inside)] = True
+            return mask
+        mask = np.ones(n_logits, dtype=bool)
+        mask[self.banned] = False
+        return mask
+
+    def advance(self, token: int) -> None:
+        self.seen += 1
+        if self.state == "free" and self.seen == self.opens_at:
+            self.state, self.left = ("opened", 0) if self.forces else ("call", 3)
+        elif self.state == "call":
+            assert token in self.inside
+            self.left -= 1
+            if self.left == 0:
+                self.state = "free"
+
+    def forced(self, limit: int) -> list[int]:
+        if self.state != "opened" or limit <= 0:
+            return []
+        self.state, self.left = "call", 3
+        self.seen += min(2, limit)
+        return [5, 6][:limit]
+
+
+OPENS_AT = 7
+
+
+def _run_lazy(model, prompts, n, *, lazy: bool, banned: int, forces: bool):
+    driver = Driver(model)
+    reqs = []
+    for p in prompts:
+        req = request(p, max_tokens=n)
+        req.constraint = LazyCall(OPENS_AT, banned, {11, 12, 13, 14}, lazy=lazy, forces=forces)
+        reqs.append(req)
+    pipelined: list[bool] = []
+    driver.gen.between_steps = lambda: None  # all rows start together
+    for req in reqs:
+        driver.join(req)
+    while driver.batch:
+        pipelined += [seq.pipelined for seq in driver.batch.seqs]
+        driver.step()
+    return [tokens_of(req.text) for req in reqs], pipelined, driver
+
+
+@pytest.mark.parametrize("forces", [True, False], ids=["forced", "masked"])
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_lazy_grammar_stays_pipelined_until_its_trigger(model, rows, forces):
+    n = 20
+    prompts = PROMPTS[:rows]
+    free = [reference(model, p, n) for p in prompts]
+    banned = next(t for t in range(97) if all(t not in f for f in free))
+    lazy, pipelined, driver = _run_lazy(model, prompts, n, lazy=True, banned=banned, forces=forces)
+    eager, eager_pipelined, _ = _run_lazy(
+        model, prompts, n, lazy=False, banned=banned, forces=forces
+    )
+    assert lazy == eager  # exactly the read-first path's tokens
+    for got, want in zip(lazy, free, strict=True):
+        assert got[:OPENS_AT] == want[:OPENS_AT]  # free text: the model's own greedy tokens
+        call = got[OPENS_AT:]
+        if forces:  # the call: forced tokens, then constrained ones
+            assert call[:2] == [5, 6]
+            call = call[2:]
+        assert set(call[:3]) <= {11, 12, 13, 14}
+    assert not any(eager_pipelined)
+    assert pipelined[: rows * (OPENS_AT - 1)] == [True] * rows * (OPENS_AT - 1)  # free text
+    assert not all(pipelined)  # the call was not pipelined
+    assert pipelined[-1]  # and free text after it is again
+    assert driver.batch.readbacks <= driver.batch.steps + 2
