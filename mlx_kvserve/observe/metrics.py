@@ -174,6 +174,18 @@ class CacheCollector(Collector):
             "Time the engine thread spent serving requests (rate() of it is utilisation).",
             value=self.engine.busy_seconds,
         )
+        batch = getattr(self.engine, "batch", None)
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_steps",
+            "Decode steps of the batch: one forward pass for every sequence decoding.",
+            value=batch.steps if batch is not None else 0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_readbacks",
+            "Reads of sampled tokens from the device: one per decode step for the whole batch, "
+            "plus one for a grammar-constrained newcomer.",
+            value=batch.readbacks if batch is not None else 0,
+        )
         totals: dict[str, int] = {}
         for cache in _caches(self.engine.prompt_cache):
             for name, value in cache.counters().items():
