@@ -149,3 +149,115 @@ def test_lazy_grammar_stays_pipelined_until_its_trigger(model, rows, forces):
     assert not all(pipelined)  # the call was not pipelined
     assert pipelined[-1]  # and free text after it is again
     assert driver.batch.readbacks <= driver.batch.steps + 2
+
+
+# ------------------------------------------- a real lazy tool grammar, through its trigger --
+class Scripted:
+    """A tiny random llama that writes `script` after the prompt: each logits row gets a large
+    bonus on the script's token at its position (solo decoding: one row, its own KVCache)."""
+
+    def __init__(self, inner, prompt_len: int, script: list[int]) -> None:
+        self.inner, self.prompt_len, self.script = inner, prompt_len, script
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def __call__(self, inputs, cache):
+        import mlx.core as mx
+
+        out = self.inner(inputs, cache=cache)
+        n, vocab = inputs.shape[1], out.shape[-1]
+        first = cache[0].offset - n + 1  # the position the first row predicts
+        bias = np.zeros((n, vocab), dtype=np.float32)
+        for j in range(n):
+            k = first + j - self.prompt_len
+            if 0 <= k < len(self.script):
+                bias[j, self.script[k]] = 50.0
+        return out + mx.array(bias)[None]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load
+
+    from mlx_kvserve import paths
+    from mlx_kvserve.models.resolve import local_model_dir, resolve_model
+
+    _, ref = resolve_model(None, paths.data_dir(), progress=False)
+    return load(Path(local_model_dir(ref)))
+
+
+def test_real_lazy_tool_grammar_pipelines_its_text_and_constrains_its_call(tokenizer):
+    """tool_choice "auto" with llguidance's lazy grammar on the default model's tokenizer: the
+    text before `<tool_call>` decodes pipelined, the call after it reads first, and the tokens
+    are exactly those of the read-first path throughout (and free text after the call is
+    pipelined again)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.request import ChatRequest, Message, Tool, ToolChoice
+    from mlx_kvserve.chat.tool_format import HERMES
+    from mlx_kvserve.engine.batch import DecodeBatch
+    from mlx_kvserve.engine.generate import Generator
+    from mlx_kvserve.engine.prompt_state import PromptStates
+
+    vocab = len(tokenizer.get_vocab())
+    mx.random.seed(3)
+    inner = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=vocab,
+        )
+    )
+    mx.eval(inner.parameters())
+    text = 'Let me look that up for you now.<tool_call>\n{"name": "get_weather", "arguments": '
+    text += '{"city": "Paris"}}\n</tool_call>'
+    script = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("What is the weather in Paris?", add_special_tokens=False)
+    model = Scripted(inner, len(prompt), script)
+    chat = ChatRequest(
+        [Message("user", "What is the weather in Paris?")],
+        tools=[Tool("get_weather", None, {"type": "object", "properties": {"city": {}}})],
+        tool_choice=ToolChoice("auto"),
+    )
+    compiler = GrammarCompiler(tokenizer, vocab)
+    opening = len(tokenizer.encode(text.split("<tool_call>")[0], add_special_tokens=False))
+
+    def run(lazy: bool) -> tuple[str, int, list[bool], str | None]:
+        constraint = compiler.constraint_for(chat, HERMES)
+        assert constraint is not None and constraint.lazy
+        constraint.lazy = lazy
+        req = request(prompt, max_tokens=len(script) + 5)
+        req.constraint = constraint
+        gen = Generator(model, tokenizer, PromptStates(model, None, enabled=False))
+        _, seq = gen.start(req)
+        ended: list = []
+        batch = DecodeBatch(model, ended.append)
+        batch.add(seq)
+        pipelined = []
+        while batch.seqs:
+            pipelined.append(seq.pipelined)
+            batch.step()
+        (gone,) = ended
+        return req.text, seq.timings.completion_tokens, pipelined, gone.finish
+
+    lazy_text, lazy_count, pipelined, finish = run(True)
+    eager_text, eager_count, eager_pipelined, eager_finish = run(False)
+    assert (lazy_text, lazy_count, finish) == (eager_text, eager_count, eager_finish)
+    assert lazy_text.startswith(text), lazy_text
+    assert not any(eager_pipelined)
+    assert pipelined[: opening - 1] == [True] * (opening - 1)  # the text, pipelined
+    assert pipelined[:opening] == [True] * opening  # the text, pipelined
+    call = pipelined.index(False)
+    assert opening <= call <= opening + 5  # read first from the marker's last token
+    assert pipelined[-1]  # free text again after the call
