@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlx_kvserve.engine import sampling
 from tests.test_batching import PROMPTS, AllowAll, Driver
 from tests.test_engine_units import reference, request, tiny_model, tokens_of
 
@@ -21,9 +22,14 @@ def model():
     return tiny_model()
 
 
-def test_one_readback_per_step_whatever_the_batch_size(model):
+def test_one_readback_per_step_whatever_the_batch_size(model, monkeypatch):
     lengths = [24, 24, 24, 24]
     want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    calls = []
+    sample = sampling.sample
+    monkeypatch.setattr(
+        sampling, "sample", lambda rows, logits: calls.append(1) or sample(rows, logits)
+    )
     driver = Driver(model)
     reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
     for req in reqs:
@@ -34,6 +40,7 @@ def test_one_readback_per_step_whatever_the_batch_size(model):
     assert max(driver.sizes) == 4
     assert batch.readbacks <= batch.steps + 1  # one per step, plus a newcomer's first read
     assert tokens >= 3 * batch.steps  # the rows really shared their steps
+    assert len(calls) <= batch.steps + len(reqs)  # a sampler call per step, and per prefill
     for req, expected in zip(reqs, want, strict=True):
         assert tokens_of(req.text) == expected
 
@@ -261,3 +268,54 @@ def test_real_lazy_tool_grammar_pipelines_its_text_and_constrains_its_call(token
     call = pipelined.index(False)
     assert opening <= call <= opening + 5  # read first from the marker's last token
     assert pipelined[-1]  # free text again after the call
+
+
+class Eager:
+    """A constraint as the engine saw every grammar before: a mask at every step (all-True
+    where the wrapped one has none), so nothing is pipelined; the same tokens."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def allowed(self, n_logits: int) -> np.ndarray:
+        mask = self.inner.allowed(n_logits)
+        return np.ones(n_logits, dtype=bool) if mask is None else mask
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+
+    def forced(self, limit: int) -> list[int]:
+        return self.inner.forced(limit)
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+
+def test_a_thinking_budget_keeps_the_reasoning_pipelined(model):
+    """A reasoning gate masks nothing while the model reasons: pipelined; its spent budget's
+    forced closing marker and the free answer after it give the read-first path's tokens."""
+    from mlx_kvserve.chat.reasoning_gate import ReasoningGate
+    from mlx_kvserve.chat.thinking import ThinkMarkers
+
+    markers = ThinkMarkers("<t>", "</t>", (90,), (91,), (91, 92))
+    n, budget = 16, 5
+
+    def run(eager: bool):
+        gate = ReasoningGate(markers, reasoning=True, budget=budget)
+        driver = Driver(model)
+        req = request(PROMPTS[0], max_tokens=n)
+        req.constraint = Eager(gate) if eager else gate
+        driver.join(req)
+        pipelined = []
+        while driver.batch:
+            pipelined += [seq.pipelined for seq in driver.batch.seqs]
+            driver.step()
+        return tokens_of(req.text), pipelined
+
+    tokens, pipelined = run(False)
+    eager, eager_pipelined = run(True)
+    assert tokens == eager
+    assert tokens[budget : budget + 2] == [91, 92]  # the budget closed the reasoning
+    assert not any(eager_pipelined)
+    assert pipelined[:budget] == [True] * budget and pipelined[-1]

@@ -7,11 +7,12 @@ the tokens flow); the batch samples all its rows in one call (engine/sampling.py
 read first; tokens the grammar forces skip sampling.
 
 A lazy grammar (tool_choice "auto": free text until the call's opening marker) allows the same
-tokens at every step of its free text. While it is there its sequence stays pipelined: token
-k+1 is sampled with that free-text mask before token k is read, and once k is read the grammar
-says the real mask; if it is still the free-text one the sample stands (it is exactly what the
-constrained path would have drawn), else (the marker has begun: a call follows) it is drawn
-again with the real mask before anything was fed, and the sequence reads first from then on.
+tokens at every step of its free text, and a reasoning section masks nothing. While a grammar
+is in such a free state its sequence stays pipelined: token k+1 is sampled with that state's
+mask before token k is read, and once k is read the grammar says the real mask; if it is still
+the same the sample stands (it is exactly what the constrained path would have drawn), else (a
+call begins, the reasoning ends) it is drawn again with the real mask before anything was fed,
+and the sequence reads first until the grammar is back in a free state.
 
 A seeded request draws each token from a seed derived from its own seed and the token's index,
 so its output does not depend on which other requests share the batch (MLX's random state is
@@ -54,37 +55,45 @@ class Decoder:
         self.seeded = params.seed is not None and params.temperature > 0
         self.draws = 0
         self.lazy = bool(getattr(self.constraint, "lazy", False))
-        self.speculating = False  # a lazy grammar in its free text: the sequence is pipelined
+        self.speculating = False  # the grammar is in a free state: the sequence is pipelined
         self._free: np.ndarray | None = None  # a lazy grammar's free-text mask (its first)
         self._free_mx: mx.array | None = None
+        self._spec: mx.array | None = None  # the free state's mask (None: no mask at all)
 
     @property
     def pipelined(self) -> bool:
         return self.constraint is None or self.speculating
 
     def mask(self, n_logits: int, speculative: bool) -> mx.array | None:
-        """The grammar's mask for the next sample (None: no grammar). `speculative`: the token
-        before it is not read yet, so the free-text mask stands in (checked by `confirm`)."""
+        """The grammar's mask for the next sample (None: no grammar, or no mask at this step).
+        `speculative`: the token before it is not read yet, so the mask of the free state the
+        grammar was in stands in (checked by `confirm`)."""
         if self.constraint is None:
             return None
         if speculative:
-            assert self._free_mx is not None and self.speculating
-            return self._free_mx
+            assert self.speculating
+            return self._spec
         real = self.constraint.allowed(n_logits)
-        if real is None:  # the constraint lets every token through at this step
-            self.speculating = False
-            return None
-        real = np.asarray(real)
-        if self.lazy and self._free is None:
+        real = None if real is None else np.asarray(real)
+        if real is not None and self.lazy and self._free is None:
             self._free, self._free_mx = real, mx.array(real)
-        self.speculating = self._free is not None and np.array_equal(real, self._free)
-        return self._free_mx if self.speculating else mx.array(real)
+        self.speculating = self._is_free(real)
+        if real is None:
+            self._spec = None
+            return None
+        if self.speculating:
+            self._spec = self._free_mx
+            return self._free_mx
+        return mx.array(real)
 
     def confirm(self, step: Step, n_logits: int) -> bool:
-        """After the token before `step` was read: does the speculative `step` stand? If not,
-        the sequence leaves the pipelined path and `step`'s draw is handed back."""
-        real = None if self.constraint is None else self.constraint.allowed(n_logits)
-        if real is not None and np.array_equal(np.asarray(real), self._free):
+        """After the token before the speculative `step` was read: does `step` stand (the
+        grammar's real mask is the one it was drawn with)? If not, the sequence leaves the
+        pipelined path and `step`'s draw is handed back."""
+        assert self.constraint is not None
+        real = self.constraint.allowed(n_logits)
+        same = real is None if self._spec is None else self._same_as_free(real)
+        if same:
             return True
         self.discard(step)
         return False
@@ -94,6 +103,14 @@ class Decoder:
         self.speculating = False
         if self.seeded and step.speculative:
             self.draws -= 1
+
+    def _is_free(self, real: np.ndarray | None) -> bool:
+        """A state whose mask is the same at every step: no mask (a reasoning section, a gate
+        without a grammar), or a lazy grammar's free text."""
+        return real is None or self._same_as_free(real)
+
+    def _same_as_free(self, real: Any) -> bool:
+        return real is not None and self._free is not None and np.array_equal(real, self._free)
 
     def accept(self, step: Step, token: int) -> TokenLogprob | None:
         """`token` (read back from `step`) is the sequence's: advance the grammar, its logprob."""

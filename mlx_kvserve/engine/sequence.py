@@ -108,8 +108,9 @@ class Sequence:
         return not self.feed and not last_token_unread
 
     def sample_row(self) -> tuple[Decoder, bool]:
-        """(decoder, speculative) for `sampling.sample`: speculative while a token is unread."""
-        return self.decoder, self.unread is not None
+        """(decoder, speculative) for `sampling.sample`: a grammar's sample is speculative while
+        the token before it is unread (free sampling needs no check)."""
+        return self.decoder, self.unread is not None and self.decoder.constraint is not None
 
     def to_read(self) -> Step | None:
         """After a pass: the step this step's readback reads, the fed one or a constrained
