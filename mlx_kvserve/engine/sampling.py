@@ -15,14 +15,11 @@ drawn on its own, from its own seed and token index, so its tokens do not depend
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
-
-if TYPE_CHECKING:
-    from mlx_kvserve.engine.decode import Decoder
 
 _MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indexes over the seed space
 
@@ -35,6 +32,18 @@ class Step:
     logprobs: mx.array  # (1, vocabulary)
     logits: mx.array  # what it was sampled from: the prediction after the last token fed
     speculative: bool = False  # masked as free text before the previous token was read
+
+
+class Decoder(Protocol):
+    """What sampling asks of a row's decoder (engine/decode.py's `Decoder`)."""
+
+    sampler: Callable[[mx.array], mx.array]
+    key: tuple  # rows with equal keys share one sampler call
+    seeded: bool
+    seed: int | None
+    draws: int  # seeded tokens drawn so far: the next one's index
+
+    def mask(self, n_logits: int, speculative: bool) -> mx.array | None: ...
 
 
 def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]:
@@ -70,6 +79,7 @@ def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]
         order += idx
     for i in seeded:
         decoder = rows[i][0]
+        assert decoder.seed is not None
         mx.random.seed((decoder.seed + decoder.draws * _MIX) % 2**64)
         decoder.draws += 1
         parts.append(decoder.sampler(candidates[i : i + 1]))

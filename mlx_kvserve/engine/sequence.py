@@ -18,7 +18,7 @@ Each sequence's next token is in one of two places between steps:
   alternative, so no sampling) queue up behind it.
 
 The batch, not the sequence, samples and reads back: one sampler call and one readback per step
-for all its rows (engine/sampling.py). The sequence says what it needs (`sample_rows`,
+for all its rows (engine/sampling.py). The sequence says what it needs (`sample_row`,
 `to_read`) and takes the results (`take`).
 """
 
