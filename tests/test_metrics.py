@@ -110,6 +110,9 @@ def test_metrics_agree_with_usage_and_the_cache(start_server):
     assert value(m, "mlx_kvserve_queue_depth") == 0
     assert value(m, "mlx_kvserve_running_requests") == 0
     assert value(m, "mlx_kvserve_engine_busy_seconds_total") > 0
+    steps = value(m, "mlx_kvserve_decode_steps_total")
+    assert 0 < steps <= generated  # one token per step for each sequence decoding
+    assert 0 < value(m, "mlx_kvserve_decode_readbacks_total") <= steps
     memory = stats["memory"]  # /v1/cache and /metrics read the same MLX figures
     active = value(m, "mlx_kvserve_mlx_memory_bytes", kind="active")
     peak = value(m, "mlx_kvserve_mlx_memory_bytes", kind="peak")

@@ -46,9 +46,12 @@ TOOL_STYLE = {**JSON_STYLE, "lenient": True}
 class Constraint:
     """One request's grammar state, used on the engine thread only."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, *, lazy: bool = False) -> None:
         import llguidance.numpy as lln
 
+        # Free text until a trigger (tool_choice "auto"): the engine keeps such a request
+        # pipelined while the mask stays the free-text one (engine/decode.py).
+        self.lazy = lazy
         self._matcher = matcher
         self._bitmask = lln.allocate_token_bitmask(1, vocab_size)
         self._fill = lln.fill_next_token_bitmask
@@ -112,7 +115,12 @@ class GrammarCompiler:
     def constraint_for(self, req: ChatRequest, fmt: ToolFormat | None) -> Constraint | None:
         """The request's constraint, or None when decoding is free. 400 on a bad schema."""
         grammar = self.grammar_for(req, fmt)
-        return None if grammar is None else self._compile(grammar, "the request's grammar")
+        if grammar is None:
+            return None
+        constraint = self._compile(grammar, "the request's grammar")
+        constraint.lazy = req.tool_choice.mode not in {"required", "function"}
+        constraint.lazy &= _output_schema(req) is None
+        return constraint
 
     def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
         return self._compile(_json_grammar(schema, param=param), param)

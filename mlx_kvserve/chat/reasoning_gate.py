@@ -73,6 +73,12 @@ class ReasoningGate:
         return self.inner.forced(limit)
 
     @property
+    def lazy(self) -> bool:
+        """The answer's grammar starts in free text (tool_choice "auto"), so the engine may keep
+        it pipelined there, as it does through the reasoning, which masks nothing."""
+        return bool(getattr(self.inner, "lazy", False))
+
+    @property
     def finished(self) -> bool:
         return not self.reasoning and self.inner is not None and self.inner.finished
 

@@ -17,9 +17,14 @@ Two modes, chosen by size:
   its checkpoint and as a resident session) and the rest are kept with `filter`; when one is
   left it goes back to solo mode.
 
+Every step samples all rows in one call and reads their tokens back in one readback, as
+mlx-lm's `BatchGenerator` does (engine/sampling.py); `readbacks` and `steps` count them.
+
 Layers whose class cannot merge (`QuantizedKVCache`, `ChunkedKVCache`, classes mlx-lm does not
-define) make the model run one sequence at a time (`can_batch` is False), which is always
-correct. See cache/kinds.py.
+define) make the model decode one sequence at a time (`can_batch` is False), which is always
+correct. The queue keeps moving meanwhile: the others are prefilled beside it as usual (their
+own caches, the scheduler's chunks), and wait here (`waiting`), first token sampled, until the
+running one leaves. See cache/kinds.py.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_kvserve.cache.kinds import KVLayout
+from mlx_kvserve.engine import sampling
+from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -49,27 +56,39 @@ def _merge(caches: list) -> Any:
 class DecodeBatch:
     """The sequences decoding now, and the caches their next pass runs on."""
 
-    def __init__(self, model: Any, on_end: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self, model: Any, on_end: Callable[[Sequence], None], *, mergeable: bool = True
+    ) -> None:
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
+        self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
         self.seqs: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # prefilled, for a model that decodes one at a time
         self._merged: list[Any] | None = None  # merged mode's caches, row i = seqs[i]
+        self.steps = 0  # decode steps run
+        self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.seqs) + len(self.waiting)
 
     @property
     def requests(self) -> list[Any]:
-        return [seq.req for seq in self.seqs]
+        return [seq.req for seq in self.seqs + self.waiting]
 
     def kv_tokens(self) -> int:
-        """Tokens the running sequences hold in KV, plus what they may still generate."""
-        return sum(len(s.live.tokens) + s.limit - s.timings.completion_tokens for s in self.seqs)
+        """Tokens the sequences hold in KV, plus what they may still generate."""
+        return sum(
+            len(s.live.tokens) + s.limit - s.timings.completion_tokens
+            for s in self.seqs + self.waiting
+        )
 
     def add(self, seq: Sequence) -> None:
         """Join between steps; the sequence's caches hold exactly its `live.tokens`."""
         if not self.seqs:
             self.seqs.append(seq)
+            return
+        if not self.mergeable:
+            self.waiting.append(seq)
             return
         if self._merged is None:
             solo = self.seqs[0]
@@ -94,50 +113,68 @@ class DecodeBatch:
             seq.finish = None
 
     def step(self) -> None:
-        """One decode step for every sequence: cancellations, one pass, reads, departures."""
-        for seq in self.seqs:
+        """One decode step for every sequence: cancellations, one pass, one readback,
+        departures."""
+        for seq in self.seqs + self.waiting:
             if seq.req.cancelled.is_set():
                 seq.cancel()
-            else:
-                seq.read_first()
+        self._read([(seq, seq.first_read()) for seq in self.seqs])  # newcomers, redraws
         self._leave()
         if not self.seqs:
             return
+        self.steps += 1
         for seq in self.seqs:
             seq.timings.batch_peak = max(seq.timings.batch_peak, len(self.seqs))
         if any(seq.wants_forward() for seq in self.seqs):
             self._forward()
-            for seq in self.seqs:
-                seq.read_after()
+            self._read([(seq, seq.to_read()) for seq in self.seqs])
         else:
-            for seq in self.seqs:
-                seq.read_unfed()
+            self._read([(seq, seq.step) for seq in self.seqs])
         self._leave()
 
     def fail_all(self) -> list[Sequence]:
         """After a failed pass: the batch's state is unknown, so every sequence leaves."""
-        failed, self.seqs, self._merged = self.seqs, [], None
+        failed, self.seqs, self.waiting, self._merged = self.seqs + self.waiting, [], [], None
         return failed
 
     # ------------------------------------------------------------------------------------
     def _forward(self) -> None:
+        """One pass for every row, then one sampling call for the rows that sample."""
         if self._merged is None:
             (seq,) = self.seqs
             tokens = seq.inputs(one=False)[None]
-            seq.after_pass(self.model(tokens, cache=seq.live.caches)[:, -1, :])
-            return
-        tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
-        logits = self.model(tokens, cache=self._merged)[:, -1, :]
+            logits = self.model(tokens, cache=seq.live.caches)[:, -1, :]
+        else:
+            tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
+            logits = self.model(tokens, cache=self._merged)[:, -1, :]
+        rows = [i for i, seq in enumerate(self.seqs) if seq.wants_sample()]
         for i, seq in enumerate(self.seqs):
-            seq.after_pass(logits[i : i + 1])
+            seq.last_logits = logits if len(self.seqs) == 1 else logits[i : i + 1]
+        if not rows:
+            return
+        some = logits if len(rows) == len(self.seqs) else logits[mx.array(rows)]
+        steps = sampling.sample([self.seqs[i].sample_row() for i in rows], some)
+        for i, step in zip(rows, steps, strict=True):
+            self.seqs[i].step = step
+
+    def _read(self, wanted: list[tuple[Sequence, Step | None]]) -> None:
+        """Read the given steps back in one go and hand each sequence its token."""
+        pairs = [(seq, step) for seq, step in wanted if step is not None]
+        if not pairs:
+            return
+        self.readbacks += 1
+        tokens = sampling.read([step for _, step in pairs])
+        for (seq, step), token in zip(pairs, tokens, strict=True):
+            seq.take(step, token)
 
     def _leave(self, *, report: bool = True) -> None:
-        """Cut the sequences that ended out of the batch, then report them."""
+        """Cut the sequences that ended out of the batch, then report them; a waiting
+        sequence (one-at-a-time models) takes the place of the one that left."""
+        gone = [seq for seq in self.waiting if seq.done]
+        self.waiting = [seq for seq in self.waiting if not seq.done]
         ended = [i for i, seq in enumerate(self.seqs) if seq.done]
-        if not ended:
-            return
-        gone = [self.seqs[i] for i in ended]
-        if self._merged is not None:
+        gone += [self.seqs[i] for i in ended]
+        if self._merged is not None and ended:
             for i in ended:
                 self.seqs[i].live.caches = [c.extract(i) for c in self._merged]
             keep = [i for i in range(len(self.seqs)) if i not in ended]
@@ -151,5 +188,7 @@ class DecodeBatch:
             else:
                 self._merged = None
         self.seqs = [seq for seq in self.seqs if not seq.done]
+        if not self.seqs and self.waiting:
+            self.seqs.append(self.waiting.pop(0))
         for seq in gone if report else ():
             self.on_end(seq)

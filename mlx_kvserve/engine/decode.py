@@ -1,9 +1,18 @@
-"""Sampling for one sequence: grammar mask, sampler, logprobs, a per-request seed.
+"""What one request samples with: sampler settings, grammar mask, logprobs, its seed.
 
 Like mlx-lm's `generate_step`, free sampling is queued on the device (`mx.async_eval`) and read
 back later, so the batch can queue step k+1 before reading token k (engine/sequence.py says how
-the tokens flow). A grammar (tool calls, JSON output) needs token k to compute the mask for
-k+1, so constrained sequences read first; tokens the grammar forces skip sampling.
+the tokens flow); the batch samples all its rows in one call (engine/sampling.py). A grammar
+(tool calls, JSON output) needs token k to compute the mask for k+1, so constrained sequences
+read first; tokens the grammar forces skip sampling.
+
+A lazy grammar (tool_choice "auto": free text until the call's opening marker) allows the same
+tokens at every step of its free text, and a reasoning section masks nothing. While a grammar
+is in such a free state its sequence stays pipelined: token k+1 is sampled with that state's
+mask before token k is read, and once k is read the grammar says the real mask; if it is still
+the same the sample stands (it is exactly what the constrained path would have drawn), else (a
+call begins, the reasoning ends) it is drawn again with the real mask before anything was fed,
+and the sequence reads first until the grammar is back in a free state.
 
 A seeded request draws each token from a seed derived from its own seed and the token's index,
 so its output does not depend on which other requests share the batch (MLX's random state is
@@ -12,30 +21,19 @@ global). The global state is then reseeded from the OS, so unseeded requests sta
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from mlx_kvserve.engine.requests import GenerationRequest, TokenLogprob
-
-_MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indexes over the seed space
+from mlx_kvserve.engine.sampling import Step
 
 
 class Cancelled(Exception):
     """The client went away; stop work at the next step boundary."""
-
-
-@dataclass
-class Step:
-    """A token sampled on the device, not yet read back."""
-
-    token: mx.array
-    logprobs: mx.array
-    logits: mx.array  # what it was sampled from: the prediction after the last token fed
 
 
 class Decoder:
@@ -45,38 +43,80 @@ class Decoder:
         params = req.params
         self.req = req
         self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        # rows with equal keys share one sampler call (make_sampler ignores the rest at temp 0)
+        self.key: tuple = (
+            ("greedy",)
+            if params.temperature == 0
+            else (params.temperature, params.top_p, params.top_k)
+        )
         self.constraint = req.constraint
         self.want_logprobs = params.logprobs or params.top_logprobs > 0
         self.seed = params.seed
+        self.seeded = params.seed is not None and params.temperature > 0
         self.draws = 0
+        self.lazy = bool(getattr(self.constraint, "lazy", False))
+        self.speculating = False  # the grammar is in a free state: the sequence is pipelined
+        self._free: np.ndarray | None = None  # a lazy grammar's free-text mask (its first)
+        self._free_mx: mx.array | None = None
+        self._spec: mx.array | None = None  # the free state's mask (None: no mask at all)
 
     @property
     def pipelined(self) -> bool:
-        return self.constraint is None
+        return self.constraint is None or self.speculating
 
-    def start(self, logits: mx.array) -> Step:
-        """Queue the sampling of the next token on the device (lazy: nothing is read back)."""
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        candidates = logprobs
-        mask = None if self.constraint is None else self.constraint.allowed(logits.shape[-1])
-        if mask is not None:  # None: the constraint lets every token through at this step
-            candidates = mx.where(mx.array(mask), logprobs, -mx.inf)
-        if self.seed is not None and self.req.params.temperature > 0:
-            mx.random.seed((self.seed + self.draws * _MIX) % 2**64)
-            self.draws += 1
-            step = Step(self.sampler(candidates), logprobs, logits)
-            mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        else:
-            step = Step(self.sampler(candidates), logprobs, logits)
-        mx.async_eval(step.token, step.logprobs)
-        return step
+    def mask(self, n_logits: int, speculative: bool) -> mx.array | None:
+        """The grammar's mask for the next sample (None: no grammar, or no mask at this step).
+        `speculative`: the token before it is not read yet, so the mask of the free state the
+        grammar was in stands in (checked by `confirm`)."""
+        if self.constraint is None:
+            return None
+        if speculative:
+            assert self.speculating
+            return self._spec
+        real = self.constraint.allowed(n_logits)
+        real = None if real is None else np.asarray(real)
+        if real is not None and self.lazy and self._free is None:
+            self._free, self._free_mx = real, mx.array(real)
+        self.speculating = self._is_free(real)
+        if real is None:
+            self._spec = None
+            return None
+        if self.speculating:
+            self._spec = self._free_mx
+            return self._free_mx
+        return mx.array(real)
 
-    def read(self, step: Step) -> tuple[int, TokenLogprob | None]:
-        """The token as a Python int (waits for the device), advancing the grammar."""
-        token = int(step.token.item())
+    def confirm(self, step: Step, n_logits: int) -> bool:
+        """After the token before the speculative `step` was read: does `step` stand (the
+        grammar's real mask is the one it was drawn with)? If not, the sequence leaves the
+        pipelined path and `step`'s draw is handed back."""
+        assert self.constraint is not None
+        real = self.constraint.allowed(n_logits)
+        same = real is None if self._spec is None else self._same_as_free(real)
+        if same:
+            return True
+        self.discard(step)
+        return False
+
+    def discard(self, step: Step) -> None:
+        """`step` will not be used: its draw index goes back, and the real mask is asked next."""
+        self.speculating = False
+        if self.seeded and step.speculative:
+            self.draws -= 1
+
+    def _is_free(self, real: np.ndarray | None) -> bool:
+        """A state whose mask is the same at every step: no mask (a reasoning section, a gate
+        without a grammar), or a lazy grammar's free text."""
+        return real is None or self._same_as_free(real)
+
+    def _same_as_free(self, real: Any) -> bool:
+        return real is not None and self._free is not None and np.array_equal(real, self._free)
+
+    def accept(self, step: Step, token: int) -> TokenLogprob | None:
+        """`token` (read back from `step`) is the sequence's: advance the grammar, its logprob."""
         if self.constraint is not None:
             self.constraint.advance(token)
-        return token, (self._logprob(step.logprobs[0], token) if self.want_logprobs else None)
+        return self._logprob(step.logprobs[0], token) if self.want_logprobs else None
 
     def forced_tokens(self, room: int) -> list[int]:
         """Tokens the grammar allows no alternative to (e.g. a JSON key), at most `room`; they

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Generator as Generator_
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -35,6 +35,7 @@ from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.decode import Cancelled
+from mlx_kvserve.engine.live import Live, Timings
 from mlx_kvserve.engine.namespaces import states_for
 from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
@@ -42,51 +43,7 @@ from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-Result = tuple["Timings", "Sequence | None"]  # a prefill's end: its timings, the sequence or None
-
-
-@dataclass
-class Timings:
-    """What the per-request log line reports."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cache_source: str = "cold"
-    completion_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    ttft_seconds: float = 0.0
-    finish_reason: str = ""
-    stop_sequence: str | None = None
-    retried: bool = False
-    restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
-    failed_source: str | None = None  # where the state that failed and forced a retry came from
-    batch_peak: int = 1  # the most sequences it decoded beside (itself included)
-
-    def log_line(self, req: GenerationRequest) -> str:
-        prefilled = self.prompt_tokens - self.cached_tokens
-        prefill_tps = prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
-        decode_tps = (
-            (self.completion_tokens - 1) / self.decode_seconds
-            if self.decode_seconds and self.completion_tokens > 1
-            else 0.0
-        )
-        return (
-            f"{req.kind} id={req.request_id} prompt_tokens={self.prompt_tokens} "
-            f"cached_tokens={self.cached_tokens} cache={self.cache_source} "
-            f"completion_tokens={self.completion_tokens} ttft={self.ttft_seconds:.3f}s "
-            f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
-            f"batch={self.batch_peak} finish={self.finish_reason}"
-            + (" retried=cold" if self.retried else "")
-        )
-
-
-@dataclass
-class Live:
-    """The KV caches being filled and the exact tokens they hold."""
-
-    caches: list
-    tokens: list[int] = field(default_factory=list)
+Result = tuple[Timings, "Sequence | None"]  # a prefill's end: its timings, the sequence or None
 
 
 @dataclass

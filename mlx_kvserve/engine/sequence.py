@@ -10,25 +10,31 @@ cancelled between steps has a consistent state to checkpoint.
 
 Each sequence's next token is in one of two places between steps:
 - `step`: sampled on the device, not read back yet. Free sampling reads it only after the next
-  forward pass has been queued (pipelining, as mlx-lm's `generate_step` does);
+  forward pass has been queued (pipelining, as mlx-lm's `generate_step` does); so does a lazy
+  grammar while it is in its free text (engine/decode.py);
 - `feed`: token ids already read (and emitted) but not yet fed: a grammar needs token k to
-  compute the mask for k+1, so a constrained sequence reads first, and the tokens its grammar
-  forces (no alternative, so no sampling) queue up behind it.
+  compute the mask for k+1, so a constrained sequence reads its token in the readback of the
+  pass that produced it, before the next pass, and the tokens its grammar forces (no
+  alternative, so no sampling) queue up behind it.
+
+The batch, not the sequence, samples and reads back: one sampler call and one readback per step
+for all its rows (engine/sampling.py). The sequence says what it needs (`sample_row`,
+`to_read`) and takes the results (`take`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
-from mlx_kvserve.engine.decode import Decoder, Step, keep_leading_space
+from mlx_kvserve.engine import sampling
+from mlx_kvserve.engine.decode import Decoder, keep_leading_space
+from mlx_kvserve.engine.live import Live, Timings
 from mlx_kvserve.engine.requests import GenerationRequest, TextChunk, TokenLogprob
+from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.stops import StopMatcher
-
-if TYPE_CHECKING:
-    from mlx_kvserve.engine.generate import Live, Timings
 
 
 class Sequence:
@@ -60,7 +66,7 @@ class Sequence:
         self.stop_sequence: str | None = None
         self.last_logits = logits  # the prediction after the last token of live.tokens
         self.feed: list[int] = []
-        self.step: Step | None = self.decoder.start(logits)
+        (self.step,) = sampling.sample([(self.decoder, False)], logits)
         self.unread: Step | None = None  # a step fed by the current pass, read after it
 
     # -- what the batch asks ---------------------------------------------------------------
@@ -78,11 +84,10 @@ class Sequence:
             return self.timings.completion_tokens + 1 < self.limit
         return True
 
-    def read_first(self) -> None:
-        """A constrained sequence reads its sampled token before the pass (its mask needs it)."""
-        if self.step is not None and not self.pipelined:
-            step, self.step = self.step, None
-            self._accept(step)
+    def first_read(self) -> Step | None:
+        """The step to read before the next pass: a constrained sequence's (its mask and the
+        tokens its grammar forces need it), if not read yet (a newcomer's first token)."""
+        return self.step if self.step is not None and not self.pipelined else None
 
     def inputs(self, one: bool) -> mx.array:
         """The token(s) this sequence feeds to the next pass: all it has, or just one."""
@@ -94,26 +99,39 @@ class Sequence:
         del self.feed[: len(fed)]
         return mx.array(fed, dtype=mx.uint32)
 
-    def after_pass(self, row: mx.array) -> None:
-        """`row` is this sequence's prediction after what it just fed: sample from it."""
-        self.last_logits = row
+    def wants_sample(self) -> bool:
+        """After a pass: whether to sample from its row (not while tokens wait to be fed, nor
+        past the token that is the last one allowed)."""
         last_token_unread = (
             self.unread is not None and self.timings.completion_tokens + 1 >= self.limit
         )
-        if not self.feed and not last_token_unread:
-            self.step = self.decoder.start(row)
+        return not self.feed and not last_token_unread
 
-    def read_after(self) -> None:
-        """Read the step fed by this pass (pipelined sequences), now that the next is queued."""
+    def sample_row(self) -> tuple[Decoder, bool]:
+        """(decoder, speculative) for `sampling.sample`: a grammar's sample is speculative while
+        the token before it is unread (free sampling needs no check)."""
+        return self.decoder, self.unread is not None and self.decoder.constraint is not None
+
+    def to_read(self) -> Step | None:
+        """After a pass: the step this step's readback reads, the fed one or a constrained
+        sequence's new sample."""
         if self.unread is not None:
-            step, self.unread = self.unread, None
-            self._accept(step, fed=True)
+            return self.unread
+        return self.first_read()
 
-    def read_unfed(self) -> None:
-        """No pass ran (every sequence was at its last token): read what was sampled."""
-        if self.step is not None:
-            step, self.step = self.step, None
-            self._accept(step)
+    def take(self, step: Step, token: int) -> None:
+        """`token` is `step`'s value, read back."""
+        if step is self.unread:
+            self.unread = None
+            self._accept(step, token, fed=True)
+        else:
+            self.step = None
+            self._accept(step, token)
+
+    def redraw(self) -> None:
+        """The speculative sample did not stand (a tool call begins): draw it again from the
+        same row with the grammar's real mask, before anything was fed."""
+        (self.step,) = sampling.sample([(self.decoder, False)], self.last_logits)
 
     def out_of_memory(self) -> None:
         """Alone in the server, it has filled the KV budget: it ends as at the end of the
@@ -126,8 +144,8 @@ class Sequence:
         self.step = self.unread = None
 
     # -- one token -------------------------------------------------------------------------
-    def _accept(self, step: Step, *, fed: bool = False) -> None:
-        token, logprob = self.decoder.read(step)
+    def _accept(self, step: Step, token: int, *, fed: bool = False) -> None:
+        logprob = self.decoder.accept(step, token)
         if fed:
             self.live.tokens.append(token)  # its KV was computed by the pass that just ran
         else:
@@ -159,6 +177,19 @@ class Sequence:
             self._end("length")
         elif not fed:
             self.feed = [token, *forced]
+        elif forced:  # a lazy grammar's call began and it chose what follows: no sample
+            if self.step is not None:
+                self.decoder.discard(self.step)
+            self.step, self.feed = None, forced
+        elif self._speculation_failed():
+            self.redraw()
+
+    def _speculation_failed(self) -> bool:
+        """A fed token was read: a successor sampled speculatively must match the real mask."""
+        step = self.step
+        if step is None or not step.speculative:
+            return False
+        return not self.decoder.confirm(step, self.last_logits.shape[-1])
 
     def _end(self, finish: str, *, flush: bool = True) -> None:
         if flush:

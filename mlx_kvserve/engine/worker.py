@@ -201,7 +201,7 @@ class Engine(Stopping):
                 self.kv_reserve,
                 batched=self._can_batch,
             )
-            self.batch = DecodeBatch(self.model, self._ended)
+            self.batch = DecodeBatch(self.model, self._ended, mergeable=self._can_batch)
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
@@ -276,7 +276,9 @@ class Engine(Stopping):
         return None
 
     def _can_join(self) -> bool:
-        return self._can_batch and self.running < self.max_concurrency
+        """Room by count. A model that decodes one at a time takes requests all the same: their
+        lookups, restores and prefills run beside the one decoding (the batch holds them)."""
+        return self.running < self.max_concurrency
 
     def _end_paused(self) -> None:
         """Paused requests whose client went away end now (their KV was stored at the pause)."""

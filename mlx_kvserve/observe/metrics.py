@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mlx_kvserve.engine.generate import Timings
+from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.requests import GenerationRequest
 
 PREFIX = "mlx_kvserve"
@@ -190,32 +190,48 @@ class CacheCollector(Collector):
             "Time the engine threads spent serving requests (rate() of it is utilisation).",
             value=sum(e.busy_seconds for e in engines),
         )
-        room = getattr(self.engine, "room", None)
+        rooms = [e.room for e in engines if getattr(e, "room", None) is not None]
         yield GaugeMetricFamily(
             f"{PREFIX}_paused_requests",
             "Requests paused mid-decode because the KV budget was full, waiting to resume.",
-            value=len(room.paused) if room is not None else 0,
+            value=sum(len(room.paused) for room in rooms),
         )
         yield CounterMetricFamily(
             f"{PREFIX}_request_pauses",
             "Times a decoding request was paused (checkpointed and freed) for memory.",
-            value=room.pauses if room is not None else 0,
+            value=sum(room.pauses for room in rooms),
         )
         yield CounterMetricFamily(
             f"{PREFIX}_request_resumes",
             "Times a paused request was resumed from its checkpoint.",
-            value=room.resumes if room is not None else 0,
+            value=sum(room.resumes for room in rooms),
         )
-        kv = room.last if room is not None else {}  # a copy the engine thread made
+        parts: dict[str, int] = {}
+        for room in rooms:
+            for name, value in room.last.items():  # a copy the engine thread made
+                if name.endswith("_bytes"):
+                    key = name.removesuffix("_bytes")
+                    parts[key] = parts.get(key, 0) + value
         family = GaugeMetricFamily(
             f"{PREFIX}_kv_accounted_bytes",
             "Memory the admission ledger counts against --kv-budget, by part (as last read).",
             labels=["part"],
         )
-        for name, value in kv.items():
-            if name.endswith("_bytes"):
-                family.add_metric([name.removesuffix("_bytes")], value)
+        for name, value in parts.items():
+            family.add_metric([name], value)
         yield family
+        batches = [e.batch for e in engines if getattr(e, "batch", None) is not None]
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_steps",
+            "Decode steps of the batch: one forward pass for every sequence decoding.",
+            value=sum(batch.steps for batch in batches),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_readbacks",
+            "Reads of sampled tokens from the device: one per decode step for the whole batch, "
+            "plus one for a grammar-constrained newcomer.",
+            value=sum(batch.readbacks for batch in batches),
+        )
         totals: dict[str, int] = {}
         for cache in (c for e in engines for c in _caches(e.prompt_cache)):
             for name, value in cache.counters().items():

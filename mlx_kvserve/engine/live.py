@@ -1,0 +1,55 @@
+"""What a request holds while it runs: its live KV caches and the figures its log line reports.
+
+Shared by the prefill (engine/generate.py) and the decode side (engine/sequence.py), which is
+why they live apart from both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlx_kvserve.engine.requests import GenerationRequest
+
+
+@dataclass
+class Timings:
+    """What the per-request log line reports."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_source: str = "cold"
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    finish_reason: str = ""
+    stop_sequence: str | None = None
+    retried: bool = False
+    restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
+    failed_source: str | None = None  # where the state that failed and forced a retry came from
+    batch_peak: int = 1  # the most sequences it decoded beside (itself included)
+
+    def log_line(self, req: GenerationRequest) -> str:
+        prefilled = self.prompt_tokens - self.cached_tokens
+        prefill_tps = prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
+        decode_tps = (
+            (self.completion_tokens - 1) / self.decode_seconds
+            if self.decode_seconds and self.completion_tokens > 1
+            else 0.0
+        )
+        return (
+            f"{req.kind} id={req.request_id} prompt_tokens={self.prompt_tokens} "
+            f"cached_tokens={self.cached_tokens} cache={self.cache_source} "
+            f"completion_tokens={self.completion_tokens} ttft={self.ttft_seconds:.3f}s "
+            f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
+            f"batch={self.batch_peak} finish={self.finish_reason}"
+            + (" retried=cold" if self.retried else "")
+        )
+
+
+@dataclass
+class Live:
+    """The KV caches being filled and the exact tokens they hold."""
+
+    caches: list
+    tokens: list[int] = field(default_factory=list)
