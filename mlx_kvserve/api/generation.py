@@ -23,6 +23,7 @@ from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text
+from mlx_kvserve.chat.sampled_turns import SampledTurns
 from mlx_kvserve.engine import (
     Done,
     Engine,
@@ -111,6 +112,7 @@ class Generation:
         self.parser = parser
         self.model = model  # the name the response reports: the served model's id
         self.count_tokens = count_tokens  # the tokenizer's count, for the reasoning's usage
+        self.on_done: Callable[[Done], None] | None = None  # e.g. keep the sampled turn
 
     @property
     def id(self) -> str:
@@ -141,6 +143,8 @@ class Generation:
                 elif isinstance(event, Done) and event.finish_reason != "cancelled":
                     for item in self.parser.finish():
                         yield item
+                    if self.on_done is not None:
+                        self.on_done(event)
                     yield self._finished(event)
                     return
                 elif isinstance(event, Done):
@@ -224,8 +228,11 @@ async def start_chat(
 
     settings = request.app.state.settings
 
+    sampled = sampled_turns(request)
+
     def build() -> tuple[Prompt, Any]:
-        prompt = render_chat(engine.tokenizer, chat, settings.template_defaults())
+        defaults = settings.template_defaults()
+        prompt = render_chat(engine.tokenizer, chat, defaults, sampled, served)
         constraint = _grammar(request, engine).constraint_for(chat, prompt.tool_format)
         return prompt, _gate(prompt, constraint, chat, settings.thinking_budget)
 
@@ -238,7 +245,28 @@ async def start_chat(
         markers=prompt.markers,
         reasoning=prompt.reasoning,
     )
-    return _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
+    generation = _submit(request, engine, prompt, chat.sampling, kind, served, parser, constraint)
+    generation.on_done = lambda done: _keep_turn(sampled, served, prompt, generation, done)
+    return generation
+
+
+def sampled_turns(request: Request) -> SampledTurns:
+    """`app.state.sampled_turns`: the server's kept tool-calling turns (chat.sampled_turns)."""
+    state = request.app.state
+    kept = getattr(state, "sampled_turns", None)
+    if kept is None:
+        kept = state.sampled_turns = SampledTurns()
+    return kept
+
+
+def _keep_turn(
+    kept: SampledTurns, model: str, prompt: Prompt, generation: Generation, done: Done
+) -> None:
+    """Keep an answer that ended on its own with tool calls: its tokens are all sampled text."""
+    parser = generation.parser
+    if done.finish_reason == "stop" and done.stop_sequence is None and parser.calls:
+        tokens = generation.req.sampled
+        kept.remember(model, prompt.text, tokens, parser.content, parser.reasoning, parser.calls)
 
 
 def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: int) -> Any:
@@ -266,7 +294,10 @@ def count_chat_tokens(request: Request, chat: ChatRequest) -> Any:
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     engine = _ready_engine(request)
     defaults = request.app.state.settings.template_defaults()
-    return _off_loop(lambda: len(render_chat(engine.tokenizer, chat, defaults).tokens))
+    served, kept = request.app.state.model_id, sampled_turns(request)
+    return _off_loop(
+        lambda: len(render_chat(engine.tokenizer, chat, defaults, kept, served).tokens)
+    )
 
 
 async def _off_loop(fn: Any) -> Any:
