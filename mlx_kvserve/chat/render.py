@@ -23,7 +23,13 @@ from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import ChatRequest, Message
-from mlx_kvserve.chat.sampled_turns import SampledTurns, Splicer, text_hash, turn_end
+from mlx_kvserve.chat.sampled_turns import (
+    SampledTurn,
+    SampledTurns,
+    Splicer,
+    text_hash,
+    turn_end,
+)
 from mlx_kvserve.chat.thinking import (
     ThinkMarkers,
     check_template_kwargs,
@@ -90,6 +96,9 @@ def render_chat(
     history that `sampled` kept for `model` are encoded as the tokens the model sampled."""
     arguments = check_history(req.messages)
     check_template_kwargs(req.template_kwargs, "chat_template_kwargs")
+    kept = _kept_turns(req.messages, sampled, model)
+    for i, turn in kept.items():  # a kept turn's arguments, in the order they were sampled
+        arguments[i] = turn.template_arguments()
     fmt = tool_format_for(tokenizer)
     tools = req.tools
     if fmt.native:
@@ -107,7 +116,7 @@ def render_chat(
         raise InvalidRequest(
             f"The chat template rejected the messages: {exc}", param="messages"
         ) from None
-    encode = _splicer(tokenizer, req.messages, messages, kwargs, sampled, model)
+    encode = _splicer(tokenizer, req.messages, messages, kwargs, kept)
     prompt = encode(text)
     boundaries = _boundaries(tokenizer, messages, kwargs, prompt, encode)
     markers = markers_for(tokenizer)
@@ -139,31 +148,37 @@ def render_text(tokenizer: Any, text: str) -> Prompt:
     return Prompt(list(tokenizer.encode(text)), {})
 
 
+def _kept_turns(
+    source: list[Message], sampled: SampledTurns | None, model: str
+) -> dict[int, SampledTurn]:
+    """{index in `source`: the kept turn it replays unchanged} (chat.sampled_turns)."""
+    if sampled is None or not len(sampled):
+        return {}
+    return {
+        i: turn
+        for i, message in enumerate(source)
+        if message.role == "assistant" and (turn := sampled.match(message, model)) is not None
+    }
+
+
 def _splicer(
     tokenizer: Any,
     source: list[Message],
     messages: list[dict[str, Any]],
     kwargs: dict,
-    sampled: SampledTurns | None,
-    model: str,
+    kept: dict[int, SampledTurn],
 ) -> Callable[[str], list[int]]:
-    """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns of
-    chat.sampled_turns spliced in when the history replays any."""
+    """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns'
+    sampled tokens spliced in (chat.sampled_turns)."""
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    if sampled is None or not len(sampled):
+    if not kept:
         return encode
-    given = [m for m in source if m.role == "assistant"]
+    given = [kept.get(i) for i, m in enumerate(source) if m.role == "assistant"]
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns = [
-        (i, turn)
-        for i, message in zip(at, given, strict=False)
-        if (turn := sampled.match(message, model)) is not None
-    ]
-    if not turns:
-        return encode
+    turns = [(i, turn) for i, turn in zip(at, given, strict=False) if turn is not None]
     splicer = Splicer(
         encode,
         lambda n, generation: _render(tokenizer, messages[:n], kwargs, generation=generation),

@@ -82,6 +82,14 @@ class SampledTurn:
             return False
         return message.reasoning is None or message.reasoning.strip() == self.reasoning.strip()
 
+    def template_arguments(self) -> list[dict[str, Any]]:
+        """Each call's arguments as the template is handed them (chat.tool_format), keys in the
+        order the model sampled them."""
+        return [
+            {"input": arguments} if kind == "custom" else arguments
+            for _, _, kind, arguments in self.calls
+        ]
+
     def shows(self, canonical: str) -> bool:
         """The template's text of the turn says what the sampled one says (it did not drop the
         reasoning or the answer)."""
