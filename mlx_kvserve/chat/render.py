@@ -12,7 +12,9 @@ end itself where the cache cannot be trimmed (engine.generate).
 
 The template is also told what the client asked of the model's reasoning (chat.thinking), and
 each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
-GLM and DeepSeek templates read.
+GLM and DeepSeek templates read. A past turn that made tool calls and is replayed unchanged is
+encoded as the tokens the model sampled for it (chat.sampled_turns), so a tool loop's next
+prompt extends the cached one through the answer.
 """
 
 from __future__ import annotations
