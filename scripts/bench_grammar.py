@@ -3,6 +3,7 @@
 
     python scripts/bench_grammar.py              # default model, 5 rounds
     python scripts/bench_grammar.py --rounds 10
+    python scripts/bench_grammar.py --formats-only   # just the per-format table
 
 One mlx-kvserve server; each round sends every mode once (interleaved, so drift hits all modes
 alike), streaming through the openai SDK. Decode speed is (completion tokens - 1) / (time of the
@@ -13,6 +14,11 @@ last chunk - time of the first), the median over rounds. Modes:
                computes a token mask every step but the model writes text (pure mask cost);
 * json       : `response_format` json_schema (every token masked by a JSON grammar);
 * tool-forced: `tool_choice: required` (the whole answer is a grammar-constrained call).
+
+Then a column per tool-call format (scripts/_bench_formats.py): each format the server constrains
+(its registry), on a tiny random-weight model with a real chat template in that format, decode
+tokens/s as the engine logged it with `tool_choice` none (no grammar), auto (a lazy grammar) and
+required (the format's call grammar).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import Server, machine, workdir  # noqa: E402
+from _bench_formats import run as run_formats  # noqa: E402
 
 TOOL = {
     "type": "function",
@@ -102,7 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--formats-only", action="store_true", help="only the per-format table")
     args = p.parse_args(argv)
+    print(f"machine: {machine()}")
+    print(f"rounds: {args.rounds}, max_tokens {args.max_tokens}, temperature 0\n")
+    if not args.formats_only:
+        default_model(args)
+    with workdir(args.keep) as work:
+        print("\nPer tool-call format (tiny random-weight models, real templates):\n")
+        print("\n".join(run_formats(work, [TOOL], args.rounds, args.max_tokens)))
+    return 0
+
+
+def default_model(args: argparse.Namespace) -> None:
+    """The modes above on the default model (the Hermes fallback format)."""
     import openai
 
     with workdir(args.keep) as work:
@@ -119,15 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 counts[name].append(n)
         server.stop()
     base = statistics.median(rates["free"])
-    print(f"machine: {machine()}")
-    print(f"rounds: {args.rounds}, max_tokens {args.max_tokens}, temperature 0\n")
     print("| mode | decode tok/s (median) | vs free | tokens per answer (median) |")
     print("| --- | --- | --- | --- |")
     for name in modes():
         rate = statistics.median(rates[name])
         n = statistics.median(counts[name])
         print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {n:.0f} |")
-    return 0
 
 
 if __name__ == "__main__":

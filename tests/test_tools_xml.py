@@ -221,6 +221,7 @@ def test_xml_tool_loop_hits_the_cache(client, tokenizer):
     tokenizer makes of that text: all of them for a call the grammar wrote alone (`ping`), up to
     the first odd split (`w`+`e`+`ather`) a random-weight model samples in a free one."""
     messages = list(ASK)
+    spliced = 0  # how many more tokens the server's prompt has: kept calls are their own tokens
     for turn in range(4):
         forced = turn % 2 == 0
         reply = client.chat.completions.create(
@@ -238,7 +239,7 @@ def test_xml_tool_loop_hits_the_cache(client, tokenizer):
         )
         choice = reply.choices[0]
         prompt = _prompt(tokenizer, messages)
-        assert len(prompt) == reply.usage.prompt_tokens
+        assert len(prompt) + spliced == reply.usage.prompt_tokens
         sampled = [bytes(t.bytes) for t in choice.logprobs.content]
         call = choice.message.tool_calls[0]
         _valid(call)
@@ -257,14 +258,22 @@ def test_xml_tool_loop_hits_the_cache(client, tokenizer):
             same += 1
         if forced:
             assert same == len(sampled), (sampled, [tokenizer.decode([t]) for t in rest])
+        # the server renders the call as the tokens sampled (chat.sampled_turns), in place of
+        # the tokenizer's tokens of the same text
+        whole = b"".join(sampled)
+        canonical = next(
+            k for k in range(len(rest) + 1) if tokenizer.decode(rest[:k]).encode() == whole
+        )
+        spliced += len(sampled) - canonical
         nxt = client.chat.completions.create(
             model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
         )
-        assert nxt.usage.prompt_tokens == len(following)
-        # the call's last token ended the generation, so it was never fed: the cache stops
-        # just before it
+        assert nxt.usage.prompt_tokens == len(following) + spliced
+        # a grammar-forced tail that ended the generation was never fed: the cache stops at it
         cached = nxt.usage.prompt_tokens_details.cached_tokens
-        assert cached >= len(prompt) + min(same, len(sampled) - 1), (turn, same)
+        assert cached >= len(prompt) + spliced - (len(sampled) - canonical) + min(
+            same, len(sampled) - 1
+        ), (turn, same)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from mlx_kvserve.chat.harmony_output import HarmonyParser
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text
+from mlx_kvserve.chat.sampled_turns import SampledTurns
 from mlx_kvserve.engine import (
     Done,
     Engine,
@@ -123,6 +124,7 @@ class Generation:
         """Let the model go (idempotent); the stream's end does it too."""
         if self._release is not None:
             self._release()
+        self.on_done: Callable[[Done], None] | None = None  # e.g. keep the sampled turn
 
     @property
     def id(self) -> str:
@@ -153,6 +155,8 @@ class Generation:
                 elif isinstance(event, Done) and event.finish_reason != "cancelled":
                     for item in self.parser.finish():
                         yield item
+                    if self.on_done is not None:
+                        self.on_done(event)
                     yield self._finished(event)
                     return
                 elif isinstance(event, Done):
@@ -255,8 +259,11 @@ async def start_chat(
     engine = await _acquire(request, slot)
     settings = request.app.state.settings
 
+    sampled = sampled_turns(request)
+
     def build() -> tuple[Prompt, Any]:
-        prompt = render_chat(engine.tokenizer, chat, settings.template_defaults())
+        defaults = settings.template_defaults()
+        prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
         constraint = _grammar(engine).constraint_for(chat, prompt.tool_format)
         if prompt.harmony:
             return prompt, _harmony_gate(engine, constraint, chat, settings.thinking_budget)
@@ -265,10 +272,12 @@ async def start_chat(
     try:
         prompt, constraint = await _off_loop(build)
         parser = _parser(prompt, chat, id_prefix)
-        return _submit(request, engine, slot, prompt, chat.sampling, kind, parser, constraint)
+        generation = _submit(request, engine, slot, prompt, chat.sampling, kind, parser, constraint)
     except BaseException:
         request.app.state.pool.release(slot)
         raise
+    generation.on_done = lambda done: _keep_turn(sampled, slot.name, prompt, generation, done)
+    return generation
 
 
 def _parser(prompt: Prompt, chat: ChatRequest, id_prefix: str) -> OutputParser | HarmonyParser:
@@ -283,6 +292,25 @@ def _parser(prompt: Prompt, chat: ChatRequest, id_prefix: str) -> OutputParser |
         markers=prompt.markers,
         reasoning=prompt.reasoning,
     )
+
+
+def sampled_turns(request: Request) -> SampledTurns:
+    """`app.state.sampled_turns`: the server's kept tool-calling turns (chat.sampled_turns)."""
+    state = request.app.state
+    kept = getattr(state, "sampled_turns", None)
+    if kept is None:
+        kept = state.sampled_turns = SampledTurns()
+    return kept
+
+
+def _keep_turn(
+    kept: SampledTurns, model: str, prompt: Prompt, generation: Generation, done: Done
+) -> None:
+    """Keep an answer that ended on its own with tool calls: its tokens are all sampled text."""
+    parser = generation.parser
+    if done.finish_reason == "stop" and done.stop_sequence is None and parser.calls:
+        tokens = generation.req.sampled
+        kept.remember(model, prompt.text, tokens, parser.content, parser.reasoning, parser.calls)
 
 
 def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: int) -> Any:
@@ -325,8 +353,11 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     slot = served_model(request, model)
     engine = await _acquire(request, slot)
     defaults = request.app.state.settings.template_defaults()
+    kept = sampled_turns(request)
     try:
-        return await _off_loop(lambda: len(render_chat(engine.tokenizer, chat, defaults).tokens))
+        return await _off_loop(
+            lambda: len(render_chat(engine.tokenizer, chat, defaults, kept, slot.name).tokens)
+        )
     finally:
         pool.release(slot)
 

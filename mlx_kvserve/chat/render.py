@@ -12,17 +12,27 @@ end itself where the cache cannot be trimmed (engine.generate).
 
 The template is also told what the client asked of the model's reasoning (chat.thinking), and
 each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
-GLM and DeepSeek templates read (gpt-oss's reads `thinking`: chat.harmony).
+GLM and DeepSeek templates read (gpt-oss's reads `thinking`: chat.harmony). A past turn that
+made tool calls and is replayed unchanged is encoded as the tokens the model sampled for it
+(chat.sampled_turns), so a tool loop's next prompt extends the cached one through the answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.harmony import harmony_messages, harmony_tools
 from mlx_kvserve.chat.request import ChatRequest, Message
+from mlx_kvserve.chat.sampled_turns import (
+    SampledTurn,
+    SampledTurns,
+    Splicer,
+    text_hash,
+    turn_end,
+)
 from mlx_kvserve.chat.thinking import (
     ThinkMarkers,
     check_template_kwargs,
@@ -51,6 +61,7 @@ class Prompt:
     tool_format: ToolFormat | None = None
     markers: ThinkMarkers | None = None
     reasoning: bool = False
+    text: tuple[int, bytes] = (0, b"")  # the length and SHA-256 of the rendered text
 
     @property
     def harmony(self) -> bool:
@@ -81,12 +92,22 @@ def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
     return arguments
 
 
-def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | None = None) -> Prompt:
+def render_chat(
+    tokenizer: Any,
+    req: ChatRequest,
+    defaults: dict[str, Any] | None = None,
+    sampled: SampledTurns | None = None,
+    model: str = "",
+) -> Prompt:
     """Prompt tokens for a chat request, through the model's template (or the Hermes fallback).
 
-    `defaults` are the server's `--chat-template-kwargs`, under the request's own."""
+    `defaults` are the server's `--chat-template-kwargs`, under the request's own. Turns of the
+    history that `sampled` kept for `model` are encoded as the tokens the model sampled."""
     arguments = check_history(req.messages)
     check_template_kwargs(req.template_kwargs, "chat_template_kwargs")
+    kept = _kept_turns(req.messages, sampled, model)
+    for i, turn in kept.items():  # a kept turn's arguments, in the order they were sampled
+        arguments[i] = turn.template_arguments()
     fmt = tool_format_for(tokenizer)
     tools = req.tools
     if fmt.native:
@@ -107,17 +128,21 @@ def render_chat(tokenizer: Any, req: ChatRequest, defaults: dict[str, Any] | Non
     variables = template_variables(tokenizer)
     kwargs.update(template_kwargs(variables, req.thinking, req.template_kwargs, defaults or {}))
     try:
-        prompt, messages = _render_folding_system(tokenizer, messages, kwargs)
+        text, messages = _render_folding_system(tokenizer, messages, kwargs)
     except Exception as exc:  # template errors are the request's fault (e.g. role order)
         raise InvalidRequest(
             f"The chat template rejected the messages: {exc}", param="messages"
         ) from None
-    boundaries = _boundaries(tokenizer, messages, kwargs, prompt)
+    encode = _splicer(tokenizer, req.messages, messages, kwargs, kept)
+    prompt = encode(text)
+    boundaries = _boundaries(tokenizer, messages, kwargs, prompt, encode)
     markers = markers_for(tokenizer)
     opened = opens_reasoning(markers, prompt)
     if opened is not None and len(prompt) - opened <= THINKING_TAIL and opened > 0:
         boundaries.setdefault(opened, "prompt")
-    return Prompt(prompt, boundaries, fmt, markers, opened is not None)
+    return Prompt(
+        prompt, boundaries, fmt, markers, opened is not None, (len(text), text_hash(text))
+    )
 
 
 THINKING_TAIL = 11  # how near the end an opening marker counts as the generation prompt's
@@ -140,9 +165,49 @@ def render_text(tokenizer: Any, text: str) -> Prompt:
     return Prompt(list(tokenizer.encode(text)), {})
 
 
+def _kept_turns(
+    source: list[Message], sampled: SampledTurns | None, model: str
+) -> dict[int, SampledTurn]:
+    """{index in `source`: the kept turn it replays unchanged} (chat.sampled_turns)."""
+    if sampled is None or not len(sampled):
+        return {}
+    return {
+        i: turn
+        for i, message in enumerate(source)
+        if message.role == "assistant" and (turn := sampled.match(message, model)) is not None
+    }
+
+
+def _splicer(
+    tokenizer: Any,
+    source: list[Message],
+    messages: list[dict[str, Any]],
+    kwargs: dict,
+    kept: dict[int, SampledTurn],
+) -> Callable[[str], list[int]]:
+    """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns'
+    sampled tokens spliced in (chat.sampled_turns)."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    if not kept:
+        return encode
+    given = [kept.get(i) for i, m in enumerate(source) if m.role == "assistant"]
+    at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = [(i, turn) for i, turn in zip(at, given, strict=False) if turn is not None]
+    splicer = Splicer(
+        encode,
+        lambda n, generation: _render(tokenizer, messages[:n], kwargs, generation=generation),
+        lambda: turn_end(lambda m: _render(tokenizer, m, kwargs, generation=False)),
+        turns,
+    )
+    return splicer.tokens
+
+
 def _render_folding_system(
     tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict
-) -> tuple[list[int], list[dict[str, Any]]]:
+) -> tuple[str, list[dict[str, Any]]]:
     """The prompt, and the messages it was rendered from.
 
     Agents put system messages mid-conversation (Claude Code's reminders). Many templates
@@ -183,30 +248,36 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _render(tokenizer: Any, messages: list, kwargs: dict, *, generation: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
+def _render(tokenizer: Any, messages: list, kwargs: dict, *, generation: bool) -> str:
+    return tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **kwargs
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _boundaries(tokenizer: Any, messages: list, kwargs: dict, prompt: list[int]) -> dict[int, str]:
+Encode = Callable[[str], list[int]]
+
+
+def _boundaries(
+    tokenizer: Any, messages: list, kwargs: dict, prompt: list[int], encode: Encode
+) -> dict[int, str]:
     boundaries: dict[int, str] = {}
     n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if 0 < n_system < len(messages):
-        anchor = _boundary(tokenizer, messages[:n_system], kwargs, prompt)
+        anchor = _boundary(tokenizer, messages[:n_system], kwargs, prompt, encode)
         if anchor:
             boundaries[anchor] = "anchor"
     if len(messages) > 1 and len(messages) - 1 != n_system:
-        newest = _boundary(tokenizer, messages[:-1], kwargs, prompt)
+        newest = _boundary(tokenizer, messages[:-1], kwargs, prompt, encode)
         if newest:
             boundaries.setdefault(newest, "message")
     return boundaries
 
 
-def _boundary(tokenizer: Any, messages: list, kwargs: dict, prompt: list[int]) -> int | None:
+def _boundary(
+    tokenizer: Any, messages: list, kwargs: dict, prompt: list[int], encode: Encode
+) -> int | None:
     try:
-        ids = _render(tokenizer, messages, kwargs, generation=False)
+        ids = encode(_render(tokenizer, messages, kwargs, generation=False))
     except Exception:  # a template may refuse a partial conversation; then there is no boundary
         return None
     if 0 < len(ids) < len(prompt) - 1 and prompt[: len(ids)] == ids:

@@ -102,6 +102,9 @@ class GenerationRequest:
     started: float = field(default_factory=time.perf_counter)  # for time-to-first-token
     cancelled: threading.Event = field(default_factory=threading.Event)
     namespace: str | None = field(default_factory=current_namespace.get)  # per-key cache
+    # The token ids sampled so far, end-of-sequence token excluded (written by the engine thread;
+    # read once Done arrives): what a tool loop's next prompt splices back (chat.sampled_turns).
+    sampled: list[int] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
 

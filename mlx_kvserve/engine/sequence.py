@@ -163,6 +163,7 @@ class Sequence:
         forced = self.decoder.forced_tokens(self.limit - timings.completion_tokens - 1)
         for item in [token, *forced]:
             timings.completion_tokens += 1
+            self.req.sampled.append(item)
             self.detok.add_token(item)
             text, hit = self.stops.feed(self.detok.last_segment)
             if text:
