@@ -202,3 +202,42 @@ def test_a_cache_of_another_architecture_is_a_clean_miss(tmp_path):
         finally:
             assert server.stop() == 0
         assert "Traceback" not in server.log()
+
+
+LONG_QUESTION = (
+    "Here is my whole repair history, please read it before you answer. "
+    + " ".join(f"Visit {i}: new chain, brake pads, the rear wheel trued." for i in range(14))
+    + " What should I replace next?"
+)
+KILL_LINE = "injected fault at disk_write_kill: SIGKILL"
+
+
+def test_a_sigkill_mid_prefill_loses_nothing(arch: Arch):
+    """The server kills itself halfway through writing its third checkpoint file, while it is
+    still prefilling a long prompt (a checkpoint every 64 tokens). The restarted server serves
+    the entries that were complete, answers like `--no-cache`, and finds no damaged entry."""
+    kv = arch.work / "kv-kill"
+    env = {"MLX_KVSERVE_CACHE_DIR": str(kv), "MLX_KVSERVE_FAULTS": "disk_write_kill@3"}
+    dying = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
+    messages = [SYSTEM, {"role": "user", "content": LONG_QUESTION}]
+    with pytest.raises(Exception):  # noqa: B017 - the connection dies with the server
+        chat(dying, messages)
+    assert dying.proc.wait(60) == -9
+    assert KILL_LINE in dying.log()
+    dying.stop()
+    server = ServerProcess(
+        arch.work, "--model", str(arch.model_dir), *FLAGS, env={"MLX_KVSERVE_CACHE_DIR": str(kv)}
+    ).wait_ready()
+    try:
+        answer, usage = chat(server, messages)
+        expected, ref_usage = chat(arch.reference, messages)
+        assert answer == expected
+        # The two files written before the kill hold the start of this very prompt.
+        assert 0 < usage.prompt_tokens_details.cached_tokens < ref_usage.prompt_tokens
+        stats = httpx.get(server.base_url + "/v1/cache").json()
+        assert stats["unclean_start"] is True
+        assert stats["restore_errors"] == 0 and stats["failure_evictions"] == 0
+        log = server.log()
+        assert "dropped damaged file" not in log and "Traceback" not in log
+    finally:
+        server.stop()
