@@ -112,6 +112,8 @@ def check_meta(meta: Any, layout: Layout, n_tokens: int, parent_len: int) -> Non
                 raise PlanError(f"layer {path}: bad span lo/arrays")
             if not isinstance(doc.get("params", {}), dict):
                 raise PlanError(f"layer {path}: bad params")
+            if arrays != [f"p.{path}.{j}" for j in range(len(arrays))]:
+                raise PlanError(f"layer {path}: arrays {arrays!r} are not its own, in order")
             held = n_tokens - span_start(doc, parent_len)
             for name in arrays:
                 if name not in layout:
@@ -122,7 +124,11 @@ def check_meta(meta: Any, layout: Layout, n_tokens: int, parent_len: int) -> Non
                 named.add(name)
         else:
             for name in tree_refs(doc.get("state")):
-                if not isinstance(name, str) or name not in layout:
+                if (
+                    not isinstance(name, str)
+                    or name not in layout
+                    or not name.startswith(f"s.{path}.")
+                ):
                     raise PlanError(f"layer {path}: bad array reference {name!r}")
                 named.add(name)
     if named != set(layout):
