@@ -41,7 +41,6 @@ MATRIX = {
     "falcon_h1": ("2 list (tokens)", 8192),
     "llama4": ("3 window of 32 + 1 tokens", 16384),
 }
-SLICEABLE = {"llama", "deepseek_v3"}
 FLAGS = ("--prefill-step", "16", "--checkpoint-interval", "64")
 SYSTEM = {
     "role": "system",
@@ -100,7 +99,7 @@ def test_starts_and_describes_its_layers(arch: Arch):
 
 def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
     server = cached_server(arch)
-    messages, usages = [SYSTEM], []
+    messages, usages, answers = [SYSTEM], [], []
     try:
         for turn, question in enumerate(QUESTIONS):
             if turn == 2:  # restart: the next turn must come from the disk tier
@@ -113,20 +112,25 @@ def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
             assert usage.prompt_tokens == ref_usage.prompt_tokens
             assert ref_usage.prompt_tokens_details.cached_tokens == 0
             usages.append(usage)
+            answers.append(answer)
             messages = [*messages, {"role": "assistant", "content": answer}]
             if turn == 2:
                 stats = httpx.get(server.base_url + "/v1/cache").json()
                 assert stats["restores_from_disk"] >= 1
         cached = [u.prompt_tokens_details.cached_tokens for u in usages]
         assert cached[0] == 0
-        if arch.name in SLICEABLE:  # deltas: the whole previous prompt is reused
-            for prev, now in zip(usages, cached[1:], strict=False):
-                assert now >= prev.prompt_tokens
-        else:
-            # Snapshots serve exact prefixes only, and a newer snapshot prunes the older ones
-            # it extends (cache/policy.py): when the answer does not re-tokenize as generated,
-            # what is left for the next turn may be only the system prompt's anchor.
-            assert min(cached[1:]) > 0
+        # Every later turn reuses at least the whole previous prompt: a delta is cut back to
+        # it, a snapshot (recurrent state, full window) is the "prompt" checkpoint taken at its
+        # end before generation (engine/generate.py), chained to the turns before it. Unless
+        # the answer began with white space: then the newline that ends the generation prompt
+        # re-tokenizes merged with it, the previous prompt is no token prefix of the next, and
+        # a snapshot serves only the checkpoint before it (an interval or a message boundary).
+        prompts = [u.prompt_tokens for u in usages]
+        for k in range(1, len(usages)):
+            if answers[k - 1][:1].isspace():
+                assert cached[k] > 0, (prompts, cached, answers)
+            else:
+                assert cached[k] >= prompts[k - 1], (prompts, cached, answers)
         log = server.log()
         assert "Traceback" not in log
         assert re.search(r"cache=disk", log)
@@ -203,3 +207,42 @@ def test_a_cache_of_another_architecture_is_a_clean_miss(tmp_path):
         finally:
             assert server.stop() == 0
         assert "Traceback" not in server.log()
+
+
+LONG_QUESTION = (
+    "Here is my whole repair history, please read it before you answer. "
+    + " ".join(f"Visit {i}: new chain, brake pads, the rear wheel trued." for i in range(14))
+    + " What should I replace next?"
+)
+KILL_LINE = "injected fault at disk_write_kill: SIGKILL"
+
+
+def test_a_sigkill_mid_prefill_loses_nothing(arch: Arch):
+    """The server kills itself halfway through writing its third checkpoint file, while it is
+    still prefilling a long prompt (a checkpoint every 64 tokens). The restarted server serves
+    the entries that were complete, answers like `--no-cache`, and finds no damaged entry."""
+    kv = arch.work / "kv-kill"
+    env = {"MLX_KVSERVE_CACHE_DIR": str(kv), "MLX_KVSERVE_FAULTS": "disk_write_kill@3"}
+    dying = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
+    messages = [SYSTEM, {"role": "user", "content": LONG_QUESTION}]
+    with pytest.raises(Exception):  # noqa: B017 - the connection dies with the server
+        chat(dying, messages)
+    assert dying.proc.wait(60) == -9
+    assert KILL_LINE in dying.log()
+    dying.stop()
+    server = ServerProcess(
+        arch.work, "--model", str(arch.model_dir), *FLAGS, env={"MLX_KVSERVE_CACHE_DIR": str(kv)}
+    ).wait_ready()
+    try:
+        answer, usage = chat(server, messages)
+        expected, ref_usage = chat(arch.reference, messages)
+        assert answer == expected
+        # The two files written before the kill hold the start of this very prompt.
+        assert 0 < usage.prompt_tokens_details.cached_tokens < ref_usage.prompt_tokens
+        stats = httpx.get(server.base_url + "/v1/cache").json()
+        assert stats["unclean_start"] is True
+        assert stats["restore_errors"] == 0 and stats["failure_evictions"] == 0
+        log = server.log()
+        assert "dropped damaged file" not in log and "Traceback" not in log
+    finally:
+        server.stop()

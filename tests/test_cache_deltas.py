@@ -172,13 +172,13 @@ def test_prefix_checkpoint_refused_for_longer_or_shorter_snapshot_state(tmp_path
 def test_restore_without_a_writable_mlx_view_falls_back_to_concatenate(
     tmp_path, dtype, monkeypatch
 ):
-    from mlx_kvserve.cache import state
+    from mlx_kvserve.cache import chain
 
     with open_cache(tmp_path) as pc:
         run_conversation(pc, 3, dtype=dtype)
         n = max(e.n_tokens for e in pc.entries())
         _, want = restore(pc, TOKENS[: n + 1])
-        monkeypatch.setattr(state, "_writable_view", lambda arr: None)
+        monkeypatch.setattr(chain, "_writable_view", lambda arr: None)
         _, got = restore(pc, TOKENS[: n + 1])
     assert_same(got, want)
     assert got[0].keys.shape[2] > n  # free room after the restored positions either way

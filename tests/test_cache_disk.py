@@ -561,7 +561,12 @@ HEADER_LIES = {
     "arrays-shape": lambda h: h["arrays"][0].update(shape=[1, 2, 50, 16]),
     "arrays-name": lambda h: h["arrays"][0].update(name="k.9"),
     "payload-digest": lambda h: h.update(payload_sha256="f" * 64),
-    "format": lambda h: h.update(format=2),
+    "format": lambda h: h.update(format=1),  # the layout before per-layer chains
+    "layer-lo": lambda h: h["meta"]["layers"][0].update(lo=5),
+    "layer-mode": lambda h: h["meta"]["layers"][0].update(mode="whole"),
+    "layer-class": lambda h: h["meta"]["layers"][1].update({"class": "RotatingKVCache"}),
+    "layer-missing": lambda h: h["meta"]["layers"].pop(),
+    "layer-arrays": lambda h: h["meta"]["layers"][0]["arrays"].reverse(),
     "tokens": lambda h: h.update(tokens=codec.encode_tokens(np.arange(h["n_tokens"]))),
 }
 

@@ -93,7 +93,7 @@ def test_nan_in_the_last_piece_is_refused(tmp_path, value):
     with pytest.raises(CacheRestoreError) as info:
         restore_leaf(tmp_path)
     assert info.value.key == keys[2]
-    assert "NaN or Inf" in info.value.problem and "v.1" in info.value.problem
+    assert "NaN or Inf" in info.value.problem and "p.1.1" in info.value.problem  # layer 1's values
     assert hash_threads() == []
 
 

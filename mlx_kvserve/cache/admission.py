@@ -1,16 +1,17 @@
 """Checkpoint admission: decide whether live caches become an entry, and store it.
 
-Entries are either **deltas** (every layer a plain KVCache: the entry stores only positions
-[parent_len, n) and names its parent, the longest existing on-disk delta whose tokens are a
-prefix of its own) or **snapshots** (whole per-layer state, for rotating windows, SSM layers and
-mixed models; usable only when their tokens are an exact prefix of the prompt). A growing
-conversation therefore writes each position once (O(N) bytes, not O(N^2)), and a shared system
-prompt is stored once and reused by every conversation that branches from it.
+Every entry names its parent, the longest stored entry whose tokens are a prefix of its own and
+whose layers are stored the same way, and stores per layer only what that chain lacks (see
+`plan`): the new positions of KV layers and windows, the current state of recurrent layers. A
+growing conversation therefore writes each position once (O(N) bytes, not O(N^2)) plus a fixed
+size per checkpoint for recurrent states, and a shared system prompt is stored once and reused
+by every conversation that branches from it. Entries whose layers all hold positions from 0 are
+deltas (they serve any prefix); the others are snapshots (they serve exactly their tokens).
 
-With a disk, a delta's parent must itself be on disk (written or queued), so every file on disk
-has its whole chain on disk. Positions below `parent_len` come from the parent chain, not from
-the live cache: identical when the live cache was restored from that chain (the normal case);
-after a cold prefill they may differ in the last float bits, as any prefix cache does.
+With a disk, a parent must itself be on disk (written or queued), so every file on disk has its
+whole chain on disk. Positions below `parent_len` come from the parent chain, not from the live
+cache: identical when the live cache was restored from that chain (the normal case); after a
+cold prefill they may differ in the last float bits, as any prefix cache does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_kvserve.cache import codec, kinds, state
+from mlx_kvserve.cache import codec, kinds, layers, plan, state
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.codec import Slot
 from mlx_kvserve.cache.entry import (
@@ -28,7 +29,6 @@ from mlx_kvserve.cache.entry import (
     DISK_NONE,
     SNAPSHOT,
     Entry,
-    Layout,
     as_token_array,
     entry_key,
 )
@@ -111,29 +111,25 @@ def _store(
     probe: Any,
     run_id: str,
 ) -> str | None:
-    """Build the entry (delta off the longest stored prefix, or snapshot), queue its write,
-    then prune what it dominates and enforce the budgets, protecting it."""
+    """Build the entry (cut against the longest fitting stored prefix), queue its write, then
+    prune what it dominates and enforce the budgets, protecting it."""
     n = arr.shape[0]
-    parent: Entry | None = None
-    if state.is_sliceable(caches):
-        live = layout_of(caches)
-        catalog.live_layout = live
-        parent = _delta_parent(catalog, arr, live)
-        start = parent.n_tokens if parent else 0
-        per_token = sum(
-            DTYPE_SIZES[dt] * shape[0] * shape[1] * shape[3] for dt, shape in live.values()
-        )
-        if not policy.fits(per_token * (n - start), parent, n):
-            return None
-        kind = DELTA
-        meta: dict[str, Any] = {"n_layers": len(caches)}
-        arrays = state.extract_delta(caches, start, n)
-    else:
-        kind = SNAPSHOT
-        meta, arrays = state.extract_snapshot(caches)
-        stored = kinds.kv_dtype(caches)  # the rule PromptStates.kv_dtype uses
-        if stored is not None:
-            meta["kv_dtype"] = state.dtype_name(stored)
+    docs, live = layers.describe(caches, n)
+    signature = plan.signature(docs, live)
+    catalog.live_signature = signature
+    parent = _parent(catalog, arr, signature, plan.span_starts(docs))
+    start = parent.n_tokens if parent else 0
+    per_token = sum(
+        DTYPE_SIZES[dt] * int(np.prod([*shape[:2], *shape[3:]])) for dt, shape in live.values()
+    )
+    if not policy.fits(per_token * (n - start), parent, n):
+        return None
+    kind = DELTA if plan.trimmable(docs) else SNAPSHOT
+    arrays = layers.extract(caches, docs, start, n)
+    meta: dict[str, Any] = {"layers": docs}
+    stored = kinds.kv_dtype(caches)  # the rule PromptStates.kv_dtype uses
+    if stored is not None:
+        meta["kv_dtype"] = state.dtype_name(stored)
     payload_bytes = sum(a.nbytes for a in arrays)
     probe_doc = state.make_probe(probe, n - 1) if probe is not None else None
     now = catalog.clock()
@@ -174,6 +170,7 @@ def _store(
         run_id=run_id,
         layout={a.name: (a.dtype, a.shape) for a in arrays},
         meta=meta,
+        signature=signature,
         payload_bytes=payload_bytes,
         probe=probe_doc,
         last_used=now,
@@ -191,27 +188,20 @@ def _store(
     return key if key in catalog.entries else None
 
 
-def _delta_parent(catalog: Catalog, arr: np.ndarray, live: Layout) -> Entry | None:
-    """The longest stored strict prefix a delta of `arr` can chain to: a delta of the same
-    layout, and (with a disk) on disk or queued, so every file's chain is on disk too."""
+def _parent(catalog: Catalog, arr: np.ndarray, signature: str, los: dict[str, int]) -> Entry | None:
+    """The longest stored strict prefix a new entry of `arr` can chain to: one holding
+    positions the new entry needs, its layers stored the same way, none of its spans starting
+    later than the new entry's, and (with a disk) on disk or queued, so every file's chain is
+    on disk too. None: the entry stands alone (a recurrent state needs no history)."""
 
     def accept(k: str) -> bool:
         e = catalog.entries[k]
         return (
-            e.kind == DELTA
+            any(lo < e.n_tokens for lo in los.values())  # else nothing is needed from it
+            and e.signature == signature
             and (catalog.disk is None or e.disk != DISK_NONE)
-            and state.compatible_delta(e.layout, live)
+            and plan.parent_fits(e.meta.get("layers") or [], los)
         )
 
     found = catalog.index.longest_prefix(arr, accept, strict=True)
     return catalog.entries[found[1]] if found else None
-
-
-def layout_of(caches: list) -> Layout:
-    """Array names, dtypes and shapes of a delta of plain KVCache layers (sequence axis 0)."""
-    layout: Layout = {}
-    for i, c in enumerate(caches):
-        for kv, arr in (("k", c.keys), ("v", c.values)):
-            shape = tuple(int(d) for d in arr.shape)
-            layout[f"{kv}.{i}"] = (state.dtype_name(arr.dtype), (*shape[:2], 0, shape[3]))
-    return layout

@@ -5,7 +5,7 @@ the writer thread, the pins of in-flight restores and the disk byte count change
 they live together: `add` and `remove_tree` are the only edits of the entry set, which keeps the
 index, RAM, write queue, disk and byte count in agreement about which entries exist.
 
-Chains: a delta names its parent, and a parent always outlives its children (`remove_tree`
+Chains: an entry names its parent, and a parent always outlives its children (`remove_tree`
 removes the descendants first). `links` walks a chain root to leaf.
 """
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_SUSPECT, HostArray, Slot
+from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.disk import DiskTier
-from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, DISK_WRITTEN, SNAPSHOT, Entry, Layout
+from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, DISK_WRITTEN, Entry
 from mlx_kvserve.cache.errors import CacheRestoreError
 from mlx_kvserve.cache.index import TokenIndex
 from mlx_kvserve.cache.ram import RamTier
-from mlx_kvserve.cache.stats import new_counters
 from mlx_kvserve.cache.writer import WriteJob, Writer
 
 
@@ -47,7 +48,7 @@ class Catalog:
         self.pins: dict[str, int] = {}
         self.pending: dict[str, WriteJob] = {}
         self.failed: set[str] = set()  # evicted for failure: never re-stored by this process
-        self.live_layout: Layout | None = None  # of the last sliceable caches checkpointed
+        self.live_signature: str | None = None  # of the last live caches checkpointed
         self.disk_bytes = 0
         self.counters = new_counters()
         self.disk: DiskTier | None = None
@@ -55,6 +56,8 @@ class Catalog:
 
     # ------------------------------------------------------------------ entry set ----------
     def add(self, entry: Entry) -> None:
+        if not entry.signature:
+            entry.signature = plan.signature(entry.meta.get("layers") or [], entry.layout)
         self.entries[entry.key] = entry
         self.index.insert(entry.tokens, entry.key, entry.trimmable)
         if entry.parent is not None:
@@ -99,8 +102,6 @@ class Catalog:
         """Chain root..entry, keeping the links that hold positions below `usable`."""
         if entry is None:
             return []
-        if entry.kind == SNAPSHOT:
-            return [entry]
         chain = [entry]
         while chain[-1].parent is not None:
             parent = self.entries.get(chain[-1].parent)

@@ -44,7 +44,7 @@ import numpy as np
 from mlx_kvserve.cache.errors import EntryFormatError
 
 MAGIC = b"MLXKVC\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-layer chains (see `plan`); 1: whole-model deltas or snapshots
 PREFIX_SIZE = 80
 SLOT_OFFSET = 48
 SLOT_SIZE = 32

@@ -36,8 +36,9 @@ import numpy as np
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.dirs import private_subdir
-from mlx_kvserve.cache.entry import DELTA, KEY_RE, SNAPSHOT, entry_key
+from mlx_kvserve.cache.entry import KEY_RE
 from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
+from mlx_kvserve.cache.header import validate_header
 from mlx_kvserve.cache.pipeline import Check, read_verified
 from mlx_kvserve.durable import fsync_fd, fsync_path
 
@@ -83,76 +84,6 @@ def _fault(point: str) -> None:
         from mlx_kvserve.engine import faults  # imported late: the engine imports this package
 
         faults.maybe_fail(point)
-
-
-def validate_header(
-    header: dict[str, Any], key: str, fingerprint: str, file_bytes: int, payload_offset: int
-) -> np.ndarray:
-    """Check a parsed header against its file name, model, and size; returns its tokens."""
-    if header.get("format") != codec.FORMAT_VERSION:
-        raise EntryFormatError(f"header format {header.get('format')!r}")
-    if header.get("fingerprint") != fingerprint:
-        raise EntryFormatError(f"fingerprint {header.get('fingerprint')!r} is another model's")
-    if header.get("key") != key:
-        raise EntryFormatError("header key does not match the file name")
-    try:
-        tokens = codec.decode_tokens(header["tokens"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EntryFormatError(f"bad token ids: {exc}") from None
-    if header.get("n_tokens") != tokens.shape[0] or tokens.shape[0] == 0:
-        raise EntryFormatError(
-            f"header claims {header.get('n_tokens')} tokens, holds {tokens.shape[0]}"
-        )
-    if entry_key(fingerprint, tokens) != key:
-        raise EntryFormatError("token ids do not hash to the file name")
-    kind = header.get("kind")
-    parent = header.get("parent")
-    parent_len = header.get("parent_len")
-    if kind not in (DELTA, SNAPSHOT) or not isinstance(parent_len, int):
-        raise EntryFormatError(f"bad kind/parent_len {kind!r}/{parent_len!r}")
-    if parent is None:
-        if parent_len != 0:
-            raise EntryFormatError("parent_len without a parent")
-    elif (
-        kind != DELTA
-        or not isinstance(parent, str)
-        or not 0 < parent_len < tokens.shape[0]
-        or entry_key(fingerprint, tokens[:parent_len]) != parent
-    ):
-        raise EntryFormatError("parent does not match the entry's token prefix")
-    meta = header.get("meta")
-    if not isinstance(meta, dict):
-        raise EntryFormatError("header meta is not an object")
-    if kind == SNAPSHOT:
-        layers = meta.get("layers")
-        if not isinstance(layers, list) or not all(
-            isinstance(x, dict) and isinstance(x.get("class"), str) for x in layers
-        ):
-            raise EntryFormatError("snapshot header lacks per-layer classes")
-    probe = header.get("probe")
-    if probe is not None and not (
-        isinstance(probe, dict)
-        and isinstance(probe.get("position"), int)
-        and isinstance(probe.get("ids"), list)
-        and isinstance(probe.get("logprobs"), list)
-    ):
-        raise EntryFormatError("malformed probe")
-    if not isinstance(header.get("reason", ""), str) or not isinstance(
-        header.get("created", 0.0), (int, float)
-    ):
-        raise EntryFormatError("malformed reason/created")
-    specs = codec.check_array_specs(header)
-    if kind == DELTA:
-        span = tokens.shape[0] - parent_len
-        for spec in specs:
-            shape = spec["shape"]
-            if len(shape) != 4 or shape[2] != span:
-                raise EntryFormatError(f"{spec['name']}: shape {shape} does not hold {span} tokens")
-    if file_bytes != payload_offset + header["payload_bytes"]:
-        raise EntryFormatError(
-            f"file is {file_bytes} bytes, header implies {payload_offset + header['payload_bytes']}"
-        )
-    return tokens
 
 
 class DiskTier:

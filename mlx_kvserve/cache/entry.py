@@ -20,6 +20,9 @@ _KEY_TAG = b"mlx-kvserve/entry/v1\0"
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+# Entry kinds (see `plan`): both are links of a chain that store only what their parent's chain
+# lacks; a delta (every layer positions from 0) serves any prefix of its tokens, a snapshot
+# (a recurrent state, a full window) only exactly its tokens.
 DELTA = "delta"
 SNAPSHOT = "snapshot"
 Kind = Literal["delta", "snapshot"]
@@ -102,7 +105,7 @@ class Entry:
     created: float
     run_id: str
     layout: Layout
-    meta: dict[str, Any]  # kind-specific (snapshot: per-layer class + state tree)
+    meta: dict[str, Any]  # per-layer docs (see `plan`) and the KV dtype
     payload_bytes: int
     probe: dict[str, Any] | None = None
     digest: str | None = None  # payload sha256 once known (scanned, or written)
@@ -112,6 +115,7 @@ class Entry:
     last_used: float = 0.0
     suspect: bool = False
     children: set[str] = field(default_factory=set)
+    signature: str = ""  # what a chain's links share (`plan.signature`), set by the catalog
 
     @property
     def n_tokens(self) -> int:

@@ -15,10 +15,11 @@ held), `is_trimmable()`, `nbytes`, the arrays of `state`, and whether the class 
 into a batch cache (which then has `extract`, `filter` and `extend`: what `BatchGenerator`
 decodes rows together with; mlx_lm.server tests `hasattr(c, "merge")`). Two facts no method
 states are kept in small per-class tables here: a window's length, and which classes hold
-plain position-indexed KV that a checkpoint may store as a slice of positions (a delta;
-everything else is stored whole, as a snapshot). A class mlx-lm does not define is *unknown*:
-it is stored as whole snapshots of its `state`, never batched, and the server says so at
-start-up.
+plain position-indexed KV whose live caches can be cut back to any prefix (`is_sliceable`: a
+prefill may fold checkpoints into its last pass and cut them out afterwards). What a checkpoint
+stores per layer (new positions, or the whole state) is `cache/plan.py`'s and
+`cache/layers.py`'s. A class mlx-lm does not define is *unknown*: its layer is stored whole
+(its `state`), never batched, and the server says so at start-up.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 TOKENS, WINDOW, STATE = "tokens", "window", "state"
 
-# Classes whose `state` is (keys, values, offset) with positions [0, offset) on axis 2: a
-# checkpoint can store any range of positions and a restore can join ranges (deltas).
+# Classes whose `state` is (keys, values, offset) with positions [0, offset) on axis 2: live
+# caches of these can be cut to any prefix of what they hold.
 _POSITION_SLICEABLE: tuple[type, ...] = (KVCache,)
 
 # A window's length, which no method reports (`size()` is min(offset, length) only once full).
@@ -54,8 +55,8 @@ class LayerKind:
     fixed_bytes: int  # a state's size; a window's size once full (0 for growing KV)
     window: int | None  # positions a window keeps
     mergeable: bool  # rows can decode together (type(c).merge)
-    sliceable: bool  # plain position-indexed KV: stored as deltas
-    known: bool  # a class this module (and cache/state.py) knows how to store
+    sliceable: bool  # plain position-indexed KV: can be cut to any prefix
+    known: bool  # one of mlx-lm's classes (cache/layers.py stores the others whole)
     name: str
 
     def bytes_for(self, tokens: int) -> int:
@@ -93,7 +94,7 @@ def describe(cache: Any) -> LayerKind:
 
 
 def is_sliceable(caches: Sequence[Any]) -> bool:
-    """Deltas need every layer to hold plain position-indexed KV."""
+    """Whether every layer holds plain position-indexed KV (cut to any prefix)."""
     return bool(caches) and all(type(c) in _POSITION_SLICEABLE for c in caches)
 
 
@@ -197,7 +198,7 @@ def _combine(cache: Any, parts: list[LayerKind]) -> LayerKind:
         fixed_bytes=sum(p.fixed_bytes for p in parts),
         window=max(windows) if windows else None,
         mergeable=_mergeable(cache),
-        sliceable=False,  # stored whole: cache/state.py cuts each part to its length
+        sliceable=False,  # cache/layers.py stores each part as its own kind
         known=_is_mlx_lm_class(cache) and all(p.known for p in parts),
         name=type(cache).__name__,
     )
@@ -214,7 +215,7 @@ def _mergeable(cache: Any) -> bool:
 
 
 def _is_mlx_lm_class(cache: Any) -> bool:
-    """mlx-lm's own cache classes (their `state` layouts are what cache/state.py stores)."""
+    """mlx-lm's own cache classes (their `state` layouts are what cache/layers.py stores)."""
     cls = type(cache)
     return getattr(mlx_cache, cls.__name__, None) is cls
 

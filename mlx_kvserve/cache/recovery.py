@@ -2,7 +2,7 @@
 
 There is no index file to go stale: the index is rebuilt from the headers at every start.
 Temporary files of interrupted writes are swept, damaged files are dropped, and a delta whose
-parent is gone or incompatible is an orphan and is dropped too.
+parent is gone or stores its layers differently is an orphan and is dropped too.
 
 Counters and suspicion
 ----------------------
@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mlx_kvserve.cache import state
+from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.catalog import Catalog, slot_of
 from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_SUSPECT
-from mlx_kvserve.cache.entry import DELTA, DISK_WRITTEN, Entry, Layout
+from mlx_kvserve.cache.entry import DISK_WRITTEN, Entry, Layout
 from mlx_kvserve.cache.policy import Policy, default_disk_budget
 from mlx_kvserve.cache.writer import Writer
 
@@ -108,13 +108,15 @@ def _rebuild(catalog: Catalog, scanned: list, *, read_only: bool) -> int:
             spec["name"]: (spec["dtype"], tuple(spec["shape"])) for spec in h["arrays"]
         }
         parent = h.get("parent")
+        docs = h["meta"]["layers"]
+        signature = plan.signature(docs, layout)
         if parent is not None:
             pe = catalog.entries.get(parent)
             if (
                 pe is None
-                or pe.kind != DELTA
                 or pe.n_tokens != h["parent_len"]
-                or not state.compatible_delta(pe.layout, layout)
+                or pe.signature != signature
+                or not plan.parent_fits(pe.meta.get("layers") or [], plan.span_starts(docs))
             ):
                 catalog.log.info("prompt-cache dropped orphan %s", item.key[:16])
                 if not read_only:
@@ -142,6 +144,7 @@ def _rebuild(catalog: Catalog, scanned: list, *, read_only: bool) -> int:
             hits=slot.hits if slot else 0,
             last_used=slot.last_used if slot and slot.last_used else created,
             suspect=bool(flags & FLAG_SUSPECT),
+            signature=signature,
         )
         entry.digest = h.get("payload_sha256")
         catalog.add(entry)

@@ -16,16 +16,15 @@ import numpy as np
 
 from mlx_kvserve.cache import codec, state
 from mlx_kvserve.cache.catalog import Catalog
+from mlx_kvserve.cache.chain import ChainBuilder
 from mlx_kvserve.cache.codec import HostArray
-from mlx_kvserve.cache.entry import DELTA, DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
+from mlx_kvserve.cache.entry import DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
 from mlx_kvserve.cache.errors import CacheRestoreError, EntryFormatError
 from mlx_kvserve.cache.persistence import request_readback
-from mlx_kvserve.cache.policy import Policy
 
 
 def restore_match(
     catalog: Catalog,
-    policy: Policy,
     match: Match,
     fresh_caches: list,
     *,
@@ -61,14 +60,11 @@ def restore_match(
         catalog.pin(link.key)
     started = time.perf_counter()
     try:
-        if entry.kind == DELTA:
-            from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key)
-        else:
-            stored = entry.meta.get("kv_dtype")
-            if dtype_str is not None and stored is not None and stored != dtype_str:
-                problem = f"snapshot KV is {stored}, the model uses {dtype_str}"
-                raise _restore_error(catalog, key, state.StateError(problem), key)
-            from_disk = _restore_snapshot(catalog, policy, entry, fresh_caches, key)
+        stored = entry.meta.get("kv_dtype")
+        if dtype_str is not None and stored is not None and stored != dtype_str:
+            problem = f"stored KV is {stored}, the model uses {dtype_str}"
+            raise _restore_error(catalog, key, state.StateError(problem), key)
+        from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key)
     finally:
         for link in links:
             catalog.unpin(link.key)
@@ -97,33 +93,29 @@ def _restore_chain(
     dtype: str | None,
     match_key: str,
 ) -> list[Entry]:
-    """Delta links root..leaf into `caches`; returns the links that were read from disk.
+    """Links root..leaf into `caches`; returns the links that were read from disk.
 
     RAM copies are copied into place; disk links are read straight into the caches'
-    buffers (see `state.DeltaBuilder`) and verified there, then promoted to RAM by the
+    buffers (see `chain.ChainBuilder`) and verified there, then promoted to RAM by the
     writer thread, off the hot path.
     """
+    leaf = links[-1]
     try:
-        if catalog.live_layout is not None and not state.compatible_delta(
-            catalog.live_layout, links[0].layout
-        ):
-            raise state.StateError("dtype or geometry differs from this model's live KV")
-        builder = state.DeltaBuilder(
-            caches, links[0].layout, links[-1].n_tokens, usable, dtype=dtype
-        )
+        if catalog.live_signature is not None and catalog.live_signature != leaf.signature:
+            raise state.StateError("layers, dtype or geometry differ from this model's live KV")
+        builder = ChainBuilder(caches, links, usable, dtype)
     except Exception as exc:
         raise _restore_error(catalog, links[0].key, exc, match_key) from None
     from_disk = []
-    for link in links:
-        start, end = link.parent_len, link.n_tokens
+    for link in builder.links:
         arrays = catalog.payload_in_ram(link)
         try:
             if arrays is not None:
-                builder.put(start, end, arrays)  # checks names, spans, dtypes, geometry
+                builder.put(link, arrays)  # checks names, spans, dtypes, geometry
                 continue
             if catalog.disk is None or link.disk != DISK_WRITTEN:
                 raise EntryFormatError("payload is neither in RAM nor on disk")
-            header = catalog.disk.read_entry_into(link.key, builder.read_targets(start, end))
+            header = catalog.disk.read_entry_into(link.key, builder.read_targets(link))
             check_header(link, header)
         except Exception as exc:  # a bad stored entry, whatever the symptom
             raise _restore_error(catalog, link.key, exc, match_key) from None
@@ -137,35 +129,6 @@ def _restore_chain(
         raise _restore_error(catalog, links[0].key, exc, match_key) from None
     catalog.counters["restores_from_disk"] += len(from_disk)
     return from_disk
-
-
-def _restore_snapshot(
-    catalog: Catalog, policy: Policy, entry: Entry, caches: list, match_key: str
-) -> list[Entry]:
-    """A whole-state entry into `caches`; returns [entry] if it was read from disk."""
-    arrays = catalog.payload_in_ram(entry)
-    from_disk = arrays is None
-    try:
-        if arrays is None:
-            if catalog.disk is None or entry.disk != DISK_WRITTEN:
-                raise EntryFormatError("payload is neither in RAM nor on disk")
-            header, loaded = catalog.disk.read_entry(entry.key)
-            check_loaded(entry, header, loaded)
-            arrays = tuple(loaded)
-        _check_snapshot_fits(entry, caches)
-    except Exception as exc:
-        raise _restore_error(catalog, entry.key, exc, match_key) from None
-    try:
-        state.restore_snapshot(caches, entry.meta, arrays, entry.n_tokens, check_finite=False)
-    except Exception as exc:
-        raise _restore_error(catalog, entry.key, exc, match_key) from None
-    if not from_disk:
-        return []
-    catalog.counters["restores_from_disk"] += 1
-    catalog.counters["bytes_read"] += entry.file_bytes
-    if sum(a.nbytes for a in arrays) <= catalog.ram.budget:
-        policy.admit_to_ram(entry.key, arrays)  # views of the verified file bytes
-    return [entry]
 
 
 def _restore_error(catalog: Catalog, key: str, exc: Exception, match_key: str) -> CacheRestoreError:
@@ -192,15 +155,3 @@ def check_header(entry: Entry, header: dict[str, Any]) -> None:
         or header.get("parent_len") != entry.parent_len
     ):
         raise EntryFormatError("header no longer matches the indexed entry")
-
-
-def _check_snapshot_fits(entry: Entry, caches: list) -> None:
-    """A snapshot must have the model's layer count and classes (deltas: DeltaBuilder)."""
-    layers = entry.meta.get("layers") or []
-    if len(layers) != len(caches):
-        raise state.StateError(f"stores {len(layers)} layers, model has {len(caches)}")
-    for i, (c, layer) in enumerate(zip(caches, layers, strict=True)):
-        if layer.get("class") != type(c).__name__:
-            raise state.StateError(
-                f"layer {i}: stored {layer.get('class')}, model uses {type(c).__name__}"
-            )

@@ -1,4 +1,4 @@
-"""Counters, the `stats()` report, and the entries listing of a `PromptCache`.
+"""The `stats()` report, and the entries listing of a `PromptCache`.
 
 The counters are plain integers bumped by the policies as they act; the reports here only read
 them and the catalog, so they can be built under the cache's lock without side effects.
@@ -6,36 +6,13 @@ them and the catalog, so they can be built under the cache's lock without side e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mlx_kvserve.cache.catalog import Catalog
+from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.entry import EntryInfo
 
-if TYPE_CHECKING:
-    from mlx_kvserve.cache.catalog import Catalog
-
-
-def new_counters() -> dict[str, int]:
-    """Every counter at zero (the keys are also the names `counters()` reports)."""
-    return {
-        "hits": 0,
-        "misses": 0,
-        "cached_tokens": 0,
-        "lookup_tokens": 0,
-        "restores": 0,
-        "restores_from_disk": 0,
-        "restore_errors": 0,
-        "checkpoints": 0,
-        "refused": 0,
-        "duplicates": 0,
-        "dominated": 0,
-        "pruned": 0,
-        "evictions": 0,
-        "failure_evictions": 0,
-        "suspect_evictions": 0,  # the part of failure_evictions an unclean-start check made
-        "bytes_queued": 0,
-        "bytes_read": 0,  # entry files read from disk to restore
-        "write_waits": 0,
-    }
+__all__ = ["counters_report", "entry_infos", "new_counters", "stats_report"]
 
 
 def stats_report(

@@ -7,9 +7,10 @@ Structure
 * `disk.DiskTier` + `writer.Writer`: one file per entry, written durably off-thread;
   `persistence` queues the writes and applies their results.
 * `lookup`: the best restorable prefix of a prompt. `restore`: fill the model's caches from it.
-* `admission`: checkpoints become deltas or snapshots. `policy`: prefix dominance, budgets,
-  eviction. `recovery`: the index rebuilt from the files at start-up, crash suspicion.
-* `stats`: counters, the stats report and the entries listing.
+* `admission`: checkpoints become chain links (`plan`: what each layer stores; `layers` and
+  `chain`: how). `policy`: prefix dominance, budgets, eviction. `recovery`: the index rebuilt
+  from the files at start-up, crash suspicion. `header`: the checks of a file's header.
+* `counters` and `stats`: counters, the stats report and the entries listing.
 
 This class holds the lock, applies the writer's results before each call, and delegates.
 
@@ -131,9 +132,7 @@ class PromptCache:
         """
         with self._lock:
             self._drain()
-            return restore_match(
-                self._catalog, self._policy, match, fresh_caches, tokens=tokens, dtype=dtype
-            )
+            return restore_match(self._catalog, match, fresh_caches, tokens=tokens, dtype=dtype)
 
     def checkpoint(
         self,

@@ -1,0 +1,77 @@
+"""Checks of an entry file's header against its name, its model and its size. No MLX here:
+the writer thread runs them too (read-backs), and start-up runs them on every file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlx_kvserve.cache import codec, plan
+from mlx_kvserve.cache.entry import DELTA, SNAPSHOT, entry_key
+from mlx_kvserve.cache.errors import EntryFormatError
+from mlx_kvserve.cache.plan import PlanError
+
+
+def validate_header(
+    header: dict[str, Any], key: str, fingerprint: str, file_bytes: int, payload_offset: int
+) -> np.ndarray:
+    """Check a parsed header against its file name, model, and size; returns its tokens."""
+    if header.get("format") != codec.FORMAT_VERSION:
+        raise EntryFormatError(f"header format {header.get('format')!r}")
+    if header.get("fingerprint") != fingerprint:
+        raise EntryFormatError(f"fingerprint {header.get('fingerprint')!r} is another model's")
+    if header.get("key") != key:
+        raise EntryFormatError("header key does not match the file name")
+    try:
+        tokens = codec.decode_tokens(header["tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EntryFormatError(f"bad token ids: {exc}") from None
+    if header.get("n_tokens") != tokens.shape[0] or tokens.shape[0] == 0:
+        raise EntryFormatError(
+            f"header claims {header.get('n_tokens')} tokens, holds {tokens.shape[0]}"
+        )
+    if entry_key(fingerprint, tokens) != key:
+        raise EntryFormatError("token ids do not hash to the file name")
+    kind = header.get("kind")
+    parent = header.get("parent")
+    parent_len = header.get("parent_len")
+    if kind not in (DELTA, SNAPSHOT) or not isinstance(parent_len, int):
+        raise EntryFormatError(f"bad kind/parent_len {kind!r}/{parent_len!r}")
+    if parent is None:
+        if parent_len != 0:
+            raise EntryFormatError("parent_len without a parent")
+    elif (
+        not isinstance(parent, str)
+        or not 0 < parent_len < tokens.shape[0]
+        or entry_key(fingerprint, tokens[:parent_len]) != parent
+    ):
+        raise EntryFormatError("parent does not match the entry's token prefix")
+    probe = header.get("probe")
+    if probe is not None and not (
+        isinstance(probe, dict)
+        and isinstance(probe.get("position"), int)
+        and isinstance(probe.get("ids"), list)
+        and isinstance(probe.get("logprobs"), list)
+    ):
+        raise EntryFormatError("malformed probe")
+    if not isinstance(header.get("reason", ""), str) or not isinstance(
+        header.get("created", 0.0), (int, float)
+    ):
+        raise EntryFormatError("malformed reason/created")
+    specs = codec.check_array_specs(header)
+    layout = {str(s["name"]): (str(s["dtype"]), tuple(int(d) for d in s["shape"])) for s in specs}
+    if len(layout) != len(specs):
+        raise EntryFormatError("two arrays share a name")
+    meta = header.get("meta")
+    try:
+        plan.check_meta(meta, layout, tokens.shape[0], parent_len)
+    except PlanError as exc:
+        raise EntryFormatError(str(exc)) from None
+    if (kind == DELTA) != plan.trimmable(meta["layers"]):
+        raise EntryFormatError(f"kind {kind!r} does not match its layers")
+    if file_bytes != payload_offset + header["payload_bytes"]:
+        raise EntryFormatError(
+            f"file is {file_bytes} bytes, header implies {payload_offset + header['payload_bytes']}"
+        )
+    return tokens
