@@ -14,17 +14,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "mlx_kvserve"
 
 # Cycles other branches are breaking: a cycle is allowed while all its modules are in one entry.
 # The integrator removes an entry when the branch that fixes it lands.
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"mlx_kvserve.cache.catalog", "mlx_kvserve.cache.stats"}): (
-        "cache/catalog <-> cache/stats: being split on the cache branch (issue 20 item 8)"
-    ),
 }
 
 
@@ -140,13 +135,3 @@ def test_no_new_import_cycles() -> None:
     graph = import_graph()
     unexpected = [c for c in cycles(graph) if not any(c <= known for known in KNOWN_CYCLES)]
     assert not unexpected, "import cycles:\n" + "\n".join(_describe(c, graph) for c in unexpected)
-
-
-@pytest.mark.parametrize(
-    "known", sorted(KNOWN_CYCLES, key=sorted), ids=lambda c: "+".join(sorted(c))
-)
-def test_known_cycle_fixed(known: frozenset[str]) -> None:
-    """Each allowed cycle, as an expected failure while it lasts: once fixed it passes (xpass),
-    telling the integrator to drop its entry."""
-    if any(c <= known for c in cycles(import_graph())):
-        pytest.xfail(KNOWN_CYCLES[known])
