@@ -233,3 +233,50 @@ def test_the_watch_can_be_turned_off(tmp_path: Path) -> None:
         assert "watching memory pressure" not in server.log()
     finally:
         server.stop()
+
+
+# -- the budgets the watch turns ---------------------------------------------------------------
+def test_limit_ram_moves_copies_out_of_ram_and_gives_the_budget_back(tmp_path: Path) -> None:
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_kvserve.cache import PromptCache
+    from tests.support.cache_testing import make_kv
+
+    cache = PromptCache(tmp_path, "pressure", disk_budget=1 << 30, ram_budget=1 << 30)
+    prompts = [[tag * 1000 + i for i in range(100)] for tag in (1, 2, 3)]
+    for tokens in prompts:
+        cache.checkpoint(tokens, make_kv(100), "m")
+    cache.flush()
+    assert cache.stats()["ram_entries"] == 3 and cache.stats()["ram_bytes"] > 0
+    assert cache.limit_ram(0.25) == (1 << 30) // 4  # everything still fits a quarter
+    assert cache.limit_ram(0.0) == 0
+    assert cache.stats()["ram_bytes"] == 0 and cache.stats()["ram_budget"] == 0
+    for tokens in prompts:  # the disk still has every conversation
+        match = cache.lookup(tokens + [0])
+        assert match.hit and match.source == "disk"
+        cache.restore(match, [KVCache() for _ in range(2)])
+    assert cache.limit_ram(1.0) == 1 << 30
+    assert cache.stats()["ram_budget"] == 1 << 30
+    cache.close()
+
+
+def test_limit_live_drops_older_residents_then_all(tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    from mlx_kvserve.engine.prompt_state import PromptStates
+    from tests.support.cache_testing import make_kv
+
+    model, _ = load(str(make_model_dir(tmp_path / "m", "llama", seed=5)))
+    states = PromptStates(model, None, live_budget=1 << 30)
+    for n in (10, 20, 30):
+        states.keep(list(range(n)), make_kv(n))
+    assert states.residents == 3
+    states.limit_live(0.0)
+    assert states.residents == 1 and states.live_budget == 0  # the newest stays
+    states.limit_live(0.0, keep_newest=False)
+    assert states.residents == 0
+    states.limit_live(1.0)
+    assert states.live_budget == 1 << 30
+    states.keep([1, 2], make_kv(2))
+    states.keep([3, 4], make_kv(2))
+    assert states.residents == 2
