@@ -22,7 +22,9 @@ memory. The sequence, per server, one server at a time (they never share the CPU
 * **mlx-kvserve --no-cache**: model load + cold prefill of the whole prompt (step 2 skipped:
   nothing is kept anyway);
 * **mlx_lm.server**: its own model swap (`model` field of the request), then whatever its
-  in-memory prompt cache still holds.
+  in-memory prompt cache still holds of the conversation it saw in step 2.
+
+The returning prompt is the same on every server (the first server's answer A is used).
 
 TTFT is measured by the client, from sending the request to the first content chunk of the
 stream; mlx-kvserve's log gives the load time and the cache source. Nothing asserts on time.
@@ -79,15 +81,23 @@ def load_seconds(lines: list[str]) -> float | None:
 
 
 def run(
-    server: bc.Server, swap_name: str, convo: list[dict], answer: str | None, args, client
+    server: bc.Server,
+    swap_name: str,
+    convo: list[dict],
+    answer: str | None,
+    args,
+    client,
+    *,
+    first_sight: bool = True,
 ) -> dict:
-    """Steps 1-4 on one started server; the returning turn's figures."""
+    """Steps 1-4 on one started server; the returning turn's figures. `answer` (the first
+    server's) keeps the returning prompt the same on every server."""
     for _ in range(2):
         bc.chat(client, server, WARMUP, max_tokens=4)
     first = None
-    if answer is None:
+    if first_sight:
         first = bc.chat(client, server, convo, max_tokens=args.max_tokens)
-        answer = first.text
+        answer = answer if answer is not None else first.text
         print(f"  first sight: prompt={first.prompt_tokens} ttft={first.ttft:.2f}s", flush=True)
     server.new_log_lines()  # forget what came before the swap
     swap = bc.chat(client, as_model(server, swap_name), WARMUP, max_tokens=2)
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("mlx-kvserve --no-cache", flush=True)
         server = bc.Server("kvserve", work, no_cache=True, extra=models + step)
-        cold = run(server.start(), "swap", convo, cached["answer"], args, client)
+        cold = run(server.start(), "swap", convo, cached["answer"], args, client, first_sight=False)
         server.stop()
 
         mlx_lm = None
