@@ -68,6 +68,13 @@ class Settings:
             "e.g. 24GiB; auto = 75%% of the GPU working set on Metal, of RAM on the CPU."
         },
     )
+    no_pressure_watch: bool = field(
+        default=False,
+        metadata={
+            "help": "Do not watch the system's memory pressure (by default, under pressure the "
+            "prompt cache's RAM tier and resident sessions shrink, then idle models unload)."
+        },
+    )
     models: list[dict] = field(
         default_factory=list,
         metadata={

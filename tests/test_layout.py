@@ -19,8 +19,7 @@ PACKAGE = "mlx_kvserve"
 
 # Cycles other branches are breaking: a cycle is allowed while all its modules are in one entry.
 # The integrator removes an entry when the branch that fixes it lands.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

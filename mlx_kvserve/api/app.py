@@ -32,6 +32,8 @@ from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
 from mlx_kvserve.engine.worker import EngineNotReady
 from mlx_kvserve.models.pool import LOADED, ModelPool, Slot
+from mlx_kvserve.models.pressure import GAUGE, pressure_source
+from mlx_kvserve.models.pressure_watch import PressureWatch
 from mlx_kvserve.observe import Metrics
 from mlx_kvserve.observe.activity import Activity
 from mlx_kvserve.observe.http import RequestMetrics, metrics_endpoint
@@ -47,6 +49,8 @@ async def health(request: Request) -> Response:
     default = pool.default
     engine = default.engine
     body: dict = {"model": default.name, "version": __version__, "models": _states(pool)}
+    if state.pressure is not None:
+        body["memory_pressure"] = state.pressure.level
     if engine is None or not engine.ready.is_set():
         error = (engine.load_error if engine is not None else None) or default.error
         body = {"status": "error" if error else "loading", **body}
@@ -174,12 +178,14 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         preload = asyncio.create_task(_preload(pool))
-        reaper = asyncio.create_task(pool.run_reaper())
+        tasks = [preload, asyncio.create_task(pool.run_reaper())]
+        if pressure is not None:
+            tasks.append(asyncio.create_task(pressure.run()))
         try:
             yield
         finally:
             log.info("shutting down: stopping the engines")
-            for task in (preload, reaper):
+            for task in tasks:
                 task.cancel()
             await pool.close()
 
@@ -190,6 +196,7 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
         engine.add_observer(metrics.observe_request)
         engine.add_observer(activity.record)
 
+    pressure = _pressure_watch(settings, pool, metrics)
     pool.on_engine.append(observe)
     pool.on_loaded.append(lambda slot: metrics.loads.labels(slot.name).inc())
     pool.on_unloaded.append(lambda slot, kind: metrics.unloads.labels(slot.name, kind).inc())
@@ -248,9 +255,23 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
     app.state.metrics = metrics
     app.state.activity = activity
     app.state.pool = pool
+    app.state.pressure = pressure
     app.state.started = int(time.time())
     app.state.reasoning_seal = make_reasoning_seal()
     return app
+
+
+def _pressure_watch(settings: Settings, pool: ModelPool, metrics: Metrics) -> PressureWatch | None:
+    """The memory-pressure loop, unless turned off or the system cannot tell."""
+    source = None if settings.no_pressure_watch else pressure_source()
+    if source is None:
+        return None
+    return PressureWatch(
+        pool,
+        source,
+        on_level=lambda level: metrics.pressure.set(GAUGE[level]),
+        on_action=lambda action: metrics.pressure_actions.labels(action).inc(),
+    )
 
 
 async def _preload(pool: ModelPool) -> None:

@@ -79,6 +79,7 @@ class PromptCache:
         self._closed = False
         self._catalog = Catalog(self.fingerprint, ram_budget=ram_budget, log=self.log, clock=clock)
         self._policy = Policy(self._catalog, drain=self._drain)
+        self._full_ram_budget = self._catalog.ram.budget
         self.unclean_start = False
         self.rebuild_seconds = 0.0
         self.disk: DiskTier | None = None
@@ -104,6 +105,17 @@ class PromptCache:
     @disk_budget.setter
     def disk_budget(self, value: int) -> None:
         self._policy.disk_budget = value
+
+    def limit_ram(self, share: float) -> int:
+        """Shrink the RAM tier to `share` of its configured budget (1.0 restores it) when the
+        system is short of memory; copies beyond it leave at once (the disk keeps them, or,
+        without a disk tier, they are evicted). The new budget in bytes."""
+        with self._lock:
+            self._drain()
+            budget = int(self._full_ram_budget * max(0.0, min(1.0, share)))
+            self._catalog.ram.budget = budget
+            self._policy.enforce_ram_budget(set())
+            return budget
 
     @property
     def _writer(self) -> Writer | None:

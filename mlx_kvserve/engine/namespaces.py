@@ -59,6 +59,13 @@ class CacheSet:
             cache.close()
 
 
+def caches_of(prompt_cache: Any) -> list[Any]:
+    """Every PromptCache behind an engine's `prompt_cache` (none, one, or one per key)."""
+    if prompt_cache is None:
+        return []
+    return list(prompt_cache) if isinstance(prompt_cache, CacheSet) else [prompt_cache]
+
+
 def cache_for(prompt_cache: Any, namespace: str | None) -> Any:
     """The cache a request in `namespace` may see: the namespace's own, or the shared one."""
     return prompt_cache.get(namespace) if isinstance(prompt_cache, CacheSet) else prompt_cache
@@ -81,6 +88,7 @@ class NamespacedStates:
         )
         self._caches = caches
         self._states: dict[str, Any] = {}
+        self._share = 1.0  # of the live budget, while the system is short of memory
         self._none = self._make(None)  # no cache and no live reuse
         self._active = self._none
         self._active_namespace: str | None = None
@@ -96,8 +104,16 @@ class NamespacedStates:
             return self._active
         if namespace not in self._states:
             self._states[namespace] = self._make(cache)
+            if self._share < 1.0:
+                self._states[namespace].limit_live(self._share)
         self._active, self._active_namespace = self._states[namespace], namespace
         return self._active
+
+    def limit_live(self, share: float, *, keep_newest: bool = True) -> None:
+        """`PromptStates.limit_live` for every namespace (and those made later)."""
+        self._share = share
+        for states in (self._none, *self._states.values()):
+            states.limit_live(share, keep_newest=keep_newest)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._active, name)

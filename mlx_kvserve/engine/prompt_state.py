@@ -79,6 +79,7 @@ class PromptStates:
         self.cache = cache if enabled else None
         self.enabled = enabled
         self.live_budget = live_budget  # bytes for resident sessions beside the newest
+        self._full_live_budget = live_budget
         self.kv_dtype = _kv_dtype(model)
         self._residents: list[Start] = []  # newest first
 
@@ -122,6 +123,19 @@ class PromptStates:
     def resident_bytes(self) -> int:
         """KV the resident sessions hold (the engine's memory ledger counts it)."""
         return sum(_nbytes(r.caches) for r in self._residents)
+
+    def limit_live(self, share: float, *, keep_newest: bool = True) -> None:
+        """Keep resident sessions beside the newest within `share` of the configured live
+        budget (1.0 restores it); their KV is in the prompt cache. Without `keep_newest` the
+        newest goes too (the system is critically short of memory)."""
+        self.live_budget = int(self._full_live_budget * max(0.0, min(1.0, share)))
+        if not keep_newest:
+            self.reset()
+            return
+        older = self._residents[1:]
+        while older and sum(_nbytes(r.caches) for r in older) > self.live_budget:
+            older.pop()
+        self._residents[1:] = older
 
     def evict(self, start: Start, problem: str) -> None:
         """Drop whatever `start` came from, after it failed during prefill."""

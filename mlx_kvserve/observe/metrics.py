@@ -128,6 +128,20 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.pressure = Gauge(
+            f"{PREFIX}_memory_pressure",
+            "The system's memory pressure as last read: 0 normal, 1 warn, 2 critical.",
+            registry=r,
+        )
+        self.pressure_actions = Counter(
+            f"{PREFIX}_pressure_actions",
+            "Steps taken for memory pressure: shrink (RAM tier and resident sessions of a "
+            "model), unload (an idle model), restore (a model's budgets back at normal).",
+            ["action"],
+            registry=r,
+        )
+        for action in ("shrink", "unload", "restore"):
+            self.pressure_actions.labels(action)
         loaded = Gauge(f"{PREFIX}_models_loaded", "Models resident in memory now.", registry=r)
         loaded.set_function(lambda: len(engines()))
         r.register(CacheCollector(engines))
