@@ -170,6 +170,17 @@ def test_ps_models_and_unload_commands(multi: ServerProcess) -> None:
     assert down.returncode == 1 and "no server answers" in down.stdout
 
 
+def test_an_unloaded_default_model_still_looks_healthy_and_comes_back(multi: ServerProcess):
+    """Unloading the default (idle, memory pressure, or asked) is not a failure: /health stays
+    200 (service managers and probes must not restart it) and the next request reloads it."""
+    reply = httpx.post(multi.base_url + f"/v1/models/{DEFAULT}/unload", json={}, timeout=120)
+    assert reply.status_code == 200 and reply.json()["unloaded"], reply.text
+    health = httpx.get(multi.base_url + "/health")
+    assert health.status_code == 200 and health.json()["models"][DEFAULT] == "unloaded"
+    assert chat(multi, DEFAULT, [{"role": "user", "content": "Hi"}])["model"] == DEFAULT
+    assert states(multi)[DEFAULT] == "loaded"
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=st.text(max_size=60))
 def test_any_model_name_is_answered_without_a_server_error(multi: ServerProcess, name) -> None:

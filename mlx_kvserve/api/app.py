@@ -42,8 +42,9 @@ log = logging.getLogger("mlx_kvserve.api")
 
 
 async def health(request: Request) -> Response:
-    """200 once the default model is loaded; 503 while it loads or when it failed. Every
-    configured model is listed with its state (a model loading on demand shows "loading")."""
+    """503 until the default model has loaded once (or when its last load failed), then 200:
+    a model unloaded for idleness or memory still serves, loading again on the next request.
+    Every configured model is listed with its state ("loading", "loaded", "unloaded")."""
     state = request.app.state
     pool: ModelPool = state.pool
     default = pool.default
@@ -51,8 +52,9 @@ async def health(request: Request) -> Response:
     body: dict = {"model": default.name, "version": __version__, "models": _states(pool)}
     if state.pressure is not None:
         body["memory_pressure"] = state.pressure.level
-    if engine is None or not engine.ready.is_set():
-        error = (engine.load_error if engine is not None else None) or default.error
+    ready = engine is not None and engine.ready.is_set()
+    error = (engine.load_error if engine is not None else None) or default.error
+    if error or not (ready or default.loaded_at):
         body = {"status": "error" if error else "loading", **body}
         if error:
             body["error"] = error
@@ -67,7 +69,7 @@ async def health(request: Request) -> Response:
             "paused": sum(e.paused for e in engines),
             # as the default model's engine last counted it (engine/admission.py); /v1/cache
             # reads it afresh
-            "kv_memory": engine.room.last if engine.room is not None else None,
+            "kv_memory": engine.room.last if ready and engine.room is not None else None,
         }
     )
 

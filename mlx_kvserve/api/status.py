@@ -112,7 +112,7 @@ async def snapshot(request: Request) -> dict[str, Any]:
         "version": __version__,
         "time": time.time(),
         "uptime_seconds": time.time() - state.started,
-        "status": "ok" if ready else ("error" if failed else "loading"),
+        "status": "error" if failed else ("ok" if ready or default.loaded_at else "loading"),
         "models": [_model(slot, pool) for slot in pool.slots],
         "requests": {
             "running": sum(e.running for e in engines),
