@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.kimi_calls import KIMI_K2
+from mlx_kvserve.chat.longcat_calls import LONGCAT
 from mlx_kvserve.chat.minimax_calls import MINIMAX_M2
 from mlx_kvserve.chat.xml_calls import LAYOUTS
 
@@ -12,4 +13,5 @@ SYNTAXES: dict[str, CallSyntax] = {
     **LAYOUTS,
     MINIMAX_M2.format: MINIMAX_M2,
     KIMI_K2.format: KIMI_K2,
+    LONGCAT.format: LONGCAT,
 }

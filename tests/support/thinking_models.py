@@ -26,11 +26,15 @@ FAMILIES = {
     "glm-4.6": "glm-4.6.jinja",
     "minimax-m2": "minimax-m2.jinja",
     "kimi-k2": "kimi-k2-thinking.jinja",
+    "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
 GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 MINIMAX_TOOL_TOKENS = ("<minimax:tool_call>", "</minimax:tool_call>", "]~b]", "]~!b[", "[e~[")
+LONGCAT_TOOL_TOKENS = tuple(
+    f"<{c}longcat_{t}>" for t in ("tool_call", "arg_key", "arg_value") for c in ("", "/")
+)
 KIMI_TOOL_TOKENS = (
     "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>",

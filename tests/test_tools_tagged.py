@@ -1,0 +1,353 @@
+"""Tag-per-parameter tool-call formats beyond Qwen's and GLM's, constrained and streamed:
+
+* LongCat, `longcat`: `<longcat_tool_call>NAME\\n<longcat_arg_key>KEY</longcat_arg_key>\\n
+  <longcat_arg_value>VALUE</longcat_arg_value>\\n...</longcat_tool_call>`. No public LongCat
+  template was at hand: its model carries a minimal template (tests/fixtures/templates/
+  longcat-minimal.jinja) that makes mlx-lm pick the parser, so rendering is checked against that
+  template only. Its parser cannot read a call without arguments: the grammar never writes one.
+
+Each family's tiny random-weight model has the format's tags as tokens. Whatever it samples at
+temperature 1, a forced call parses (by mlx-lm's own parser, in the server) to arguments valid
+against the function's schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ServerProcess, client_for
+from tests.support.block_tools import ASK, HISTORY, NAMED, SCHEMAS, TOOLS, render_prompt
+from tests.support.fuzzing import check
+from tests.support.thinking_models import LONGCAT_TOOL_TOKENS, build_thinking_model
+from tests.test_tools_blocks import hostile_tool
+
+pytestmark = pytest.mark.slow
+
+_LC = "<longcat_tool_call>"
+# family: its tokenizer's tags, the parser mlx-lm picks, the server's extra flags, and sample call
+# texts (a call, what closes it, what opens a call to an invented tool, an undeclared parameter,
+# a required parameter left out, a value the parser would not read back)
+FAMILIES = {
+    "longcat": (
+        LONGCAT_TOOL_TOKENS,
+        "longcat",
+        (),
+        _LC + "get_time\n<longcat_arg_key>timezone</longcat_arg_key>\n"
+        "<longcat_arg_value>UTC</longcat_arg_value>\n",
+        "</longcat_tool_call>",
+        _LC + "get_tme\n",
+        _LC + "get_time\n<longcat_arg_key>tz</longcat_arg_key>",
+        _LC + "get_time\n</longcat_tool_call>",
+        (">UTC<", "> UTC<"),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("tagged_tools") / family
+    return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from mlx_lm import load
+
+    return load(str(model_dir))[1]
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path, family: str) -> Iterator[ServerProcess]:
+    proc = ServerProcess(model_dir.parent, "--model", str(model_dir), *FAMILIES[family][2])
+    yield proc.wait_ready()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: ServerProcess):
+    return client_for(served)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _valid(call) -> dict:
+    assert call.type == "function" and call.function.name in SCHEMAS
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+# -- with a server -----------------------------------------------------------------------------
+def test_the_format_is_named_once_at_start_up(served, family):
+    notice = f"tool calls: {FAMILIES[family][1]} format, constrained and streamed"
+    assert served.log().count(notice) == 1
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
+def test_forced_calls_always_validate(client, named):
+    """20 seeds per mode at temperature 1: every call is a declared tool with valid arguments,
+    and nothing of the block leaks into content."""
+    names = set()
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model=_model(client),
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=NAMED if named else "required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=160,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert not choice.message.content
+        assert len(choice.message.tool_calls) >= 1
+        for call in choice.message.tool_calls:
+            _valid(call)
+            names.add(call.function.name)
+    assert names == ({"get_weather"} if named else names)
+
+
+def _streamed(client, **kwargs) -> list[tuple[str, str]]:
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        assert not choice.delta.content
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+            if delta.function and delta.function.name:
+                assert entry["name"] is None and entry["arguments"] == ""  # the name first
+                entry["name"] = delta.function.name
+            if delta.function and delta.function.arguments:
+                entry["arguments"] += delta.function.arguments
+    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
+    for seed in range(3):
+        kwargs = dict(
+            model=_model(client),
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=NAMED if choice == "named" else "required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+        )
+        whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        streamed = _streamed(client, **kwargs)
+        assert streamed == [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_a_tool_without_arguments_is_a_400_or_never_called_bare(served, family):
+    """A tool that allows no parameter cannot be called in LongCat's format (its parser reads
+    the name up to the first argument); one with only optional parameters is called with one."""
+    base = {"model": "m", "messages": ASK, "tool_choice": "required", "max_tokens": 60}
+    bare = [{"type": "function", "function": {"name": "now"}}]
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    closed_tool = [{"type": "function", "function": {"name": "now", "parameters": closed}}]
+    optional = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "additionalProperties": False,
+    }
+    opt_tool = [{"type": "function", "function": {"name": "opt", "parameters": optional}}]
+    url = f"{served.base_url}/v1/chat/completions"
+    assert httpx.post(url, json={**base, "tools": closed_tool}, timeout=60).status_code == 400
+    reply = httpx.post(url, json={**base, "tools": bare}, timeout=60)  # free parameters
+    assert reply.status_code == 200, reply.text
+    for seed in range(5):
+        reply = httpx.post(url, json={**base, "tools": opt_tool, "seed": seed}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        for call in reply.json()["choices"][0]["message"]["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            assert args and set(args) <= {"a", "b"}
+            jsonschema.validate(args, optional)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    tools=st.lists(hostile_tool, min_size=1, max_size=2),
+    choice=st.sampled_from(["auto", "required"]),
+)
+def test_fuzzed_tools_never_break_the_grammar(served, tools, choice):
+    body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4}
+    try:
+        content = json.dumps(body).encode()
+    except (UnicodeEncodeError, ValueError):
+        content = json.dumps(body, ensure_ascii=True).encode()
+    r = httpx.post(
+        f"{served.base_url}/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert check(r.status_code, r.content, False, "/v1/chat/completions") is None, (
+        body,
+        r.text[:300],
+    )
+
+
+# -- without a server: rendering, the grammar, the stream ------------------------------------
+def test_rendering_equals_the_templates_own(tokenizer):
+    own = json.loads(json.dumps(HISTORY))
+    for message in own:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    expected = tokenizer.apply_chat_template(
+        own, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    ours = tokenizer.decode(render_prompt(tokenizer, HISTORY))
+    assert ours == expected
+    assert "get_weather" in ours and "14:05" in ours
+
+
+def _accepts(tokenizer, tools_json: list[dict], mode: str, text: str) -> bool:
+    import llguidance
+
+    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    tools = [Tool(t["function"]["name"], None, t["function"].get("parameters")) for t in tools_json]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
+    grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
+    matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.consume_token(t) for t in ids) and not matcher.is_error()
+
+
+def test_the_grammar_admits_only_declared_tools(tokenizer, family):
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    _, parser, _, call, close, invented, undeclared, missing, (value, unread) = FAMILIES[family]
+    fmt = tool_format_for(tokenizer)
+    assert fmt.name == parser and fmt.constrained
+    assert _accepts(tokenizer, TOOLS, "auto", "Let me check." + call + close)
+    assert _accepts(tokenizer, TOOLS, "required", call + close)
+    assert not _accepts(tokenizer, TOOLS, "auto", "Let me check." + invented)
+    assert not _accepts(tokenizer, TOOLS, "required", invented)
+    assert not _accepts(tokenizer, TOOLS, "required", undeclared)
+    assert not _accepts(tokenizer, TOOLS, "required", missing)
+    assert not _accepts(tokenizer, TOOLS, "required", call.replace(value, unread) + close)
+
+
+def test_the_grammar_never_writes_a_call_without_arguments(tokenizer, family):
+    """mlx-lm's longcat parser fails on a call without an argument: with only optional
+    parameters one must be written, and any of them may be the first."""
+    optional = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "opt", "parameters": optional}}]
+    a = "<longcat_arg_key>a</longcat_arg_key>\n<longcat_arg_value>3</longcat_arg_value>\n"
+    b = "<longcat_arg_key>b</longcat_arg_key>\n<longcat_arg_value>true</longcat_arg_value>\n"
+    end = "</longcat_tool_call>"
+    assert not _accepts(tokenizer, tools, "required", _LC + "opt\n" + end)
+    for body in (a, b, a + b):
+        assert _accepts(tokenizer, tools, "required", _LC + "opt\n" + body + end), body
+    assert not _accepts(tokenizer, tools, "required", _LC + "opt\n" + b + a + end)
+
+
+def _block(tokenizer, calls: list[tuple[str, dict]]) -> str:
+    """The blocks the template renders for these calls."""
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    fmt = tool_format_for(tokenizer)
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(calls)
+        ],
+    }
+    text = tokenizer.apply_chat_template([ASK[0], message], tools=TOOLS, tokenize=False)
+    start = text.index(fmt.start, text.index("[Assistant]"))  # after the tools' instructions
+    return text[start : text.rindex(fmt.end) + len(fmt.end)]
+
+
+def _events(tokenizer, chunks: list[str]) -> list[tuple]:
+    from mlx_kvserve.chat import Tool
+    from mlx_kvserve.chat.output import OutputParser
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
+    parser = OutputParser(tool_format_for(tokenizer), tools)
+    events = [e for c in chunks for e in parser.feed(c)] + parser.finish()
+    out: list[tuple] = []
+    args: dict[int, str] = {}
+    for e in events:
+        kind = type(e).__name__
+        if kind == "ToolCallDelta":
+            args[e.index] = args.get(e.index, "") + e.arguments
+        elif kind == "ToolCallStarted":
+            out.append((kind, e.index, e.name))
+        elif kind == "ToolCallFinished":
+            out.append((kind, e.index, e.call.name, e.call.arguments, args.get(e.index, "")))
+        elif out and out[-1][0] == kind:  # text arrives in chunks of any size
+            out[-1] = (kind, out[-1][1] + e.text)
+        else:
+            out.append((kind, e.text))
+    return out
+
+
+_text = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12)
+_weather = st.fixed_dictionaries(
+    {
+        "city": _text.filter(lambda s: s == s.strip() and s and s.lower() != "null"),
+        "unit": st.sampled_from(["celsius", "fahrenheit"]),
+        "days": st.integers(1, 7),
+    },
+    optional={"hours": st.lists(st.integers(0, 23), max_size=3), "detailed": st.booleans()},
+)
+_calls = st.lists(
+    st.one_of(
+        st.tuples(st.just("get_weather"), _weather),
+        st.tuples(st.just("ping"), st.just({"host": "localhost"})),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(calls=_calls, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_any_split_of_a_block_streams_the_same_calls(tokenizer, calls, cuts):
+    """Whatever chunks valid calls arrive in, the same calls are announced and finished, and
+    each call's streamed fragments concatenate to its final arguments, which are the ones the
+    template rendered."""
+    calls = [(n, a) for n, a in calls if "</" not in json.dumps(a)]
+    if not calls:
+        return
+    text = "Sure." + _block(tokenizer, calls)
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    whole = _events(tokenizer, [text])
+    assert _events(tokenizer, [c for c in chunks if c]) == whole
+    finished = [e for e in whole if e[0] == "ToolCallFinished"]
+    assert [(e[2], json.loads(e[3])) for e in finished] == calls
+    assert all(e[3] == e[4] for e in finished)  # the fragments make the arguments
