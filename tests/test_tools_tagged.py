@@ -1,10 +1,15 @@
-"""Tag-per-parameter tool-call formats beyond Qwen's and GLM's, constrained and streamed:
+"""Tag-per-parameter tool-call formats beyond Qwen's, GLM's and MiniMax's, constrained and
+streamed:
 
 * LongCat, `longcat`: `<longcat_tool_call>NAME\\n<longcat_arg_key>KEY</longcat_arg_key>\\n
   <longcat_arg_value>VALUE</longcat_arg_value>\\n...</longcat_tool_call>`. No public LongCat
   template was at hand: its model carries a minimal template (tests/fixtures/templates/
   longcat-minimal.jinja) that makes mlx-lm pick the parser, so rendering is checked against that
   template only. Its parser cannot read a call without arguments: the grammar never writes one.
+* MiniCPM5, `minicpm5`: `<function name="NAME"><param name="KEY">VALUE</param>...</function>`,
+  one call per element, a value holding `<`, `&` or a newline as `<![CDATA[...]]>`. Its own
+  template was not at hand either: tests/fixtures/templates/minicpm5-minimal.jinja renders
+  calls as its public snippets show.
 
 Each family's tiny random-weight model has the format's tags as tokens. Whatever it samples at
 temperature 1, a forced call parses (by mlx-lm's own parser, in the server) to arguments valid
@@ -47,6 +52,17 @@ FAMILIES = {
         _LC + "get_time\n<longcat_arg_key>tz</longcat_arg_key>",
         _LC + "get_time\n</longcat_tool_call>",
         (">UTC<", "> UTC<"),
+    ),
+    "minicpm5": (
+        (),
+        "minicpm5",
+        (),
+        '<function name="get_time"><param name="timezone">UTC</param>',
+        "</function>",
+        '<function name="get_tme"',
+        '<function name="get_time"><param name="tz">',
+        '<function name="get_time"></function>',
+        (">UTC<", ">null<"),
     ),
 }
 
@@ -158,6 +174,8 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
 def test_a_tool_without_arguments_is_a_400_or_never_called_bare(served, family):
     """A tool that allows no parameter cannot be called in LongCat's format (its parser reads
     the name up to the first argument); one with only optional parameters is called with one."""
+    if family != "longcat":
+        pytest.skip("only LongCat's parser cannot read a call without arguments")
     base = {"model": "m", "messages": ASK, "tool_choice": "required", "max_tokens": 60}
     bare = [{"type": "function", "function": {"name": "now"}}]
     closed = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -254,9 +272,23 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     assert not _accepts(tokenizer, TOOLS, "required", call.replace(value, unread) + close)
 
 
+def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokenizer, family):
+    """A string holding `<`, `&` or a newline is CDATA (read verbatim); other text is plain and
+    cannot start or end with whitespace (the parser strips it)."""
+    if family != "minicpm5":
+        pytest.skip("MiniCPM5's CDATA values")
+    call = '<function name="get_time"><param name="timezone">{}</param></function>'
+    for value in ("UTC", "<![CDATA[a<b & c\n]]>", "<![CDATA[ x ]]>", "<![CDATA[]]>", "a b"):
+        assert _accepts(tokenizer, TOOLS, "required", call.format(value)), value
+    for value in ("a<b", "a&b", "a\nb", " UTC", "null", "<![CDATA[null]]>", "<![CDATA[a]]>x"):
+        assert not _accepts(tokenizer, TOOLS, "required", call.format(value)), value
+
+
 def test_the_grammar_never_writes_a_call_without_arguments(tokenizer, family):
     """mlx-lm's longcat parser fails on a call without an argument: with only optional
     parameters one must be written, and any of them may be the first."""
+    if family != "longcat":
+        pytest.skip("only LongCat's parser cannot read a call without arguments")
     optional = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
@@ -286,7 +318,7 @@ def _block(tokenizer, calls: list[tuple[str, dict]]) -> str:
         ],
     }
     text = tokenizer.apply_chat_template([ASK[0], message], tools=TOOLS, tokenize=False)
-    start = text.index(fmt.start, text.index("[Assistant]"))  # after the tools' instructions
+    start = text.index(fmt.start, text.rindex(ASK[0]["content"]))  # after the instructions
     return text[start : text.rindex(fmt.end) + len(fmt.end)]
 
 
