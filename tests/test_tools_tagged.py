@@ -10,6 +10,12 @@ streamed:
   one call per element, a value holding `<`, `&` or a newline as `<![CDATA[...]]>`. Its own
   template was not at hand either: tests/fixtures/templates/minicpm5-minimal.jinja renders
   calls as its public snippets show.
+* Poolside Laguna, `laguna`: GLM-4.7's layout, `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>
+  VALUE</arg_value>...</tool_call>`, which mlx-lm reads with GLM's parser (its `laguna` module
+  is `glm47`'s, chosen by `tool_parser_type: laguna` in a converted checkpoint's tokenizer
+  config), so the server names the format `glm47` and follows the layout the template renders
+  (chat.xml_calls.glm_layout). No Laguna template was at hand: a minimal one
+  (laguna-minimal.jinja) renders that layout.
 
 Each family's tiny random-weight model has the format's tags as tokens. Whatever it samples at
 temperature 1, a forced call parses (by mlx-lm's own parser, in the server) to arguments valid
@@ -31,7 +37,11 @@ from hypothesis import strategies as st
 from tests.conftest import ServerProcess, client_for
 from tests.support.block_tools import ASK, HISTORY, NAMED, SCHEMAS, TOOLS, render_prompt
 from tests.support.fuzzing import check
-from tests.support.thinking_models import LONGCAT_TOOL_TOKENS, build_thinking_model
+from tests.support.thinking_models import (
+    GLM_TOOL_TOKENS,
+    LONGCAT_TOOL_TOKENS,
+    build_thinking_model,
+)
 from tests.test_tools_blocks import hostile_tool
 
 pytestmark = pytest.mark.slow
@@ -64,7 +74,20 @@ FAMILIES = {
         '<function name="get_time"></function>',
         (">UTC<", ">null<"),
     ),
+    "laguna": (
+        GLM_TOOL_TOKENS,
+        "glm47",
+        (),
+        "<tool_call>get_time<arg_key>timezone</arg_key><arg_value>UTC</arg_value>",
+        "</tool_call>",
+        "<tool_call>get_tme<",
+        "<tool_call>get_time<arg_key>tz</arg_key>",
+        "<tool_call>get_time</tool_call>",
+        (">UTC<", "> UTC<"),
+    ),
 }
+# the parser a converted checkpoint names in its tokenizer config (else mlx-lm infers one)
+PARSER_TYPE = {"laguna": "laguna"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -75,7 +98,12 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("tagged_tools") / family
-    return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+    dest = build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
+    if family in PARSER_TYPE:
+        path = dest / "tokenizer_config.json"
+        config = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps({**config, "tool_parser_type": PARSER_TYPE[family]}))
+    return dest
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +298,25 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     assert not _accepts(tokenizer, TOOLS, "required", undeclared)
     assert not _accepts(tokenizer, TOOLS, "required", missing)
     assert not _accepts(tokenizer, TOOLS, "required", call.replace(value, unread) + close)
+
+
+def test_laguna_is_read_by_its_own_parser_module_in_its_templates_layout(
+    model_dir, tokenizer, family
+):
+    """The checkpoint's `tool_parser_type` picks mlx-lm's `laguna` module (GLM's parser), and
+    the grammar follows the template's GLM-4.7 layout (no newlines)."""
+    if family != "laguna":
+        pytest.skip("Laguna's parser type")
+    from mlx_lm.tool_parsers import laguna
+
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tool_parser_type"] == "laguna"
+    assert tokenizer.tool_parser is laguna.parse_tool_call
+    assert tokenizer.tool_call_start == laguna.tool_call_start
+    syntax = tool_format_for(tokenizer).syntax
+    assert (syntax.head_end, syntax.value_after, syntax.lead) == ("", "", "")
 
 
 def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokenizer, family):

@@ -28,6 +28,7 @@ FAMILIES = {
     "kimi-k2": "kimi-k2-thinking.jinja",
     "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
     "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
+    "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
