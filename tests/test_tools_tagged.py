@@ -16,6 +16,10 @@ streamed:
   config), so the server names the format `glm47` and follows the layout the template renders
   (chat.xml_calls.glm_layout). No Laguna template was at hand: a minimal one
   (laguna-minimal.jinja) renders that layout.
+* Kimi K3, `kimi_k3` (picked by the tokenizer's XTML tags): `<|open|>tools<|sep|><|open|>call
+  tool="NAME" index="1"<|sep|><|open|>json type="object"<|sep|>{JSON}<|close|>json<|sep|>
+  <|close|>call<|sep|>...<|close|>tools<|sep|>`, the calls of a turn in one section. No Kimi K3
+  template was at hand: a minimal one (kimi-k3-minimal.jinja) renders calls that way.
 
 Each family's tiny random-weight model has the format's tags as tokens. Whatever it samples at
 temperature 1, a forced call parses (by mlx-lm's own parser, in the server) to arguments valid
@@ -39,6 +43,7 @@ from tests.support.block_tools import ASK, HISTORY, NAMED, SCHEMAS, TOOLS, rende
 from tests.support.fuzzing import check
 from tests.support.thinking_models import (
     GLM_TOOL_TOKENS,
+    KIMI_K3_TOOL_TOKENS,
     LONGCAT_TOOL_TOKENS,
     build_thinking_model,
 )
@@ -76,6 +81,7 @@ FAMILIES = {
     ),
     "laguna": (
         GLM_TOOL_TOKENS,
+        KIMI_K3_TOOL_TOKENS,
         "glm47",
         (),
         "<tool_call>get_time<arg_key>timezone</arg_key><arg_value>UTC</arg_value>",
@@ -86,6 +92,19 @@ FAMILIES = {
         (">UTC<", "> UTC<"),
     ),
 }
+_K3 = '<|open|>tools<|sep|><|open|>call tool="{}" index="1"<|sep|>'
+_K3_JSON = '<|open|>json type="object"<|sep|>'
+FAMILIES["kimi-k3"] = (
+    KIMI_K3_TOOL_TOKENS,
+    "kimi_k3",
+    (),
+    _K3.format("get_time") + _K3_JSON + '{"timezone": "UTC"}',
+    "<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>",
+    _K3.format("get_tme"),
+    _K3.format("get_time") + _K3_JSON + '{"tz"',
+    _K3.format("get_time") + _K3_JSON + "{}",
+    ('"UTC"', "5"),
+)
 # the parser a converted checkpoint names in its tokenizer config (else mlx-lm infers one)
 PARSER_TYPE = {"laguna": "laguna"}
 
@@ -269,7 +288,9 @@ def test_rendering_equals_the_templates_own(tokenizer):
     assert "get_weather" in ours and "14:05" in ours
 
 
-def _accepts(tokenizer, tools_json: list[dict], mode: str, text: str) -> bool:
+def _accepts(
+    tokenizer, tools_json: list[dict], mode: str, text: str, parallel: bool = True
+) -> bool:
     import llguidance
 
     from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
@@ -278,7 +299,8 @@ def _accepts(tokenizer, tools_json: list[dict], mode: str, text: str) -> bool:
 
     tools = [Tool(t["function"]["name"], None, t["function"].get("parameters")) for t in tools_json]
     compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
-    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
+    choice = ToolChoice(mode, parallel=parallel)
+    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=choice)
     grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
     matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -317,6 +339,22 @@ def test_laguna_is_read_by_its_own_parser_module_in_its_templates_layout(
     assert tokenizer.tool_call_start == laguna.tool_call_start
     syntax = tool_format_for(tokenizer).syntax
     assert (syntax.head_end, syntax.value_after, syntax.lead) == ("", "", "")
+
+
+def test_kimi_k3_calls_are_numbered_in_order_in_one_section(tokenizer, family):
+    """Several calls share the section when parallel calls are allowed, numbered 1, 2, ... as
+    the template numbers them; one call only otherwise."""
+    if family != "kimi-k3":
+        pytest.skip("Kimi K3's section")
+    head = '<|open|>call tool="get_time" index="{}"<|sep|><|open|>json type="object"<|sep|>'
+    call = head + '{{"timezone": "UTC"}}<|close|>json<|sep|><|close|>call<|sep|>'
+    section = "<|open|>tools<|sep|>{}<|close|>tools<|sep|>"
+    two = section.format(call.format(1) + call.format(2))
+    assert _accepts(tokenizer, TOOLS, "required", two)
+    assert not _accepts(tokenizer, TOOLS, "required", two, parallel=False)
+    assert _accepts(tokenizer, TOOLS, "required", section.format(call.format(1)), parallel=False)
+    assert not _accepts(tokenizer, TOOLS, "required", section.format(call.format(2)))
+    assert not _accepts(tokenizer, TOOLS, "required", section.format(call.format(1) * 2))
 
 
 def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokenizer, family):

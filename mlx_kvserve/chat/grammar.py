@@ -161,6 +161,8 @@ class GrammarCompiler:
         ids = lltok.tokenize_str(text)
         if len(ids) == 1 and lltok.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
+        if any(lltok.is_special_token(i) for i in ids):  # tags and text (Kimi K3's XTML)
+            return self._tokens(text)
         return json.dumps(text)
 
     def _tokens(self, text: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.kimi_calls import KIMI_K2
+from mlx_kvserve.chat.kimi_k3_calls import KIMI_K3
 from mlx_kvserve.chat.longcat_calls import LONGCAT
 from mlx_kvserve.chat.minicpm_calls import MINICPM5
 from mlx_kvserve.chat.minimax_calls import MINIMAX_M2
@@ -14,6 +15,7 @@ SYNTAXES: dict[str, CallSyntax] = {
     **LAYOUTS,
     MINIMAX_M2.format: MINIMAX_M2,
     KIMI_K2.format: KIMI_K2,
+    KIMI_K3.format: KIMI_K3,
     LONGCAT.format: LONGCAT,
     MINICPM5.format: MINICPM5,
 }

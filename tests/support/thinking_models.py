@@ -29,6 +29,7 @@ FAMILIES = {
     "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
     "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
     "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
+    "kimi-k3": "kimi-k3-minimal.jinja",  # no public template: a minimal one
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
@@ -37,6 +38,7 @@ MINIMAX_TOOL_TOKENS = ("<minimax:tool_call>", "</minimax:tool_call>", "]~b]", "]
 LONGCAT_TOOL_TOKENS = tuple(
     f"<{c}longcat_{t}>" for t in ("tool_call", "arg_key", "arg_value") for c in ("", "/")
 )
+KIMI_K3_TOOL_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")  # XTML
 KIMI_TOOL_TOKENS = (
     "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>",
