@@ -105,6 +105,18 @@ FAMILIES["kimi-k3"] = (
     _K3.format("get_time") + _K3_JSON + "{}",
     ('"UTC"', "5"),
 )
+_MUSE = '<atem:function_calls>\n<atem:invoke name="{}">\n'
+FAMILIES["muse-spark"] = (
+    ("<|start|>", "<|message|>", "<|eot|>"),
+    "muse_spark",
+    (),
+    _MUSE.format("get_time") + '<atem:parameter name="timezone">UTC</atem:parameter>\n',
+    "</atem:invoke>\n</atem:function_calls>",
+    _MUSE.format("get_tme"),
+    _MUSE.format("get_time") + '<atem:parameter name="tz">',
+    _MUSE.format("get_time") + "</atem:invoke>",
+    (">UTC<", ">5<"),
+)
 # the parser a converted checkpoint names in its tokenizer config (else mlx-lm infers one)
 PARSER_TYPE = {"laguna": "laguna"}
 
@@ -357,6 +369,24 @@ def test_kimi_k3_calls_are_numbered_in_order_in_one_section(tokenizer, family):
     assert not _accepts(tokenizer, TOOLS, "required", section.format(call.format(1) * 2))
 
 
+def test_muse_strings_are_never_read_back_as_other_json(tokenizer, family):
+    """Muse's parser reads a value as JSON when it can: a string is raw text that is not JSON,
+    or a JSON string."""
+    if family != "muse-spark":
+        pytest.skip("Muse's JSON-first values")
+    note = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    tools = [{"type": "function", "function": {"name": "note", "parameters": note}}]
+    call = _MUSE.format("note") + '<atem:parameter name="text">{}</atem:parameter>\n'
+    end = "</atem:invoke>\n</atem:function_calls>"
+    for value in ("UTC", "Europe/Paris", '"5"', '"[x]"', '"a\\"b"', "5 6", "tru", ""):
+        assert _accepts(tokenizer, tools, "required", call.format(value) + end), value
+    for value in ("5", "-1.5e3", "true", "null", "NaN", "[x]", "{}", '"open', " UTC"):
+        assert not _accepts(tokenizer, tools, "required", call.format(value) + end), value
+    # with length bounds a string is raw text only (a JSON string's length is not its value's)
+    bounded = _MUSE.format("get_time") + '<atem:parameter name="timezone">"UTC"</atem:parameter>\n'
+    assert not _accepts(tokenizer, TOOLS, "required", bounded + end)
+
+
 def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokenizer, family):
     """A string holding `<`, `&` or a newline is CDATA (read verbatim); other text is plain and
     cannot start or end with whitespace (the parser strips it)."""
@@ -451,13 +481,29 @@ _calls = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, database=None)
+def _json_like(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(calls=_calls, cuts=st.lists(st.integers(0, 400), max_size=12))
-def test_any_split_of_a_block_streams_the_same_calls(tokenizer, calls, cuts):
+def test_any_split_of_a_block_streams_the_same_calls(tokenizer, family, calls, cuts):
     """Whatever chunks valid calls arrive in, the same calls are announced and finished, and
     each call's streamed fragments concatenate to its final arguments, which are the ones the
-    template rendered."""
+    template rendered. (Muse's minimal template writes every string raw, which its parser reads
+    as JSON when it can: such a string is left out; its grammar writes it as a JSON string.)"""
     calls = [(n, a) for n, a in calls if "</" not in json.dumps(a)]
+    if family == "muse-spark":
+        calls = [(n, a) for n, a in calls if not _json_like(a.get("city", "x"))]
     if not calls:
         return
     text = "Sure." + _block(tokenizer, calls)

@@ -30,6 +30,7 @@ FAMILIES = {
     "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
     "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
     "kimi-k3": "kimi-k3-minimal.jinja",  # no public template: a minimal one
+    "muse-spark": "muse-spark-minimal.jinja",  # no public template: a minimal one
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
