@@ -81,7 +81,6 @@ FAMILIES = {
     ),
     "laguna": (
         GLM_TOOL_TOKENS,
-        KIMI_K3_TOOL_TOKENS,
         "glm47",
         (),
         "<tool_call>get_time<arg_key>timezone</arg_key><arg_value>UTC</arg_value>",
@@ -228,6 +227,40 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
         whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
         streamed = _streamed(client, **kwargs)
         assert streamed == [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer):
+    """A forced call re-renders through the template byte for byte as the model sampled it
+    (the grammar writes the template's layout), and the next prompt extends the previous."""
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    messages = list(ASK)
+    opening = tool_format_for(tokenizer).start.encode()
+    for turn in range(3):
+        reply = client.chat.completions.create(
+            model=_model(client),
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=turn,
+            max_tokens=200,
+            logprobs=True,
+        )
+        choice = reply.choices[0]
+        prompt = render_prompt(tokenizer, messages)
+        assert len(prompt) == reply.usage.prompt_tokens
+        sampled = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+        call = choice.message.tool_calls[0]
+        _valid(call)
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
+        following = render_prompt(tokenizer, messages)
+        assert following[: len(prompt)] == prompt
+        text = tokenizer.decode(following[len(prompt) :]).encode()
+        block = sampled[sampled.index(opening) :]
+        assert block in text, (text, sampled)
 
 
 def test_a_tool_without_arguments_is_a_400_or_never_called_bare(served, family):
@@ -393,9 +426,9 @@ def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokeniz
     if family != "minicpm5":
         pytest.skip("MiniCPM5's CDATA values")
     call = '<function name="get_time"><param name="timezone">{}</param></function>'
-    for value in ("UTC", "<![CDATA[a<b & c\n]]>", "<![CDATA[ x ]]>", "<![CDATA[]]>", "a b"):
+    for value in ("UTC", "<![CDATA[a<b & c\n]]>", "<![CDATA[ x\n]]>", "a b"):
         assert _accepts(tokenizer, TOOLS, "required", call.format(value)), value
-    for value in ("a<b", "a&b", "a\nb", " UTC", "null", "<![CDATA[null]]>", "<![CDATA[a]]>x"):
+    for value in ("a<b", "a&b", "a\nb", " UTC", "null", "<![CDATA[a]]>", "<![CDATA[a<]]>x"):
         assert not _accepts(tokenizer, TOOLS, "required", call.format(value)), value
 
 

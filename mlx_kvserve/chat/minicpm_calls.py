@@ -7,9 +7,9 @@ MiniCPM5 writes each call as its own element, with no wrapper, parallel calls on
 mlx-lm's opening marker is `<function name=` and its closing one `</function>`. A VALUE holding
 `<`, `&` or a newline is wrapped as `<![CDATA[...]]>`, which the parser reads verbatim; any other
 is stripped. Either is then converted by the types the property's schema names, as MiniMax's
-are (`"null"` is None whatever the type). The grammar writes a string as plain text without
-those characters, or as CDATA, never one the parser reads otherwise; the rest of the layout and
-the value typing are `chat.xml_calls`'s.
+are (`"null"` is None whatever the type). The grammar writes a string as the template does,
+plain text without those characters or CDATA holding one, never one the parser reads otherwise;
+the rest of the layout and the value typing are `chat.xml_calls`'s.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class _CdataItems(_Items):
         plain = (
             f"/(?s:.{span})/ & ~/(?s:.*[<&\\n].*)/ & ~/(?i:null)/ & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"
         )
-        cdata = f"/(?s:.{span})/ & ~/(?s:.*(\\]\\]>|<\\/param>|<\\/function>).*)/ & ~/(?i:null)/"
+        cdata = (  # only what the template wraps: text holding `<`, `&` or a newline
+            f"/(?s:.{span})/ & /(?s:.*[<&\\n].*)/ & ~/(?s:.*(\\]\\]>|<\\/param>|<\\/function>).*)/"
+        )
         rules.append(f"{terminal}: ({plain}) {json.dumps(close)}")
         rules.append(
             f"{terminal}_CDATA: {json.dumps(_CDATA_OPEN)} ({cdata}) "

@@ -35,11 +35,17 @@ class MuseLayout(MinimaxLayout):
     """MiniMax's `<invoke>` layout with Muse's tags and JSON-first values."""
 
     def kind(self, prop: dict[str, Any]) -> str:
-        """A plain string property is text (raw or a JSON string); anything else is JSON,
-        which the parser reads back exactly."""
-        if prop.get("type") == "string" and "enum" not in prop and "const" not in prop:
-            return "string"
-        return "json"
+        """A string property is text (raw or a JSON string; its enum values raw, as the
+        template writes them, when the parser reads each back as written); anything else is
+        JSON, which the parser reads back exactly."""
+        if prop.get("type") != "string":
+            return "json"
+        enum = prop.get("enum")
+        options = [
+            *(enum if isinstance(enum, list) else []),
+            *([prop["const"]] if "const" in prop else []),
+        ]
+        return "string" if all(_raw(o) for o in options) else "json"
 
     def items(self, marker: Marker) -> _Items:
         return _MuseItems(self, marker)
@@ -60,6 +66,17 @@ class _MuseItems(_Items):
             return terminal  # a JSON string's length is not its value's: raw text only
         rules.append(f"{terminal}_JSON: ({_JSON_STRING} & {tags}) {close}")
         return f"({terminal} | {terminal}_JSON)"
+
+
+def _raw(value: Any) -> bool:
+    """The parser reads this string back unchanged from raw text."""
+    if not isinstance(value, str) or not value or value != value.strip() or "</" in value:
+        return False
+    try:
+        json.loads(value)
+    except ValueError:
+        return True
+    return False
 
 
 MUSE_SPARK = MuseLayout(
