@@ -432,6 +432,25 @@ def test_minicpm5_strings_are_plain_or_cdata_as_the_template_writes_them(tokeniz
         assert not _accepts(tokenizer, TOOLS, "required", call.format(value)), value
 
 
+def test_an_astral_character_in_a_name_is_one_character_in_the_grammar(tokenizer, family):
+    """Lark reads `\\ud8c0\\udc00` as two lone surrogates, not the character they encode: a
+    name is written into the grammar literally."""
+    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    name = "f\U00040000"
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = ChatRequest(
+        [Message("user", "hi")],
+        tools=[Tool(name, None, params)],
+        tool_choice=ToolChoice("required"),
+    )
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
+    assert name in grammar and "\\ud8" not in grammar.lower()
+
+
 def test_the_grammar_never_writes_a_call_without_arguments(tokenizer, family):
     """mlx-lm's longcat parser fails on a call without an argument: with only optional
     parameters one must be written, and any of them may be the first."""

@@ -54,7 +54,8 @@ class KimiK3Syntax:
             if not _NAME.fullmatch(tool.name):
                 continue  # the parser could not read this name back: the model cannot call it
             schema = {**parameters(tool), "x-guidance": style}
-            rules.append(f"fn_{k}: {json.dumps(f'call tool={json.dumps(tool.name)} index=')}")
+            head = json.dumps(f'call tool="{tool.name}" index=', ensure_ascii=False)
+            rules.append(f"fn_{k}: {head}")
             rules.append(f"args_{k}: %json {json.dumps(schema)}")
             heads.append(k)
         if not heads:
@@ -80,7 +81,9 @@ class KimiK3Syntax:
 def _items(text: str, marker: Marker) -> str:
     """Fixed text with its XTML tags as tokens where the tokenizer has them."""
     parts = [p for p in re.split(r"(<\|(?:open|close|sep)\|>)", text) if p]
-    return " ".join(marker(p) if p in (OPEN, CLOSE, SEP) else json.dumps(p) for p in parts)
+    return " ".join(
+        marker(p) if p in (OPEN, CLOSE, SEP) else json.dumps(p, ensure_ascii=False) for p in parts
+    )
 
 
 KIMI_K3 = KimiK3Syntax()
