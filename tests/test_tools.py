@@ -406,6 +406,14 @@ CALL = {"id": "call_9", "type": "function", "function": {"name": "get_weather", 
             {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
             "tool_choice",
         ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "a\U00040000"}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.name",
+        ),
     ],
     ids=[
         "orphan-tool",
@@ -416,6 +424,7 @@ CALL = {"id": "call_9", "type": "function", "function": {"name": "get_weather", 
         "uncompilable-format",
         "top-logprobs",
         "required-without-tools",
+        "unwritable-name",
     ],
 )
 def test_tool_errors_are_400s_that_say_which(server, body, param):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
+import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,8 @@ class GrammarCompiler:
         ids = lltok.tokenize_str(text)
         if len(ids) == 1 and lltok.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
+        if any(lltok.is_special_token(i) for i in ids):  # tags and text (Kimi K3's XTML)
+            return self._tokens(text)
         return json.dumps(text)
 
     def _tokens(self, text: str) -> str:
@@ -183,6 +186,7 @@ class GrammarCompiler:
 
     def _check_tools(self, tools: list[Tool]) -> None:
         for i, tool in enumerate(tools):
+            _check_name(tool, i)
             if tool.is_custom:
                 if tool.grammar is not None:
                     grammar = _lark(f"start: {_nested(tool.grammar)}")
@@ -203,6 +207,23 @@ class GrammarCompiler:
                 code="invalid_schema",
             )
         return Constraint(matcher, self._vocab_size)
+
+
+_UNWRITABLE = {"Cc", "Cf", "Cs", "Co", "Cn"}  # control, format, surrogate, private, unassigned
+
+
+def _check_name(tool: Tool, i: int) -> None:
+    """A name the model is made to write must be text a tokenizer writes back as itself:
+    controls, format marks, surrogates and private or unassigned code points are refused
+    (OpenAI and Anthropic allow only letters, digits, `_` and `-` in tool names)."""
+    bad = next((c for c in tool.name if unicodedata.category(c) in _UNWRITABLE), None)
+    if bad is not None:
+        param = f"tools[{i}].name" if tool.is_custom else f"tools[{i}].function.name"
+        raise InvalidRequest(
+            f"Invalid value for '{param}': tool names cannot hold the character "
+            f"U+{ord(bad):04X}; use letters, digits, '_' or '-'.",
+            param=param,
+        )
 
 
 def input_grammar_error(grammar: InputGrammar) -> str | None:

@@ -50,7 +50,7 @@ class KimiSyntax:
             if not _NAME.fullmatch(tool.name):
                 continue  # the parser could not read this name back: the model cannot call it
             schema = {**parameters(tool), "x-guidance": style}
-            head = json.dumps(f"functions.{tool.name}:")
+            head = json.dumps(f"functions.{tool.name}:", ensure_ascii=False)
             names.append(f"fn_{k}")
             rules.append(f"fn_{k}: {head} INDEX {marker(ARGUMENTS)} %json {json.dumps(schema)}")
         if not names:

@@ -62,7 +62,7 @@ class MinimaxLayout(Layout):
         """`call_body`: one to `most` `<invoke>`s of the declared tools, then the closing
         marker."""
         names, rules = [], []
-        g = _Items(self, marker)
+        g = self.items(marker)
         for k, tool in enumerate(tools):
             if not _KEY.fullmatch(tool.name) or '"' in tool.name:
                 continue  # the parser could not read this name back: the model cannot call it
@@ -84,6 +84,10 @@ class MinimaxLayout(Layout):
                 *rules,
             ]
         )
+
+    def items(self, marker: Marker) -> _Items:
+        """How this layout's fixed text and raw values become Lark items."""
+        return _Items(self, marker)
 
     def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> InvokeStream:
         return InvokeStream(self, parse, tools)
@@ -107,20 +111,22 @@ MINIMAX_M2 = MinimaxLayout(
 
 
 class InvokeStream:
-    """Follows one block's `<invoke>`s: each is a call (`XmlCallStream`), numbered in order."""
+    """Follows one block's `<invoke>`s (the layout's `head`, closed by its `tail`): each is a
+    call (`XmlCallStream`), numbered in order."""
 
     def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
         self._layout, self._parse, self._tools = layout, parse, tools
         self._calls: list[XmlCallStream] = []
 
     def feed(self, text: str) -> list[CallPiece]:
-        starts = [m.start() for m in re.finditer(re.escape(_INVOKE), text)]
+        starts = [m.start() for m in re.finditer(re.escape(self._layout.head), text)]
+        close = self._layout.tail.strip()
         out: list[CallPiece] = []
         for slot, start in enumerate(starts):
             if slot == len(self._calls):
                 self._calls.append(XmlCallStream(self._layout, self._parse, self._tools))
             stop = starts[slot + 1] if slot + 1 < len(starts) else len(text)
-            closed = text.find("</invoke>", start, stop)
+            closed = text.find(close, start, stop)
             part = text[start : stop if closed < 0 else closed]
             for piece in self._calls[slot].feed(part):
                 out.append(CallPiece(slot, piece.name, piece.fragment))

@@ -206,7 +206,11 @@ class _Items:
 
     def items(self, text: str) -> str:
         parts = [p for p in _TAG.split(text) if p]
-        out = [self._marker(p) if _TAG.fullmatch(p) else json.dumps(p) for p in parts]
+        # literally: Lark reads an escaped astral character as two lone surrogates
+        out = [
+            self._marker(p) if _TAG.fullmatch(p) else json.dumps(p, ensure_ascii=False)
+            for p in parts
+        ]
         return " ".join(out) or '""'
 
     def close(self) -> str:

@@ -31,11 +31,20 @@ FAMILIES = {
     "mistral-v13": "mistral-v13.jinja",
     "mistral-v11": "mistral-v11.jinja",
     "deepseek-v3.1": "deepseek-v3.1.jinja",
+    "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
+    "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
+    "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
+    "kimi-k3": "kimi-k3-minimal.jinja",  # no public template: a minimal one
+    "muse-spark": "muse-spark-minimal.jinja",  # no public template: a minimal one
 }
 THINK_TOKENS = ("<think>", "</think>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # single tokens in Qwen's real vocabulary
 GLM_TOOL_TOKENS = TOOL_TOKENS + ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 MINIMAX_TOOL_TOKENS = ("<minimax:tool_call>", "</minimax:tool_call>", "]~b]", "]~!b[", "[e~[")
+LONGCAT_TOOL_TOKENS = tuple(
+    f"<{c}longcat_{t}>" for t in ("tool_call", "arg_key", "arg_value") for c in ("", "/")
+)
+KIMI_K3_TOOL_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")  # XTML
 KIMI_TOOL_TOKENS = (
     "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>",

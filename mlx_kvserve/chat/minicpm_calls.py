@@ -1,0 +1,102 @@
+"""MiniCPM5's tool calls (mlx-lm's `minicpm5` parser): their grammar and streaming.
+
+MiniCPM5 writes each call as its own element, with no wrapper, parallel calls one per line:
+
+    <function name="NAME"><param name="KEY">VALUE</param>...</function>
+
+mlx-lm's opening marker is `<function name=` and its closing one `</function>`. A VALUE holding
+`<`, `&` or a newline is wrapped as `<![CDATA[...]]>`, which the parser reads verbatim; any other
+is stripped. Either is then converted by the types the property's schema names, as MiniMax's
+are (`"null"` is None whatever the type). The grammar writes a string as the template does,
+plain text without those characters or CDATA holding one, never one the parser reads otherwise;
+the rest of the layout and the value typing are `chat.xml_calls`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_kvserve.chat.call_syntax import Marker, Parameters
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.minimax_calls import MinimaxLayout
+from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.xml_calls import _KEY, Layout, _Items, _params_rules
+
+_CDATA_OPEN, _CDATA_CLOSE = "<![CDATA[", "]]>"
+
+
+@dataclass(frozen=True)
+class MiniCpmLayout(Layout):
+    """The `<function name=...>` layout: one call per element."""
+
+    kind = MinimaxLayout.kind  # values are converted as MiniMax's parser does
+
+    def calls_rule(
+        self,
+        tools: list[Tool],
+        parameters: Parameters,
+        style: dict[str, Any],
+        marker: Marker,
+        end: str,
+        most: int = 1,
+    ) -> str:
+        """`call_body`: a declared tool's quoted name, its parameters and `</function>`."""
+        names, rules = [], []
+        g = _CdataItems(self, marker)
+        for k, tool in enumerate(tools):
+            if not _KEY.fullmatch(tool.name) or '"' in tool.name:
+                continue  # the parser could not read this name back: the model cannot call it
+            head = g.items(self.head + tool.name + self.head_end)
+            params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
+            names.append(f"fn_{k}")
+            rules.append(f"fn_{k}: {head} {params} {g.items(self.tail)} {marker(end)}")
+        if not names:
+            raise InvalidRequest(
+                "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
+                "name needs at least one character and no spaces, quotes, `<` or `>`.",
+                param="tools",
+            )
+        return "\n".join([f"call_body: {' | '.join(names)}", *rules])
+
+
+class _CdataItems(_Items):
+    """Raw values as the template writes them: plain text, or CDATA when they hold `<`, `&` or
+    a newline."""
+
+    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+        low = low if isinstance(low, int) and low >= 0 else 0
+        high = high if isinstance(high, int) and high >= low else None
+        span = f"{{{low},{'' if high is None else high}}}"
+        close = self.layout.value_close + self.layout.value_after
+        # each is one lexeme with its closing tag, which the value cannot hold (xml_calls)
+        plain = (
+            f"/(?s:.{span})/ & ~/(?s:.*[<&\\n].*)/ & ~/(?i:null)/ & ~/(?s:\\s.*)/ & ~/(?s:.*\\s)/"
+        )
+        cdata = (  # only what the template wraps: text holding `<`, `&` or a newline
+            f"/(?s:.{span})/ & /(?s:.*[<&\\n].*)/ & ~/(?s:.*(\\]\\]>|<\\/param>|<\\/function>).*)/"
+        )
+        rules.append(f"{terminal}: ({plain}) {json.dumps(close)}")
+        rules.append(
+            f"{terminal}_CDATA: {json.dumps(_CDATA_OPEN)} ({cdata}) "
+            f"{json.dumps(_CDATA_CLOSE + close)}"
+        )
+        return f"({terminal} | {terminal}_CDATA)"
+
+
+MINICPM5 = MiniCpmLayout(
+    "minicpm5",
+    "",
+    '"',
+    '">',
+    '<param name="',
+    '">',
+    "</param>",
+    "",
+    "",
+    strict_strings=False,
+    string_types=frozenset({"string", "str", "text"}),
+    stops=("</function>",),
+    null_is_none=True,
+)
