@@ -200,7 +200,8 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer, family
         )
         choice = reply.choices[0]
         prompt = render_prompt(tokenizer, messages)
-        assert len(prompt) == reply.usage.prompt_tokens
+        if turn == 0:  # later prompts hold replayed calls as sampled (chat.sampled_turns)
+            assert len(prompt) == reply.usage.prompt_tokens
         sampled = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
         call = choice.message.tool_calls[0]
         _valid(call)
@@ -215,9 +216,8 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer, family
         nxt = client.chat.completions.create(
             model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
         )
-        assert nxt.usage.prompt_tokens == len(following)
         cached = nxt.usage.prompt_tokens_details.cached_tokens
-        assert cached >= len(prompt), turn
+        assert cached >= reply.usage.prompt_tokens, turn
         # as far as the next prompt's tokens are the ones sampled, the cache has them (the
         # last sampled token ended the generation, so it was never fed)
         rest, tokens = following[len(prompt) :], [bytes(t.bytes) for t in choice.logprobs.content]
@@ -227,7 +227,11 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer, family
             and tokenizer.decode([rest[same]]).encode() == (tokens[same])
         ):
             same += 1
-        assert cached >= len(prompt) + min(same, len(tokens) - 1), (turn, same, cached)
+        assert cached >= reply.usage.prompt_tokens + min(same, len(tokens) - 1), (
+            turn,
+            same,
+            cached,
+        )
         whole += text.startswith(sampled)
     if family == "kimi-k2":
         assert whole == 0  # the template's `<think></think>`: if this changes, say so

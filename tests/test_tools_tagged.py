@@ -250,7 +250,8 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer):
         )
         choice = reply.choices[0]
         prompt = render_prompt(tokenizer, messages)
-        assert len(prompt) == reply.usage.prompt_tokens
+        if turn == 0:  # later prompts hold replayed calls as sampled (chat.sampled_turns)
+            assert len(prompt) == reply.usage.prompt_tokens
         sampled = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
         call = choice.message.tool_calls[0]
         _valid(call)
@@ -439,7 +440,7 @@ def test_an_astral_character_in_a_name_is_one_character_in_the_grammar(tokenizer
     from mlx_kvserve.chat.grammar import GrammarCompiler
     from mlx_kvserve.chat.tool_format import tool_format_for
 
-    name = "f\U00040000"
+    name = "f\U0001d49c"  # MATHEMATICAL SCRIPT CAPITAL A: assigned, beyond the BMP
     params = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     req = ChatRequest(
         [Message("user", "hi")],

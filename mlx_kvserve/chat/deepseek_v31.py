@@ -37,8 +37,12 @@ _NAME = re.compile(r"[^\s<>｜\x00-\x1f\x7f]+")
 
 
 def is_deepseek_v31(template: Any) -> bool:
-    """The chat template renders DeepSeek-V3.1's calls (V3.1 and V3.1-Terminus)."""
-    return isinstance(template, str) and all(m in template for m in (tool_call_start, SEP))
+    """The chat template renders DeepSeek-V3.1's calls (V3.1 and V3.1-Terminus). R1, its
+    distills and V3-0324 use the same markers in another layout (`function<｜tool▁sep｜>NAME`
+    and a fenced JSON block), which this format does not write: they keep the fallback."""
+    if not isinstance(template, str) or "```json" in template:
+        return False
+    return all(m in template for m in (tool_call_start, SEP))
 
 
 def parse_tool_call(text: str, tools: Any | None = None) -> dict[str, Any] | list[dict[str, Any]]:
