@@ -232,12 +232,12 @@ class Settings:
         then the config file's [[models]] not named by a flag."""
         from mlx_kvserve.models.specs import (
             ModelSpec,
+            check_model_tables,
             merge_specs,
             parse_model_flag,
-            parse_model_table,
         )
 
-        tables = [parse_model_table(t, f"models[{i}]") for i, t in enumerate(self.models)]
+        tables = check_model_tables(self.models)
         specs = merge_specs([parse_model_flag(m) for m in self.model], tables)
         first = specs[0]  # --served-model-name: more names for the default model
         aliases = tuple(dict.fromkeys([*first.aliases, *self.model_aliases()]))

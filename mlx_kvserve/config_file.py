@@ -130,12 +130,11 @@ def check_type(f: dataclasses.Field, value: Any) -> Any:
             return float(value)
         raise ValueError(f"expected a number, got {_type_name(value)}")
     if kind == "list[dict]":  # [[models]]: checked whole by models.specs
-        from mlx_kvserve.models.specs import parse_model_table
+        from mlx_kvserve.models.specs import check_model_tables
 
         if not isinstance(value, list):
             raise ValueError("expected [[models]] tables")
-        for i, table in enumerate(value):
-            parse_model_table(table, f"models[{i}]")
+        check_model_tables(value)
         return value
     if kind == "list[str]":
         items = value if isinstance(value, list) else [value]

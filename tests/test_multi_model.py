@@ -6,6 +6,7 @@ runs, refused when too large, and shown by `ps`, `models` and `unload`."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -192,17 +193,29 @@ def test_any_model_name_is_answered_without_a_server_error(multi: ServerProcess,
     assert unload.status_code == 200 or 400 <= unload.status_code < 500, unload.text
 
 
+@pytest.mark.parametrize("limit", ["count", "memory"])
 def test_least_recently_used_model_is_swapped_out_after_its_request_ends(
-    tmp_path: Path, models
+    tmp_path: Path, models, limit: str
 ) -> None:
-    """At most two models: loading tiny-b while tiny-a streams a long answer waits for that
-    answer to end, then unloads tiny-a (the least recently used); no request fails."""
+    """Room for two models (by --max-loaded-models, or by a --memory-budget that holds two):
+    loading tiny-b while tiny-a streams a long answer waits for that answer to end, then
+    unloads tiny-a (the least recently used); no request fails."""
+    if limit == "count":
+        room = ["--max-loaded-models", "2"]
+    else:
+        from mlx_kvserve import paths
+        from mlx_kvserve.models import ensure_default_model
+        from mlx_kvserve.models.memory import footprint
+
+        default_dir = ensure_default_model(paths.data_dir(), progress=False)
+        two = footprint(default_dir, None) + footprint(models["tiny-a"], None)
+        room = ["--memory-budget", str(two + footprint(models["tiny-b"], None) // 2)]
     proc = ServerProcess(
         tmp_path,
         "--model", "default",
         "--model", f"tiny-a={models['tiny-a']}",
         "--model", f"tiny-b={models['tiny-b']}",
-        "--max-loaded-models", "2",
+        *room,
     ).wait_ready()  # fmt: skip
     try:
         chat(proc, "tiny-a", [{"role": "user", "content": "Hi"}], max_tokens=1)  # loaded
@@ -257,6 +270,52 @@ def test_a_model_too_large_for_the_budget_is_a_clear_400(tmp_path: Path, models)
         proc.stop()
 
 
+@pytest.mark.parametrize(
+    ("table", "needle"),
+    [
+        ('name = "x"\nmodel = "{a}"\nkeep = true', "unknown key"),
+        ('name = "x"\nmodel = "{a}"\n\n[[models]]\nname = "x"\nmodel = "{b}"', "'x'"),
+        ('name = "x"\nmodel = "{a}"\naliases = ["y"]\n\n[[models]]\nname = "y"', "'y'"),
+        ('name = "x"\nmodel = "/no/such/model"', "does not exist"),
+    ],
+    ids=["unknown-key", "duplicate-name", "duplicate-alias", "missing-path"],
+)
+def test_a_bad_models_section_is_refused_naming_file_line_and_key(
+    tmp_path: Path, models, table: str, needle: str
+) -> None:
+    config = tmp_path / "config.toml"
+    text = table.format(a=models["tiny-a"], b=models["tiny-b"])
+    config.write_text(f"port = 8080\n\n[[models]]\n{text}\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "mlx_kvserve", "serve", "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MLX_KVSERVE_CONFIG": str(config)},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-500:]
+    assert f"{config}, line 3" in run.stderr and "models[" in run.stderr, run.stderr[-500:]
+    assert needle in run.stderr, run.stderr[-500:]
+
+
+def test_a_model_that_fails_to_load_says_why_and_the_others_serve(tmp_path: Path, models):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    proc = ServerProcess(
+        tmp_path, "--model", f"tiny-a={models['tiny-a']}", "--model", f"broken={broken}"
+    ).wait_ready()
+    try:
+        body = {"model": "broken", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        reply = httpx.post(proc.base_url + "/v1/chat/completions", json=body, timeout=300)
+        assert reply.status_code == 503, reply.text
+        assert "'broken' could not be loaded" in reply.json()["error"]["message"]
+        assert chat(proc, "tiny-a", [{"role": "user", "content": "Hi"}])["model"] == "tiny-a"
+        health = httpx.get(proc.base_url + "/health")
+        assert health.status_code == 200 and health.json()["models"]["broken"] == "unloaded"
+    finally:
+        proc.stop()
+
+
 def test_bad_model_settings_stop_the_start(tmp_path: Path, models) -> None:
     for args, needle in (
         (["--model", "=x"], "--model"),
@@ -267,7 +326,7 @@ def test_bad_model_settings_stop_the_start(tmp_path: Path, models) -> None:
         run = subprocess.run(
             [sys.executable, "-m", "mlx_kvserve", "serve", "--port", "0", *args],
             capture_output=True, text=True, timeout=300,
-            env={**__import__("os").environ, "MLX_KVSERVE_CONFIG": str(tmp_path / "none.toml")},
+            env={**os.environ, "MLX_KVSERVE_CONFIG": str(tmp_path / "none.toml")},
         )  # fmt: skip
         assert run.returncode == 2, (args, run.stderr[-500:])
         assert needle in run.stderr, (args, run.stderr[-500:])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEFAULT_KEEP_ALIVE = 30 * 60.0
@@ -104,6 +105,24 @@ def parse_model_table(table: Mapping[str, Any], where: str) -> ModelSpec:
     if name is None and source is None:
         raise ValueError(f"{where}: give the model (a directory or Hugging Face id) or a name")
     return ModelSpec(name, source, tuple(dict.fromkeys(aliases)), pinned, seconds, dict(settings))
+
+
+def check_model_tables(tables: list[Any]) -> list[ModelSpec]:
+    """Every `[[models]]` table, checked together: each on its own, no name or alias given
+    twice, and a local path (one starting with `/`, `~` or `.`) that exists."""
+    specs = [parse_model_table(t, f"models[{i}]") for i, t in enumerate(tables)]
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        for name in dict.fromkeys([*([spec.name] if spec.name else []), *spec.aliases]):
+            if name in seen:
+                raise ValueError(
+                    f"models[{i}]: the name {name!r} is already given to models[{seen[name]}]"
+                )
+            seen[name] = i
+        source = spec.source
+        if source and source.startswith(("/", "~", ".")) and not Path(source).expanduser().exists():
+            raise ValueError(f"models[{i}].model: {source!r} does not exist")
+    return specs
 
 
 def merge_specs(flags: Iterable[ModelSpec], tables: Iterable[ModelSpec]) -> list[ModelSpec]:
