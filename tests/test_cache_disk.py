@@ -420,7 +420,9 @@ def test_enospc_logs_once_keeps_serving_and_recovers(tmp_path, monkeypatch, capl
     pc.flush()
     warnings = [r for r in caplog.records if "disk write failed" in r.message]
     assert len(warnings) == 1
-    assert pc.stats()["write_errors"] == 3 and pc.stats()["disk_writes_failing"]
+    # each failed write counts (a checkpoint the writer reached only after a longer one made it
+    # redundant is dropped unwritten, so under load fewer than three may be tried)
+    assert 1 <= pc.stats()["write_errors"] <= 3 and pc.stats()["disk_writes_failing"]
     # Still served, from RAM.
     m, caches = restore(pc, T[:250])
     assert m.usable == 200 and m.source == "ram"
