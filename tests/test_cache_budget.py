@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import PromptCache, default_disk_budget
+from mlx_kvserve.cache.disk import DiskTier
 from mlx_kvserve.cache.entry import SCORE_HALF_LIFE_S, score
 from tests.support.cache_testing import fill_kv, make_kv, make_ssm
 
@@ -155,6 +158,31 @@ def test_ram_tier_lru_falls_back_to_disk(tmp_path):
     pc.flush()
     assert pc.lookup(prompt(1) + [0]).source == "ram"
     assert pc.lookup(prompt(2) + [0]).source == "disk"  # ... pushing out the LRU one
+    pc.close()
+
+
+def test_ram_tier_returns_within_budget_once_slow_writes_land(tmp_path, monkeypatch):
+    """A busy disk: every copy is still queued when the third checkpoint comes, so none may
+    be dropped then; once the writes land the tier must shrink back to its budget."""
+    write_entry = DiskTier.write_entry
+    gate = threading.Event()
+
+    def slow_write_entry(self, *args, **kwargs):
+        gate.wait(5)
+        return write_entry(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "write_entry", slow_write_entry)
+    clock = Clock()
+    pc = open_cache(tmp_path, budget=1 << 30, clock=clock, ram=2 * ENTRY + KiB)
+    pc.checkpoint(prompt(1), make_kv(100), "m")
+    pc.checkpoint(prompt(2), make_kv(100), "m")
+    threading.Timer(0.3, gate.set).start()  # the backpressure wait is what lets them land
+    pc.checkpoint(prompt(3), make_kv(100), "m")
+    s = pc.stats()
+    assert s["ram_entries"] == 2 and s["ram_bytes"] <= 2 * ENTRY + KiB
+    pc.flush()
+    assert pc.lookup(prompt(1) + [0]).source == "disk"
+    assert pc.lookup(prompt(3) + [0]).source == "ram"
     pc.close()
 
 

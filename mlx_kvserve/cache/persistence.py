@@ -46,17 +46,20 @@ def request_readback(catalog: Catalog, links: Sequence[Entry]) -> None:
             catalog.writer.submit_load(link.key)
 
 
-def apply_writer_results(catalog: Catalog, admit_to_ram: AdmitToRam) -> None:
-    """Apply the writer thread's results (engine thread, under the lock)."""
+def apply_writer_results(catalog: Catalog, admit_to_ram: AdmitToRam) -> bool:
+    """Apply the writer thread's results (engine thread, under the lock). True if a write
+    finished: its copy is no longer pinned in memory by the queue."""
     if catalog.writer is None:
-        return
+        return False
     completed = catalog.writer.completed
+    wrote = False
     while completed:
         result = completed.popleft()
         if isinstance(result, LoadResult):
             _read_back(catalog, result, admit_to_ram)
             continue
         job = result.job
+        wrote = True
         if catalog.pending.get(job.key) is job:
             del catalog.pending[job.key]
         entry = catalog.entries.get(job.key)
@@ -74,6 +77,7 @@ def apply_writer_results(catalog: Catalog, admit_to_ram: AdmitToRam) -> None:
             if entry.key not in catalog.ram:
                 # Its bytes lived only in the failed job: the entry cannot be served.
                 catalog.remove_tree(entry.key)
+    return wrote
 
 
 def _read_back(catalog: Catalog, result: LoadResult, admit_to_ram: AdmitToRam) -> None:

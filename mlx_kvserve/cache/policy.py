@@ -150,29 +150,40 @@ class Policy:
                     break
                 cat.counters["evictions"] += len(cat.remove_tree(victim.key))
             return
-        # A copy whose write is pending stays in memory until the writer is done with it, in
-        # the RAM tier or not: it is not a victim, and copies outside the tier count too.
-        protected |= set(cat.pending)
+        self.trim_ram(protect)
+        if self.wait_for_writes(protect):
+            self.trim_ram(protect)  # copies whose writes landed meanwhile may go now
+
+    def trim_ram(self, protect: set[str]) -> None:
+        """Drop least recently used copies over the RAM budget. A copy whose write is pending
+        stays in memory until the writer is done with it, in the RAM tier or not: it is not a
+        victim, and copies outside the tier count too. Called again once writes land, so the
+        tier is back within its budget as soon as the writer lets it."""
+        cat = self.catalog
+        if cat.disk is None:
+            return
+        protected = cat.protected(protect) | set(cat.pending)
         for key in cat.ram.lru_victims(protected, extra=cat.pending_only_bytes()):
             entry = cat.entries.get(key)
             if entry is not None and entry.disk == DISK_NONE:
                 cat.counters["evictions"] += len(cat.remove_tree(key))
             else:
                 cat.ram.drop(key)
-        self.wait_for_writes(protect)
 
     def admit_to_ram(self, key: str, arrays: Sequence[HostArray]) -> None:
         """Keep a copy read from disk in the RAM tier, within its budget."""
         self.catalog.ram.put(key, arrays)
         self.enforce_ram_budget({key})
 
-    def wait_for_writes(self, protect: set[str]) -> None:
+    def wait_for_writes(self, protect: set[str]) -> bool:
         """Backpressure: while queued writes hold more than the RAM budget, wait for the
-        writer. The newest checkpoint may exceed the budget on its own, alone in the queue."""
+        writer. The newest checkpoint may exceed the budget on its own, alone in the queue.
+        True if it waited."""
         cat = self.catalog
         if cat.writer is None or self._waiting:
-            return  # (a drain below enforces the budget again: no nested waits)
+            return False  # (a drain below enforces the budget again: no nested waits)
         self._waiting = True
+        waited = False
         try:
             while (
                 cat.ram.over_budget(cat.pending_only_bytes())
@@ -180,10 +191,12 @@ class Policy:
                 and cat.writer.alive
             ):
                 cat.counters["write_waits"] += 1
+                waited = True
                 cat.writer.wait_progress(0.1)
                 self.drain()
         finally:
             self._waiting = False
+        return waited
 
     # ------------------------------------------------------------------ failures -----------
     def evict_failed(

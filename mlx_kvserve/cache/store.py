@@ -332,7 +332,8 @@ class PromptCache:
 
     def _drain(self) -> None:
         """Apply the writer thread's results (engine thread, under the lock)."""
-        apply_writer_results(self._catalog, self._policy.admit_to_ram)
+        if apply_writer_results(self._catalog, self._policy.admit_to_ram):
+            self._policy.trim_ram(set())
 
 
 __all__ = ["PromptCache", "CacheError", "default_disk_budget"]
