@@ -1,0 +1,151 @@
+"""The ranks of one job and the few collectives the server needs, over `mx.distributed`.
+
+MLX's backends (ring over TCP/Thunderbolt, JACCL over RDMA, MPI) carry only array
+collectives, so rank 0's decisions travel as the bytes of a JSON document summed with
+zeros from every other rank (mlx_lm.server shares its requests the same way, with pickle;
+JSON here, because the collectives' ports take no authentication and a peer's bytes must never
+become code). A small message costs one collective: it fits in a fixed-size first buffer.
+
+No rank may wait forever. A peer that dies makes the ring backend raise; a peer that hangs
+would leave the others blocked inside a collective, so every collective runs under a deadline
+kept by a watchdog thread. Either way the process logs one line and exits, and `mlx.launch`
+ends the other ranks, so the service manager restarts the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("mlx_kvserve.distributed")
+
+FIRST_BUFFER = 1024  # bytes: a length header and the start of the message, in one collective
+HEADER = 8
+DEFAULT_TIMEOUT = 30.0  # seconds a collective may take before the job is declared stuck
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job should be restarted as a whole
+
+
+def _exit_job(message: str) -> None:
+    log.critical(message)
+    logging.shutdown()
+    os._exit(EXIT_PEER_LOST)
+
+
+class Collective:
+    """The job's ranks: `share` rank 0's decisions, `all_true` for votes, under deadlines."""
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        on_lost: Callable[[str], None] = _exit_job,
+    ) -> None:
+        self.group = group
+        self.rank: int = group.rank()
+        self.size: int = group.size()
+        self.timeout = timeout
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._pending: tuple[str, float] | None = None  # (what, deadline) of the running one
+        self._watchdog: threading.Thread | None = None
+
+    @classmethod
+    def join(cls, backend: str = "any", timeout: float = DEFAULT_TIMEOUT) -> Collective:
+        """Join the job `mlx.launch` started (a job of one when there is none)."""
+        return cls(mx.distributed.init(backend=backend), timeout=timeout)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    # -- collectives ---------------------------------------------------------------------------
+    def share(self, message: Any = None, what: str = "share") -> Any:
+        """Rank 0's `message` (JSON-serialisable) on every rank; the others pass None."""
+        if not self.distributed:
+            return message
+        first = bytearray(FIRST_BUFFER)
+        rest = b""
+        if self.is_leader:
+            data = json.dumps(message, separators=(",", ":")).encode()
+            first[:HEADER] = len(data).to_bytes(HEADER, "little")
+            head = data[: FIRST_BUFFER - HEADER]
+            first[HEADER : HEADER + len(head)] = head
+            rest = data[len(head) :]
+        summed = self._sum(mx.array(memoryview(first), dtype=mx.uint8), what)
+        raw = bytes(memoryview(summed))
+        n = int.from_bytes(raw[:HEADER], "little")
+        data = raw[HEADER : HEADER + min(n, FIRST_BUFFER - HEADER)]
+        extra = n - len(data)
+        if extra > 0:
+            buf = mx.array(memoryview(bytearray(rest) if self.is_leader else bytearray(extra)))
+            data += bytes(memoryview(self._sum(buf.astype(mx.uint8), what)))
+        return json.loads(data)
+
+    def all_true(self, flag: bool, what: str = "vote") -> bool:
+        """True on every rank if `flag` is true on every rank."""
+        if not self.distributed:
+            return bool(flag)
+        total = self._sum(mx.array([1 if flag else 0], dtype=mx.int32), what)
+        return int(total.item()) == self.size
+
+    def all_equal(self, value: str, what: str = "check") -> bool:
+        """True on every rank if every rank holds the same `value` (a fingerprint)."""
+        return self.all_true(self.share(value if self.is_leader else None, what) == value, what)
+
+    def barrier(self, what: str = "barrier") -> None:
+        self.all_true(True, what)
+
+    def _sum(self, array: mx.array, what: str) -> mx.array:
+        with self._deadline(what):
+            try:
+                out = mx.distributed.all_sum(array, group=self.group, stream=mx.cpu)
+                mx.eval(out)
+            except RuntimeError as exc:  # the ring backend: a peer closed its connection
+                self._on_lost(f"rank {self.rank}: a peer left the job during {what} ({exc})")
+                raise
+        return out
+
+    # -- deadlines -----------------------------------------------------------------------------
+    @contextmanager
+    def _deadline(self, what: str) -> Iterator[None]:
+        with self._lock:
+            self._pending = (what, time.monotonic() + self.timeout)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="mlx-kvserve-collective-watchdog", daemon=True
+                )
+                self._watchdog.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            with self._lock:
+                pending = self._pending
+            if pending is not None and time.monotonic() > pending[1]:
+                what, _ = pending
+                self._on_lost(
+                    f"rank {self.rank}: no answer from a peer within {self.timeout:g} s "
+                    f"during {what}; ending the job so every rank restarts"
+                )
+                return
+
+
+__all__ = ["Collective", "EXIT_PEER_LOST"]

@@ -1,0 +1,57 @@
+"""distributed.collective across real ranks: `mlx.launch` with the ring backend on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(mode: str, ranks: int = 2, timeout: float = 5.0) -> tuple[list[dict], str]:
+    """Run the job; a job that hangs fails the test through the subprocess timeout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLLECTIVE_TIMEOUT=str(timeout))
+    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port())]
+    cmd += ["--", sys.executable, "-m", "tests.support.collective_job", mode]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return lines, proc.stderr
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_rank_sees_rank_zeros_messages_and_votes(ranks):
+    lines, err = launch("ok", ranks)
+    seen = {x["rank"]: x for x in lines if "small" in x}
+    assert sorted(seen) == list(range(ranks)), err
+    for x in seen.values():
+        assert x["size"] == ranks
+        assert x["small"] == {"tick": 1} and x["big"] is True and x["none"] is None
+        assert x["vote_all"] is True and x["vote_one"] is False
+        assert x["same"] is True and x["differ"] is False
+    assert sorted(x["rank"] for x in lines if x.get("done")) == list(range(ranks))
+
+
+def test_a_stuck_peer_ends_the_job_with_one_clear_line():
+    lines, err = launch("hang", timeout=3.0)  # the peer sleeps two minutes: no wait for it
+    assert not any(x.get("done") for x in lines)
+    assert "no answer from a peer within 3 s during the last barrier" in err
+
+
+def test_a_dead_peer_ends_the_job():
+    lines, err = launch("die")
+    assert len([x for x in lines if "small" in x]) == 2, err
+    assert not any(x.get("done") for x in lines)
