@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from mlx_kvserve.config import Settings, parse_size
@@ -73,6 +74,11 @@ def _draining_server_class():
             super().__init__(config)
             self.pool, self.grace = pool, grace
 
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if _stop_requested.is_set():  # a SIGTERM just before uvicorn took the signals over
+                self.should_exit = True
+
         async def shutdown(self, sockets=None) -> None:
             log.info("shutting down: in-flight requests get %.0f s to finish", self.grace)
             self.pool.drain(self.grace)
@@ -81,10 +87,17 @@ def _draining_server_class():
     return DrainingServer
 
 
+_stop_requested = threading.Event()  # a SIGTERM came before uvicorn took the signals over
+
+
 def _stop_before_serving(signum: int, _frame: object) -> None:
     """SIGTERM while the model is still being prepared: exit 0, as a service manager's stop
-    expects (launchd's KeepAlive and systemd's Restart=on-failure restart unclean exits)."""
-    log.info("stopped by signal %d before serving", signum)
+    expects (launchd's KeepAlive and systemd's Restart=on-failure restart unclean exits).
+    The SystemExit interrupts a long import; code that swallows it (some libraries' import
+    guards catch everything) is caught up with by the checks `serve` makes between phases."""
+    if not _stop_requested.is_set():
+        log.info("stopped by signal %d before serving", signum)
+    _stop_requested.set()
     raise SystemExit(0)
 
 
@@ -112,6 +125,8 @@ def serve(settings: Settings) -> int:
 
     hf_logging.set_verbosity_error()  # we check context length ourselves, with a clear 400
 
+    if _stop_requested.is_set():
+        return 0
     from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import CacheLockedError
     from mlx_kvserve.models.pool import ModelPool
@@ -151,6 +166,11 @@ def serve(settings: Settings) -> int:
             pool.max_loaded,
             budget / 2**30,
         )
+    if _stop_requested.is_set():
+        for engine in premade.values():  # never started: close its cache
+            if engine.prompt_cache is not None:
+                engine.prompt_cache.close()
+        return 0
     app = create_app(settings, pool)
     DrainingServer = _draining_server_class()
     config = uvicorn.Config(
@@ -165,9 +185,10 @@ def serve(settings: Settings) -> int:
         **uvicorn_options(settings),  # connection cap, header/idle timeouts, open-file limit
     )
     # uvicorn handles SIGINT/SIGTERM while it runs (graceful shutdown), then re-raises the signal
-    # into the handlers it found. Finding no-op handlers there lets a graceful stop exit 0.
+    # into the handlers it found. Finding handlers that only note the stop lets a graceful stop
+    # exit 0, and a stop that comes just before uvicorn takes over ends it at start-up.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: _stop_requested.set())
     try:
         DrainingServer(config, pool, settings.shutdown_grace).run()
     finally:
