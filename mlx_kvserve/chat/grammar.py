@@ -146,8 +146,9 @@ class GrammarCompiler:
             return None if output is None else _json_grammar(output)
         assert fmt is not None
         opening = self._marker(fmt.start)
-        most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         syntax = fmt.syntax
+        most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
+        most = min(most, getattr(syntax, "most_calls", most))
         between = json.dumps(getattr(syntax, "between", "\n"))  # what separates two blocks
         more = f" ({between} call){{0,{most - 1}}}" if most > 1 else ""
         lead = f"{json.dumps(syntax.lead)} " if syntax and syntax.lead else ""
@@ -159,6 +160,8 @@ class GrammarCompiler:
         if output is not None:
             answer = f"answer: %json {json.dumps({**output, 'x-guidance': JSON_STYLE})}"
             return _lark("start: answer | calls", answer, forced, calls)
+        if fmt.at_start:  # a call is the whole answer; other answers do not begin with `{`
+            return _lark("start: PLAIN | calls", forced, r"PLAIN: /(\s*[^{\s](.|\n)*)?/", calls)
         if opening.startswith("<["):  # a token: text cannot hold it, so it ends the text
             seg = f"seg: TEXT {opening} call_body"
         else:

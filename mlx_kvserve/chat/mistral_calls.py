@@ -8,18 +8,16 @@ JSON (the end-of-sequence token follows in history). The grammar makes the model
 declared function's name, `[ARGS]` and its arguments as JSON following the function's schema,
 in the canonical form the template's `tojson` writes, so a tool loop re-renders what it sampled.
 
-The older layouts are parsed only: v7 (Mistral Small 3.1) writes one JSON list of
-`{"name", "arguments", "id"}` objects, v11 (Mistral Small 3.2, Magistral, Devstral 1)
-`name[CALL_ID]id[ARGS]{...}`, whose name mlx-lm's parser reads as the id; both templates
-refuse a call id that is not 9 characters long. `mistral_syntax` tells the layouts apart by
-rendering a probe call with the model's own template.
+The older layouts, v7 (Mistral Small 3, 3.1: one JSON list of `{"name", "arguments", "id"}`
+objects) and v11 (Mistral Small 3.2, Magistral, Devstral 1: `name[CALL_ID]id[ARGS]{...}`), are
+in chat.mistral_legacy_calls, whose `mistral_layout` tells the three apart by rendering a probe
+call with the model's own template.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
@@ -28,7 +26,7 @@ from mlx_kvserve.chat.request import Tool
 
 _NAME = re.compile(r"[\w-]+")  # what the parser reads as a name before `[ARGS]`
 _HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[ARGS\]\s*")
-_PROBE = '[TOOL_CALLS]fn_probe[ARGS]{"k": 1}'
+V13_PROBE = '[TOOL_CALLS]fn_probe[ARGS]{"k": 1}'
 
 
 class MistralSyntax:
@@ -64,35 +62,19 @@ class MistralSyntax:
             )
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> MistralStream:
-        return MistralStream()
+    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+        return NamedJsonStream(_HEADER)
 
 
-def mistral_syntax(render: Callable[[list[dict[str, Any]]], str]) -> MistralSyntax | None:
-    """The syntax when the model's template writes the v13 layout, else None (parse only).
-    `render(messages)` is the template's text."""
-    call = {"name": "fn_probe", "arguments": {"k": 1}}
-    messages = [
-        {"role": "user", "content": "u"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"id": "abcdefghi", "type": "function", "function": call}],
-        },
-    ]
-    try:
-        text = render(messages)
-    except Exception:  # a template that cannot render the probe: parse only
-        return None
-    return MISTRAL if _PROBE in text else None
+class NamedJsonStream:
+    """Follows the calls of one answer as it grows, each a header that names the function
+    (`header`, its group 1 the name, an optional group 2 the call id the model wrote: Mistral's
+    `name[ARGS]`, v11's `name[CALL_ID]id[ARGS]`, Llama 3's `name", "parameters": `)
+    followed by the JSON arguments: the name once its header is whole, then the arguments as
+    they are written, to the end of the JSON value."""
 
-
-class MistralStream:
-    """Follows the calls of one answer (`name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}`) as it
-    grows: each call's name at its `[ARGS]`, then its JSON arguments as they are written, to
-    the end of the JSON value."""
-
-    def __init__(self) -> None:
+    def __init__(self, header: re.Pattern[str]) -> None:
+        self._header = header
         self._pos = 0
         self._slot = -1
         self._in_args = False
@@ -104,12 +86,13 @@ class MistralStream:
         out: list[CallPiece] = []
         while self._pos < len(text):
             if not self._in_args:
-                header = _HEADER.search(text, self._pos)
+                header = self._header.search(text, self._pos)
                 if header is None or header.end() == len(text):  # `[ARGS]  ` may grow
                     return out
                 self._slot += 1
                 self.sent[self._slot] = ""
-                out.append(CallPiece(self._slot, header.group(1)))
+                call_id = header.group(2) if header.re.groups > 1 else None  # the model's own
+                out.append(CallPiece(self._slot, header.group(1), id=call_id))
                 self._pos, self._in_args = header.end(), True
                 self._depth, self._string, self._escaped = 0, False, False
             end = self._value_end(text)

@@ -25,7 +25,6 @@ import logging
 import re
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallStream
 from mlx_kvserve.chat.events import (
     ContentDelta,
     OutputEvent,
@@ -35,6 +34,7 @@ from mlx_kvserve.chat.events import (
     ToolCallStarted,
 )
 from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_input
+from mlx_kvserve.chat.open_call import OpenCall
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 from mlx_kvserve.chat.thinking import ThinkMarkers
 from mlx_kvserve.chat.tool_format import ToolFormat
@@ -42,62 +42,6 @@ from mlx_kvserve.chat.tool_format import ToolFormat
 log = logging.getLogger("mlx_kvserve.chat")
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-
-class _JsonValueEnd:
-    """Finds where one JSON value ends in text that arrives piece by piece."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.started = False
-
-    def feed(self, text: str) -> int | None:
-        """Index in `text` just past the value's end, or None if it has not ended yet."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return i + 1
-            elif ch == '"':
-                self.in_string, self.started = True, True
-            elif ch in "{[":
-                self.depth, self.started = self.depth + 1, True
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-            elif not ch.isspace():
-                self.started = True  # a bare number / literal: ends at a delimiter
-            elif self.started and self.depth == 0:
-                return i
-        return None
-
-
-class _OpenCall:
-    """The call being generated: its raw text and how much of it was passed on."""
-
-    def __init__(self, index: int, id_prefix: str) -> None:
-        self.index = index
-        self.id = new_call_id(id_prefix)
-        self.text = ""
-        self.name: str | None = None
-        self.args_from: int | None = None
-        self.args_sent = 0
-        self.args_done = False
-        self.scanner = _JsonValueEnd()
-        self.body = _JsonValueEnd()  # the whole JSON body: the end marker may sit in a string
-        self.body_done = False
-        self.freeform_from: int | None = None  # a custom-tool call: where its raw input starts
-        self.freeform_sent = 0
-        self.stream: CallStream | None = None  # a CallSyntax format's stream of this block
-        self.slots: dict[int, tuple[int, str, str]] = {}  # its calls: (index, id, name)
 
 
 class OutputParser:
@@ -125,7 +69,7 @@ class OutputParser:
         self._trim_reasoning = True  # drop whitespace that opens a reasoning section
         self._trim_content = False  # ... and the whitespace that follows one
         self._pending = ""  # text not yet known to be content or a call's opening
-        self._call: _OpenCall | None = None
+        self._call: OpenCall | None = None
 
     def feed(self, text: str) -> list[OutputEvent]:
         events: list[OutputEvent] = []
@@ -192,7 +136,14 @@ class OutputParser:
     def _scan_content(self, events: list[OutputEvent]) -> bool:
         """Emit content up to a call's or the reasoning's opening marker; False when more text
         is needed."""
-        marks = [m for m in (self.fmt and self.fmt.start, self.think and self.think.start) if m]
+        call_mark = self.fmt.start if self.fmt else None
+        if self.fmt is not None and self.fmt.at_start:
+            call_mark = self._call_at_start()
+            if call_mark is None and self._call is not None:
+                return True  # the answer opened with a call
+            if call_mark == "":
+                return False  # the answer's first characters may still open a call
+        marks = [m for m in (call_mark, self.think and self.think.start) if m]
         if not marks:
             self._content(self._pending, events)
             self._pending = ""
@@ -213,8 +164,28 @@ class OutputParser:
         if self.think is not None and start == self.think.start:
             self._in_reasoning, self._trim_reasoning = True, True
         else:
-            self._call = _OpenCall(len(self.calls), self.id_prefix)
+            self._call = OpenCall(len(self.calls), self.id_prefix)
         return True
+
+    def _call_at_start(self) -> str | None:
+        """For a format whose call can only open the answer (Llama 3's): open the call when
+        the answer begins with its marker and return None; "" while the first characters could
+        still become it; None once the answer has begun otherwise (text, or a call made)."""
+        assert self.fmt is not None
+        if self.content.strip() or self.calls:
+            return None
+        head = self._pending.lstrip()
+        if self.think is not None and head.startswith(self.think.start):
+            return None  # reasoning first; the answer starts after it
+        if head.startswith(self.fmt.start):
+            self._pending = head[len(self.fmt.start) :]
+            self._call = OpenCall(len(self.calls), self.id_prefix)
+            return None
+        if self.fmt.start.startswith(head) or (
+            self.think is not None and self.think.start.startswith(head)
+        ):
+            return ""
+        return None
 
     def _scan_call(self, events: list[OutputEvent]) -> bool:
         """Grow the open call; close it at the end marker. False when more text is needed."""
@@ -244,7 +215,7 @@ class OutputParser:
             self._content(self.fmt.start + call.text + end, events)
         return True
 
-    def _scan_json_body(self, call: _OpenCall, events: list[OutputEvent]) -> bool:
+    def _scan_json_body(self, call: OpenCall, events: list[OutputEvent]) -> bool:
         """Take a JSON body whole before looking for the end marker, which a string argument
         may contain (`"</tool_call>"`). False while the body is still open."""
         assert self.fmt is not None
@@ -262,7 +233,7 @@ class OutputParser:
         call.body_done = ends is not None
         return call.body_done
 
-    def _stream_arguments(self, call: _OpenCall, events: list[OutputEvent]) -> None:
+    def _stream_arguments(self, call: OpenCall, events: list[OutputEvent]) -> None:
         if call.name is None:
             match = _NAME.match(call.text)
             if match is None:
@@ -289,7 +260,7 @@ class OutputParser:
             call.args_sent += len(fresh)
             events.append(ToolCallDelta(call.index, fresh))
 
-    def _stream_syntax(self, call: _OpenCall, events: list[OutputEvent]) -> None:
+    def _stream_syntax(self, call: OpenCall, events: list[OutputEvent]) -> None:
         """Announce each call of a block (Qwen3-Coder XML, GLM, ...) by its name and pass on
         its arguments as they form. A custom tool's input is sent whole at the end."""
         assert self.fmt is not None and self.fmt.syntax is not None
@@ -308,7 +279,7 @@ class OutputParser:
             elif piece.fragment and piece.slot in call.slots:
                 events.append(ToolCallDelta(call.slots[piece.slot][0], piece.fragment))
 
-    def _close(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
+    def _close(self, call: OpenCall, text: str, events: list[OutputEvent]) -> bool:
         """Parse a complete call with mlx-lm's parser; emit what was not streamed yet."""
         assert self.fmt is not None
         if call.freeform_from is not None:
@@ -354,7 +325,7 @@ class OutputParser:
             events.append(ToolCallFinished(index, done))
         return bool(items)
 
-    def _rest_of_arguments(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> str:
+    def _rest_of_arguments(self, call: OpenCall, text: str, events: list[OutputEvent]) -> str:
         """The arguments of an announced call: what was streamed, plus any unsent rest."""
         assert call.args_from is not None
         if not call.args_done:  # unconstrained text that ended oddly: send what is left
@@ -366,7 +337,7 @@ class OutputParser:
         return text[call.args_from : call.args_sent]
 
     # -- custom (freeform) tools in the Hermes fallback: a name line, then raw input ------------
-    def _end_marker(self, call: _OpenCall, events: list[OutputEvent]) -> str:
+    def _end_marker(self, call: OpenCall, events: list[OutputEvent]) -> str:
         """The marker that closes the open call. A freeform call (recognised by its name line)
         ends at the first `\\n</tool_call>`: its raw input may hold the tag inside a line."""
         assert self.fmt is not None
@@ -377,7 +348,7 @@ class OutputParser:
                 events.append(ToolCallStarted(call.index, call.id, name))
         return self.fmt.end if call.freeform_from is None else "\n" + self.fmt.end
 
-    def _stream_freeform(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> str:
+    def _stream_freeform(self, call: OpenCall, text: str, events: list[OutputEvent]) -> str:
         """Send the raw input written since the last delta; return the whole input so far."""
         assert call.freeform_from is not None
         after = text[call.freeform_from :]
@@ -388,7 +359,7 @@ class OutputParser:
             events.append(ToolCallDelta(call.index, fresh))
         return whole
 
-    def _close_freeform(self, call: _OpenCall, text: str, events: list[OutputEvent]) -> bool:
+    def _close_freeform(self, call: OpenCall, text: str, events: list[OutputEvent]) -> bool:
         assert call.name is not None
         done = ToolCall(call.id, call.name, self._stream_freeform(call, text, events), "custom")
         self.calls.append(done)

@@ -33,10 +33,11 @@ from mlx_lm.tool_parsers import json_tools
 from mlx_kvserve.chat import (
     deepseek_v31,  # noqa: I001 (the module, for its markers)
     harmony,
+    llama3_json,
 )
 from mlx_kvserve.chat.call_syntax import CallSyntax
 from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.mistral_calls import mistral_syntax
+from mlx_kvserve.chat.mistral_legacy_calls import mistral_layout
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
 from mlx_kvserve.chat.syntaxes import SYNTAXES
 from mlx_kvserve.chat.xml_calls import glm_layout
@@ -74,8 +75,12 @@ class ToolFormat:
 
     @property
     def name(self) -> str:
+        if not self.native:
+            return "hermes"
+        if self.own_syntax is not None:
+            return self.own_syntax.format
         module = getattr(self.parse, "__module__", "") or ""
-        return module.rsplit(".", 1)[-1] if self.native else "hermes"
+        return module.rsplit(".", 1)[-1]
 
     @property
     def syntax(self) -> CallSyntax | None:
@@ -84,6 +89,11 @@ class ToolFormat:
         if not self.native or self.json_body:
             return None
         return self.own_syntax or SYNTAXES.get(self.name)
+
+    @property
+    def at_start(self) -> bool:
+        """A call may only open the answer (Llama 3's JSON calls), not follow text."""
+        return bool(getattr(self.syntax, "at_start", False))
 
     @property
     def constrained(self) -> bool:
@@ -97,6 +107,15 @@ HERMES = ToolFormat(
     parse=json_tools.parse_tool_call,
     native=False,
     json_body=True,
+)
+
+LLAMA3 = ToolFormat(
+    start=llama3_json.tool_call_start,
+    end=llama3_json.tool_call_end,
+    parse=llama3_json.parse_tool_call,
+    native=True,
+    json_body=False,
+    own_syntax=llama3_json.LLAMA3,
 )
 
 HARMONY = ToolFormat(
@@ -126,7 +145,8 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     return ToolFormat(
         start=tokenizer.tool_call_start,
         end=tokenizer.tool_call_end,
-        parse=parser,
+        parse=getattr(own, "parse", None) or parser,  # a layout mlx-lm's parser misreads
+        string_arguments=bool(getattr(own, "string_arguments", False)),
         native=True,
         json_body=module.endswith(".json_tools"),
         own_syntax=own,
@@ -136,14 +156,23 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
 # formats whose layout is read from the model's own template (None: parsed only)
 _PROBES: dict[str, Callable[[Callable[[list[dict[str, Any]]], str]], CallSyntax | None]] = {
     "glm47": glm_layout,
-    "mistral": mistral_syntax,
+    "mistral": mistral_layout,
 }
 _layouts: weakref.WeakKeyDictionary[Any, CallSyntax | None] = weakref.WeakKeyDictionary()
+_llama3: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _own_format(tokenizer: Any) -> ToolFormat | None:
-    """A format mlx-lm has no parser for but this server has (DeepSeek-V3.1's), from the
-    model's template."""
+    """A format mlx-lm has no parser for but this server has (Llama 3.x's, DeepSeek-V3.1's),
+    from the model's template."""
+    if hasattr(tokenizer, "apply_chat_template") and isinstance(
+        getattr(tokenizer, "chat_template", None), str
+    ):
+        if tokenizer not in _llama3:
+            render = lambda m: tokenizer.apply_chat_template(m, tokenize=False)  # noqa: E731
+            _llama3[tokenizer] = llama3_json.llama3_syntax(render) is not None
+        if _llama3[tokenizer]:
+            return LLAMA3
     if not deepseek_v31.is_deepseek_v31(getattr(tokenizer, "chat_template", None)):
         return None
     return ToolFormat(

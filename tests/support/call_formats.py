@@ -12,6 +12,7 @@ from tests.support.thinking_models import (
     DEEPSEEK_TOOL_TOKENS,
     GEMMA4_TOOL_TOKENS,
     LFM_TOOL_TOKENS,
+    LLAMA3_TOOL_TOKENS,
     MISTRAL_TOOL_TOKENS,
 )
 
@@ -100,7 +101,44 @@ FAMILIES = {
         f'{DS_CALL}get_weather{DS_SEP}{{"city": "Pa}}[{DS_END[:4]}", "unit": "celsius", "days": 3}}'
         f'{DS_END}{DS_CALL}get_time{DS_SEP}{{"timezone": "UTC"}}{DS_END}',
     ),
+    "mistral-v11": (
+        MISTRAL_TOOL_TOKENS,
+        "mistral",
+        '[TOOL_CALLS]get_time[CALL_ID]abcdefghi[ARGS]{"timezone": "UTC"}',
+        "[TOOL_CALLS]get_tme",
+        '[TOOL_CALLS]get_time[CALL_ID]abcdefghi[ARGS]{"tz"',
+        "[TOOL_CALLS]get_time[CALL_ID]abcdefghi[ARGS]{}",
+        'get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Pa}[ris\\"", "unit": "celsius", "days": 3,'
+        ' "hours": [1, 2]}[TOOL_CALLS]get_time[CALL_ID]Z9Z9Z9Z9Z[ARGS]{"timezone": "UTC"}',
+    ),
+    "mistral-v7": (
+        MISTRAL_TOOL_TOKENS,
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}, "id": "abcdefghi"}]',
+        '[TOOL_CALLS][{"name": "get_tme',
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz"',
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}',
+        '[{"name": "get_weather", "arguments": {"city": "Pa}[ris\\"", "unit": "celsius",'
+        ' "days": 3}, "id": "a1b2c3d4e"}, {"name": "get_time", "arguments": {"timezone": "UTC"},'
+        ' "id": "Z9Z9Z9Z9Z"}]',
+    ),
+    "llama3": (
+        LLAMA3_TOOL_TOKENS,
+        "llama3_json",
+        '{"name": "get_time", "parameters": {"timezone": "UTC"}}',
+        '{"name": "get_tme',
+        '{"name": "get_time", "parameters": {"tz"',
+        '{"name": "get_time", "parameters": {}',
+        'get_weather", "parameters": {"city": "Pa}[ris\\"", "unit": "celsius", "days": 3, '
+        '"hours": [1, 2]}}',
+    ),
 }
+# families whose template renders one call per assistant turn (and raises on more)
+ONE_CALL = {"llama3"}
+# families whose templates refuse call ids that are not 9 characters long
+NINE_CHAR_IDS = {"mistral-v11", "mistral-v7"}
+# families whose call can only open the answer (no text before it)
+AT_START = {"llama3"}
 
 
 # no reasoning section: the answer is the call, so each turn re-renders as it was sampled
@@ -134,6 +172,26 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
     {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
 ]
+
+
+def history_for(family: str) -> list[dict]:
+    """HISTORY as the family's template can render it: its first call alone where a turn
+    holds one call."""
+    history = HISTORY
+    if family in NINE_CHAR_IDS:
+        ids = {"c1": "callid001", "c2": "callid002"}
+        history = [
+            {**m, "tool_calls": [{**c, "id": ids[c["id"]]} for c in m["tool_calls"]]}
+            if "tool_calls" in m
+            else {**m, "tool_call_id": ids[m["tool_call_id"]]}
+            if "tool_call_id" in m
+            else m
+            for m in history
+        ]
+    if family in ONE_CALL:
+        first = {**history[2], "tool_calls": history[2]["tool_calls"][:1]}
+        history = [*history[:2], first, history[3]]
+    return history
 
 
 # tools as hostile clients write them: names neither syntax can hold, schemas of every shape,

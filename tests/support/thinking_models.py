@@ -30,7 +30,9 @@ FAMILIES = {
     "gemma4": "gemma4.jinja",
     "mistral-v13": "mistral-v13.jinja",
     "mistral-v11": "mistral-v11.jinja",
+    "mistral-v7": "../mistral-v7.jinja",  # kept beside: tests/fixtures/README.md says why
     "deepseek-v3.1": "deepseek-v3.1.jinja",
+    "llama3": "llama-3.1.jinja",
     "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
     "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
     "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
@@ -72,6 +74,13 @@ GEMMA4_TOOL_TOKENS = (
     "<channel|>",
 )
 # Mistral's control tokens (Tekken tokenizers)
+LLAMA3_TOOL_TOKENS = (  # Llama 3's header and turn tokens (its calls are plain JSON text)
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+)
 MISTRAL_TOOL_TOKENS = (
     "[INST]",
     "[/INST]",

@@ -1,0 +1,197 @@
+"""Mistral's older tool-call layouts, constrained and streamed (chat.mistral_calls has v13's):
+
+* v11 (Mistral Small 3.2, Magistral, Devstral 1): `[TOOL_CALLS]name[CALL_ID]id[ARGS]{json}` per
+  call, no closing marker. mlx-lm's `mistral` parser reads the id as the name, so the format
+  parses itself.
+* v7 (Mistral Small 3, 3.1): one `[TOOL_CALLS]` and a JSON list of
+  `{"name": ..., "arguments": {...}, "id": "..."}` objects, which mlx-lm's parser reads.
+
+Both templates refuse a call id that is not 9 characters long, and the model writes the id
+itself: the grammar makes it 9 letters or digits, and that id is the call's id in the response,
+so the client sends back an id the template accepts. A v7 call is announced once its object is
+complete (its id comes after its arguments), then its arguments follow in one piece.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
+from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.mistral_calls import MISTRAL, V13_PROBE, MistralSyntax, NamedJsonStream
+from mlx_kvserve.chat.request import Tool
+
+V11_PROBE = 'fn_probe[CALL_ID]abcdefghi[ARGS]{"k": 1}'
+V7_PROBE = '[TOOL_CALLS][{"name": "fn_probe", "arguments": {"k": 1}, "id": "abcdefghi"}]'
+ID_RULE = r"CALL_ID9: /[a-zA-Z0-9]{9}/"
+_V7_ID = " ".join([json.dumps(', "id": "'), "CALL_ID9", json.dumps('"}')])  # a v7 call's end
+_NAME = re.compile(r"[\w-]+")  # what mlx-lm's parser and the template's layout keep whole
+_V11_HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[CALL_ID\]\s*(\w{9})\s*\[ARGS\]\s*")
+
+
+def _callable(tools: list[Tool]) -> list[tuple[int, Tool]]:
+    found = [(k, t) for k, t in enumerate(tools) if _NAME.fullmatch(t.name)]
+    if not found:
+        raise InvalidRequest(
+            "Invalid value for 'tools': this model writes a tool's name as a bare word, so it "
+            "needs letters, digits, `_` or `-` only.",
+            param="tools",
+        )
+    return found
+
+
+def parse_v11(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    """The calls of a v11 answer after its first `[TOOL_CALLS]` (raises when there is none)."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while (header := _V11_HEADER.search(text, pos)) is not None:
+        arguments, pos = decoder.raw_decode(text, header.end())
+        calls.append({"name": header.group(1), "arguments": arguments, "id": header.group(2)})
+    if not calls:
+        raise ValueError("no Mistral v11 tool call")
+    return calls
+
+
+class MistralV11Syntax:
+    format = "mistral"
+    lead = ""
+    calls_per_block = False
+    between = ""  # each call opens with its own [TOOL_CALLS]
+    parse = staticmethod(parse_v11)
+
+    def calls_rule(
+        self,
+        tools: list[Tool],
+        parameters: Parameters,
+        style: dict[str, Any],
+        marker: Marker,
+        end: str,
+        most: int = 1,
+    ) -> str:
+        call_id, args = marker("[CALL_ID]"), marker("[ARGS]")
+        names, rules = [], []
+        for k, tool in _callable(tools):
+            schema = {**parameters(tool), "x-guidance": style}
+            names.append(f"fn_{k}")
+            rules.append(
+                f"fn_{k}: {json.dumps(tool.name)} {call_id} CALL_ID9 {args} "
+                f"%json {json.dumps(schema)}"
+            )
+        return "\n".join([f"call_body: {' | '.join(names)}", *rules, ID_RULE])
+
+    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+        return NamedJsonStream(_V11_HEADER)
+
+
+class MistralV7Syntax:
+    format = "mistral"
+    lead = ""
+    calls_per_block = True  # one list holds the turn's calls
+    # Its template joins plain text to `arguments|tojson|safe`, and Jinja escapes text joined
+    # to safe markup: arguments given as an object render as `&#34;name&#34;`. Given as JSON
+    # text they render as written.
+    string_arguments = True
+
+    def calls_rule(
+        self,
+        tools: list[Tool],
+        parameters: Parameters,
+        style: dict[str, Any],
+        marker: Marker,
+        end: str,
+        most: int = 1,
+    ) -> str:
+        names, rules = [], []
+        for k, tool in _callable(tools):
+            schema = {**parameters(tool), "x-guidance": style}
+            head = json.dumps(f'{{"name": "{tool.name}", "arguments": ')
+            names.append(f"fn_{k}")
+            rules.append(f"fn_{k}: {head} %json {json.dumps(schema)} {_V7_ID}")
+        more = f' (", " one_call){{0,{most - 1}}}' if most > 1 else ""
+        return "\n".join(
+            [
+                f'call_body: "[" one_call{more} "]"',
+                f"one_call: {' | '.join(names)}",
+                *rules,
+                ID_RULE,
+            ]
+        )
+
+    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> JsonListStream:
+        return JsonListStream()
+
+
+class JsonListStream:
+    """Follows a JSON list of call objects as it grows: each call, once its object is whole,
+    is announced with its name and the id the model wrote, then its arguments in one piece."""
+
+    def __init__(self) -> None:
+        self._decoder = json.JSONDecoder()
+        self._pos = 0
+        self._slot = -1
+        self.sent: dict[int, str] = {}
+
+    def feed(self, text: str) -> list[CallPiece]:
+        out: list[CallPiece] = []
+        while True:
+            start = self._next_object(text)
+            if start is None:
+                return out
+            try:
+                value, end = self._decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                return out  # not whole yet
+            self._pos = end
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                continue
+            self._slot += 1
+            arguments = json.dumps(value.get("arguments", {}), ensure_ascii=False)
+            call_id = value.get("id") if isinstance(value.get("id"), str) else None
+            out.append(CallPiece(self._slot, value["name"], id=call_id))
+            out.append(CallPiece(self._slot, fragment=arguments))
+            self.sent[self._slot] = arguments
+
+    def _next_object(self, text: str) -> int | None:
+        """Where the next call object starts (past the list's `[` and separating commas)."""
+        i = self._pos
+        while i < len(text) and text[i] in "[, \n\t":
+            i += 1
+        return i if i < len(text) and text[i] == "{" else None
+
+    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+        sent = self.sent.get(slot, "")
+        if arguments is None or (sent and json.loads(sent) == arguments):
+            return "", sent
+        whole = json.dumps(arguments if isinstance(arguments, dict) else {}, ensure_ascii=False)
+        return ("", whole) if sent else (whole, whole)
+
+
+MISTRAL_V11 = MistralV11Syntax()
+MISTRAL_V7 = MistralV7Syntax()
+
+
+def mistral_layout(
+    render: Callable[[list[dict[str, Any]]], str],
+) -> MistralSyntax | MistralV11Syntax | MistralV7Syntax | None:
+    """The syntax of the layout the model's template writes calls in (v13, v11 or v7), else
+    None (parse only). `render(messages)` is the template's text."""
+    call = {"name": "fn_probe", "arguments": '{"k": 1}'}  # as text: see MistralV7Syntax
+    messages = [
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "abcdefghi", "type": "function", "function": call}],
+        },
+    ]
+    try:
+        text = render(messages)
+    except Exception:  # a template that cannot render the probe: parse only
+        return None
+    for probe, syntax in ((V13_PROBE, MISTRAL), (V11_PROBE, MISTRAL_V11), (V7_PROBE, MISTRAL_V7)):
+        if probe in text:
+            return syntax
+    return None
