@@ -34,6 +34,7 @@ from tests.support.call_formats import (
     ASK,
     AT_START,
     FAMILIES,
+    HISTORY,
     KWARGS,
     NAMED,
     NINE_CHAR_IDS,
@@ -483,3 +484,36 @@ def test_older_mistral_layouts_call_with_ids_their_templates_accept(client, fami
         assert len(call.id) == 9 and call.id.isalnum(), call.id
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+
+
+def test_other_call_ids_are_fitted_for_templates_that_need_nine(tokenizer, family):
+    """Ids of another shape (another server's, a client's own: HISTORY's `c1`, `c2`) render as
+    the stable 9-character digest both the call and its result get, not as a template error."""
+    if family not in NINE_CHAR_IDS:
+        pytest.skip("only Mistral's v11 and v7 templates need 9-character ids")
+    from mlx_kvserve.chat.mistral_legacy_calls import fitted_id
+
+    ids = {c["id"]: fitted_id(c["id"]) for c in HISTORY[2]["tool_calls"]}
+    fitted = [
+        {**m, "tool_calls": [{**_as_text(c), "id": ids[c["id"]]} for c in m["tool_calls"]]}
+        if "tool_calls" in m
+        else {**m, "tool_call_id": ids[m["tool_call_id"]]}
+        if "tool_call_id" in m
+        else m
+        for m in HISTORY
+    ]
+    own = tokenizer.apply_chat_template(
+        fitted, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert _prompt(tokenizer, HISTORY, family) == tokenizer.encode(own, add_special_tokens=False)
+    assert all(i in own for i in ids.values())
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(call_id=st.text(max_size=40))
+def test_a_fitted_id_is_nine_letters_or_digits_and_stable(call_id):
+    from mlx_kvserve.chat.mistral_legacy_calls import fitted_id
+
+    fitted = fitted_id(call_id)
+    assert len(fitted) == 9 and fitted.isascii() and fitted.isalnum()
+    assert fitted_id(call_id) == fitted and fitted_id(fitted) == fitted

@@ -8,12 +8,16 @@
 
 Both templates refuse a call id that is not 9 characters long, and the model writes the id
 itself: the grammar makes it 9 letters or digits, and that id is the call's id in the response,
-so the client sends back an id the template accepts. A v7 call is announced once its object is
-complete (its id comes after its arguments), then its arguments follow in one piece.
+so the client sends back an id the template accepts. Ids of other shapes in the history (from
+another server, or a client's own) are rendered as a stable 9-character digest
+(`fit_call_ids`), so a call and its result still pair up instead of the template refusing
+them. A v7 call is announced once its object is complete (its id comes after its arguments),
+then its arguments follow in one piece.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -55,8 +59,42 @@ def parse_v11(text: str, tools: Any = None) -> list[dict[str, Any]]:
     return calls
 
 
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def fitted_id(call_id: str, length: int = 9) -> str:
+    """`call_id` as the template accepts it: itself when it already is `length` letters or
+    digits (the ids these models write), else a stable digest of it in that form, so a call
+    and its result still pair up (ids from another server, or a client's own)."""
+    if len(call_id) == length and call_id.isascii() and call_id.isalnum():
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode("utf-8")).digest(), "big")
+    digits = []
+    for _ in range(length):
+        number, rest = divmod(number, 62)
+        digits.append(_BASE62[rest])
+    return "".join(digits)
+
+
+def fit_call_ids(messages: list[dict[str, Any]], length: int = 9) -> list[dict[str, Any]]:
+    """Template messages whose call ids (`tool_calls[].id`, `tool_call_id`) are fitted."""
+    out = []
+    for message in messages:
+        item = dict(message)
+        if item.get("tool_calls"):
+            item["tool_calls"] = [
+                {**call, "id": fitted_id(str(call.get("id", "")), length)}
+                for call in item["tool_calls"]
+            ]
+        if item.get("tool_call_id") is not None:
+            item["tool_call_id"] = fitted_id(str(item["tool_call_id"]), length)
+        out.append(item)
+    return out
+
+
 class MistralV11Syntax:
     format = "mistral"
+    call_id_length = 9  # the template refuses other ids
     lead = ""
     calls_per_block = False
     between = ""  # each call opens with its own [TOOL_CALLS]
@@ -88,6 +126,7 @@ class MistralV11Syntax:
 
 class MistralV7Syntax:
     format = "mistral"
+    call_id_length = 9  # the template refuses other ids
     lead = ""
     calls_per_block = True  # one list holds the turn's calls
     # Its template joins plain text to `arguments|tojson|safe`, and Jinja escapes text joined

@@ -25,6 +25,7 @@ from typing import Any
 
 from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.harmony import harmony_messages, harmony_tools
+from mlx_kvserve.chat.mistral_legacy_calls import fit_call_ids
 from mlx_kvserve.chat.request import ChatRequest, Message
 from mlx_kvserve.chat.sampled_turns import (
     SampledTurn,
@@ -114,6 +115,9 @@ def render_chat(
         messages: list[dict[str, Any]] = native_messages(
             req.messages, arguments, as_text=fmt.string_arguments
         )
+        width = getattr(fmt.syntax, "call_id_length", None)
+        if width:  # a template that refuses other call ids (Mistral's v7 and v11)
+            messages = fit_call_ids(messages, width)
         kwargs: dict[str, Any] = {"tools": [t.as_openai() for t in tools]} if tools else {}
         if fmt.harmony and tools:
             kwargs["tools"] = harmony_tools(kwargs["tools"])
