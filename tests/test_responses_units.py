@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import Finished, Usage
 from mlx_kvserve.api.openai_responses import to_chat_request
 from mlx_kvserve.api.openai_responses_schemas import ResponsesRequest
+from mlx_kvserve.api.reading import Finished, Usage
 from mlx_kvserve.api.responses_output import ResponseEvents, Shape
 from mlx_kvserve.api.responses_tools import flat_name, parse_tools
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted

@@ -22,16 +22,8 @@ from mlx_kvserve.api.anthropic_schemas import CountTokensRequest, MessagesReques
 from mlx_kvserve.api.anthropic_stream import BlockStream, content_blocks
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import (
-    Failed,
-    Finished,
-    Generation,
-    Started,
-    Usage,
-    count_chat_tokens,
-    served_model,
-    start_chat,
-)
+from mlx_kvserve.api.generation import count_chat_tokens, served_model, start_chat
+from mlx_kvserve.api.reading import Failed, Finished, Generation, Started, Usage
 from mlx_kvserve.api.seal import reasoning_seal
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

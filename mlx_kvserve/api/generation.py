@@ -16,16 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.reading import (  # noqa: F401 (the adapters' names for what they read)
-    Event,
-    Failed,
-    Finished,
-    Generation,
-    Logprobs,
-    Result,
-    Started,
-    Usage,
-)
+from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.harmony_gate import HarmonyGate

@@ -11,14 +11,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import (
-    Failed,
-    Finished,
-    Generation,
-    Logprobs,
-    Usage,
-    start_chat,
-)
+from mlx_kvserve.api.generation import start_chat
+from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs, Usage
 from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
 from mlx_kvserve.chat import (
     ChatRequest,

@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import Failed, Finished, Generation, start_chat
+from mlx_kvserve.api.generation import start_chat
 from mlx_kvserve.api.openai_responses_schemas import InputItem, ResponsesRequest
+from mlx_kvserve.api.reading import Failed, Finished, Generation
 from mlx_kvserve.api.responses_output import ResponseEvents, Shape, StreamEvent, usage
 from mlx_kvserve.api.responses_tools import ToolSet, flat_name, parse_tools, tool_choice
 from mlx_kvserve.api.schemas import parse

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import Failed, Finished, Generation, Logprobs, start_text
+from mlx_kvserve.api.generation import start_text
 from mlx_kvserve.api.openai_chat import (
     SSE_HEADERS,
     SYSTEM_FINGERPRINT,
@@ -19,6 +19,7 @@ from mlx_kvserve.api.openai_chat import (
     token_text,
     usage,
 )
+from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs
 from mlx_kvserve.api.schemas import CompletionRequest, parse
 from mlx_kvserve.chat import Sampling
 from mlx_kvserve.chat.events import ContentDelta

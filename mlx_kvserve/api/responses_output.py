@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mlx_kvserve.api.generation import Finished, Usage
 from mlx_kvserve.api.openai_responses_schemas import ResponsesRequest
+from mlx_kvserve.api.reading import Finished, Usage
 from mlx_kvserve.api.responses_tools import ToolSet
 from mlx_kvserve.chat import ToolCall
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted

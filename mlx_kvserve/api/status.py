@@ -113,7 +113,7 @@ async def snapshot(request: Request) -> dict[str, Any]:
         "time": time.time(),
         "uptime_seconds": time.time() - state.started,
         "status": "error" if failed else ("ok" if ready or default.loaded_at else "loading"),
-        "models": [_model(slot, pool) for slot in pool.slots],
+        "models": _models(pool),
         "requests": {
             "running": sum(e.running for e in engines),
             "queued": sum(e.queued for e in engines),
@@ -144,9 +144,14 @@ async def snapshot(request: Request) -> dict[str, Any]:
     return body
 
 
-def _model(slot: Any, pool: Any) -> dict[str, Any]:
-    """One model as `ModelPool.describe` gives it, with its engine's figures while loaded."""
-    described = next(m for m in pool.describe() if m["name"] == slot.name)
+def _models(pool: Any) -> list[dict[str, Any]]:
+    """Every model as `ModelPool.describe` gives it (one call), with its engine's figures."""
+    described = {m["name"]: m for m in pool.describe()}
+    return [_model(slot, described[slot.name]) for slot in pool.slots]
+
+
+def _model(slot: Any, described: dict[str, Any]) -> dict[str, Any]:
+    """One model's description, with its engine's figures while loaded."""
     engine = slot.engine if slot.engine is not None and slot.engine.ready.is_set() else None
     layout = engine.layout if engine is not None else None
     return {

@@ -20,6 +20,7 @@ resolves the model; the pool only decides when. All methods run on the event loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("mlx_kvserve.models")
 
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
 LOAD_RETRY = 30.0  # seconds before a model whose load failed is tried again
+UNLOAD_RECHECK = 0.5  # seconds between looks at a draining engine's own queue
 
 
 class ModelTooLarge(Exception):
@@ -158,6 +160,8 @@ class ModelPool:
     def release(self, slot: Slot) -> None:
         slot.leases = max(0, slot.leases - 1)
         slot.last_used = self._clock()
+        if slot.state == UNLOADING and not slot.leases:
+            slot._notify()  # an unload waiting for its requests may go on
 
     # -- loading and unloading ------------------------------------------------------------------
     async def _load(self, slot: Slot) -> None:
@@ -227,7 +231,10 @@ class ModelPool:
         reason = reason or kind
         log.info("unloading model %s (%s): waiting for its requests to end", slot.name, reason)
         while slot.busy():
-            await asyncio.sleep(0.05)
+            # a request's release wakes this at once; the engine's own queue (requests it
+            # still finishes after their clients left) has no event, so look again now and then
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.changed.wait(), UNLOAD_RECHECK)
         engine, slot.engine = slot.engine, None
         await engine.stop_async()
         del engine
