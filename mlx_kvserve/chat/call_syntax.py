@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mlx_kvserve.chat.errors import InvalidRequest
 from mlx_kvserve.chat.request import Tool
 
 Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
@@ -86,3 +87,14 @@ class CallSyntax(Protocol):
     def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> CallStream:
         """A stream for one block; `parse` is mlx-lm's `parse_tool_call(text, tools)`."""
         ...
+
+
+def callable_tools(
+    tools: list[Tool], writable: Callable[[str], object], why: str
+) -> list[tuple[int, Tool]]:
+    """(index, tool) of the tools whose names a format can write and its parser read back
+    (`writable(name)`); the model cannot call the others in it. None left: a 400 saying `why`."""
+    found = [(k, tool) for k, tool in enumerate(tools) if writable(tool.name)]
+    if not found:
+        raise InvalidRequest(f"Invalid value for 'tools': {why}", param="tools")
+    return found

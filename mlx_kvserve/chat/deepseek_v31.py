@@ -19,8 +19,7 @@ import json
 import re
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.request import Tool
 
 tool_call_start = "<｜tool▁calls▁begin｜>"
@@ -34,6 +33,12 @@ _CALL = re.compile(
 _HEADER = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP))
 # a name the parser reads back whole, and a tokenizer can write (no control characters)
 _NAME = re.compile(r"[^\s<>｜\x00-\x1f\x7f]+")
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name bare in its calls, so a name needs at least one "
+    "character and no spaces, `<` or `>`."
+)
 
 
 def is_deepseek_v31(template: Any) -> bool:
@@ -104,20 +109,12 @@ class DeepSeekV31Syntax:
         most: int,
     ) -> str:
         names, rules = [], []
-        for k, tool in enumerate(tools):
-            if not _NAME.fullmatch(tool.name):
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(tools, lambda name: _NAME.fullmatch(name), _UNCALLABLE):
             schema = {**parameters(tool), "x-guidance": style}
             names.append(f"fn_{k}")
             rules.append(
                 f"fn_{k}: {marker(CALL_BEGIN)} {json.dumps(tool.name)} {marker(SEP)} "
                 f"%json {json.dumps(schema)} {marker(CALL_END)}"
-            )
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name bare in its calls, "
-                "so a name needs at least one character and no spaces, `<` or `>`.",
-                param="tools",
             )
         more = f" one_call{{0,{most - 1}}}" if most > 1 else ""
         return "\n".join(

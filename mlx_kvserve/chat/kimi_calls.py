@@ -17,8 +17,7 @@ import json
 import re
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.request import Tool
 
 BEGIN = "<|tool_call_begin|>"
@@ -26,6 +25,12 @@ ARGUMENTS = "<|tool_call_argument_begin|>"
 END = "<|tool_call_end|>"
 _NAME = re.compile(r"[^\s<>|]+")  # what the parser's `functions.(.+?):\d+` reads back whole
 _HEAD = re.compile(r"\s*((?:functions\.)?(.+?):\d+)\s*" + re.escape(ARGUMENTS), re.DOTALL)
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name in its calls' ids, so a name needs at least one "
+    "character and no spaces, `<`, `>` or `|`."
+)
 
 
 class KimiSyntax:
@@ -46,19 +51,11 @@ class KimiSyntax:
     ) -> str:
         """`call_body`: one to `most` calls of the declared tools, then the section's end."""
         names, rules = [], []
-        for k, tool in enumerate(tools):
-            if not _NAME.fullmatch(tool.name):
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(tools, lambda name: _NAME.fullmatch(name), _UNCALLABLE):
             schema = {**parameters(tool), "x-guidance": style}
             head = json.dumps(f"functions.{tool.name}:", ensure_ascii=False)
             names.append(f"fn_{k}")
             rules.append(f"fn_{k}: {head} INDEX {marker(ARGUMENTS)} %json {json.dumps(schema)}")
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name in its calls' ids, "
-                "so a name needs at least one character and no spaces, `<`, `>` or `|`.",
-                param="tools",
-            )
         count = "" if most <= 1 else f"{{1,{most}}}"
         return "\n".join(
             [

@@ -17,8 +17,7 @@ import json
 import re
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.kimi_calls import _partial_suffix, _reads_as
 from mlx_kvserve.chat.request import Tool
 
@@ -28,6 +27,12 @@ _JSON_CLOSE = f"{CLOSE}json{SEP}"
 _NAME = re.compile(r'[^\s"&<>|]+')  # read back whole from `tool="..."`, nothing to unescape
 _HEAD = re.compile(
     r'call\s+tool="([^"]+)"[^<]*' + re.escape(SEP) + r"\s*" + re.escape(_JSON_OPEN), re.DOTALL
+)
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name in an attribute, so a name needs at least one "
+    "character and no spaces, quotes, `&`, `<`, `>` or `|`."
 )
 
 
@@ -50,20 +55,12 @@ class KimiK3Syntax:
         """`call_body`: one to `most` calls of the declared tools, numbered from 1, then the
         section's end."""
         heads, rules = [], []
-        for k, tool in enumerate(tools):
-            if not _NAME.fullmatch(tool.name):
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(tools, lambda name: _NAME.fullmatch(name), _UNCALLABLE):
             schema = {**parameters(tool), "x-guidance": style}
             head = json.dumps(f'call tool="{tool.name}" index=', ensure_ascii=False)
             rules.append(f"fn_{k}: {head}")
             rules.append(f"args_{k}: %json {json.dumps(schema)}")
             heads.append(k)
-        if not heads:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name in an attribute, so "
-                "a name needs at least one character and no spaces, quotes, `&`, `<`, `>` or `|`.",
-                param="tools",
-            )
         most = max(most, 1)
         opening, closing = _items(SEP + _JSON_OPEN, marker), _items(_JSON_CLOSE + CLOSE, marker)
         for i in range(1, most + 1):

@@ -22,8 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, callable_tools
 from mlx_kvserve.chat.mistral_calls import NamedJsonStream
 from mlx_kvserve.chat.request import Tool
 
@@ -32,6 +31,10 @@ tool_call_end = ""  # nothing closes it: the call is the whole answer
 _NAME = re.compile(r'[^"\\]+')  # the template writes the name between quotes, unescaped
 _HEADER = re.compile(r'([^"\\]+)", "parameters": ')
 _PROBE = '{"name": "fn_probe", "parameters": {"k": 1}}'
+_UNCALLABLE = (  # why a request none of whose tools this format can call is refused
+    "this model's template writes a tool's name inside JSON quotes without escaping, so a "
+    'name may not hold `"` or `\\`.'
+)
 
 
 def parse_tool_call(text: str, tools: Any = None) -> dict[str, Any]:
@@ -62,19 +65,11 @@ class Llama3Syntax:
         most: int = 1,
     ) -> str:
         names, rules = [], []
-        for k, tool in enumerate(tools):
-            if not _NAME.fullmatch(tool.name):
-                continue  # the template would write a broken name: the model cannot call it
+        for k, tool in callable_tools(tools, _NAME.fullmatch, _UNCALLABLE):
             schema = {**parameters(tool), "x-guidance": style}
             head = json.dumps(f'{tool.name}", "parameters": ')
             names.append(f"fn_{k}")
             rules.append(f'fn_{k}: {head} %json {json.dumps(schema)} "}}"')
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model's template writes a tool's name inside "
-                'JSON quotes without escaping, so a name may not hold `"` or `\\`.',
-                param="tools",
-            )
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
     def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:

@@ -18,13 +18,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, callable_tools
 from mlx_kvserve.chat.minimax_calls import MinimaxLayout
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.xml_calls import _KEY, Layout, _Items, _params_rules
 
 _CDATA_OPEN, _CDATA_CLOSE = "<![CDATA[", "]]>"
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name in its calls, so a name needs at least one character "
+    "and no spaces, quotes, `<` or `>`."
+)
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,13 @@ class MiniCpmLayout(Layout):
         """`call_body`: a declared tool's quoted name, its parameters and `</function>`."""
         names, rules = [], []
         g = _CdataItems(self, marker)
-        for k, tool in enumerate(tools):
-            if not _KEY.fullmatch(tool.name) or '"' in tool.name:
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(
+            tools, lambda name: _KEY.fullmatch(name) and '"' not in name, _UNCALLABLE
+        ):
             head = g.items(self.head + tool.name + self.head_end)
             params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
             names.append(f"fn_{k}")
             rules.append(f"fn_{k}: {head} {params} {g.items(self.tail)} {marker(end)}")
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
-                "name needs at least one character and no spaces, quotes, `<` or `>`.",
-                param="tools",
-            )
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 

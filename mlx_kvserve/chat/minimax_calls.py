@@ -19,14 +19,19 @@ from typing import Any
 
 from mlx_lm.tool_parsers.minimax_m2 import _extract_types_from_schema
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.xml_calls import _KEY, Layout, XmlCallStream, _Items, _params_rules
 
 _STRINGS = {"string", "str", "text"}
 _JSON = {"integer", "int", "number", "float", "object", "array"}
 _INVOKE = '<invoke name="'
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name in its calls, so a name needs at least one character "
+    "and no spaces, quotes, `<` or `>`."
+)
 
 
 @dataclass(frozen=True)
@@ -63,19 +68,13 @@ class MinimaxLayout(Layout):
         marker."""
         names, rules = [], []
         g = self.items(marker)
-        for k, tool in enumerate(tools):
-            if not _KEY.fullmatch(tool.name) or '"' in tool.name:
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(
+            tools, lambda name: _KEY.fullmatch(name) and '"' not in name, _UNCALLABLE
+        ):
             head = g.items(self.head + tool.name + self.head_end)
             params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
             names.append(f"fn_{k}")
             rules.append(f"fn_{k}: {head} {params} {g.items(self.tail)}")
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
-                "name needs at least one character and no spaces, quotes, `<` or `>`.",
-                param="tools",
-            )
         count = "" if most <= 1 else f"{{1,{most}}}"
         return "\n".join(
             [

@@ -20,13 +20,17 @@ import json
 import re
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.request import Tool
 
 _NAME = re.compile(r"[\w-]+")  # what the parser reads as a name before `[ARGS]`
 _HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[ARGS\]\s*")
 V13_PROBE = '[TOOL_CALLS]fn_probe[ARGS]{"k": 1}'
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name before `[ARGS]`, so it needs letters, digits, `_` or `-` only."
+)
 
 
 class MistralSyntax:
@@ -48,18 +52,10 @@ class MistralSyntax:
     ) -> str:
         args = marker("[ARGS]")
         names, rules = [], []
-        for k, tool in enumerate(tools):
-            if not _NAME.fullmatch(tool.name):
-                continue  # the parser could not read this name back: the model cannot call it
+        for k, tool in callable_tools(tools, lambda name: _NAME.fullmatch(name), _UNCALLABLE):
             schema = {**parameters(tool), "x-guidance": style}
             names.append(f"fn_{k}")
             rules.append(f"fn_{k}: {json.dumps(tool.name)} {args} %json {json.dumps(schema)}")
-        if not names:
-            raise InvalidRequest(
-                "Invalid value for 'tools': this model writes a tool's name before `[ARGS]`, so "
-                "it needs letters, digits, `_` or `-` only.",
-                param="tools",
-            )
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
     def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:

@@ -23,8 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.mistral_calls import MISTRAL, V13_PROBE, MistralSyntax, NamedJsonStream
 from mlx_kvserve.chat.request import Tool
 
@@ -33,18 +32,14 @@ V7_PROBE = '[TOOL_CALLS][{"name": "fn_probe", "arguments": {"k": 1}, "id": "abcd
 ID_RULE = r"CALL_ID9: /[a-zA-Z0-9]{9}/"
 _V7_ID = " ".join([json.dumps(', "id": "'), "CALL_ID9", json.dumps('"}')])  # a v7 call's end
 _NAME = re.compile(r"[\w-]+")  # what mlx-lm's parser and the template's layout keep whole
+_UNCALLABLE = (
+    "this model writes a tool's name as a bare word, so it needs letters, digits, `_` or `-` only."
+)
 _V11_HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[CALL_ID\]\s*(\w{9})\s*\[ARGS\]\s*")
 
 
 def _callable(tools: list[Tool]) -> list[tuple[int, Tool]]:
-    found = [(k, t) for k, t in enumerate(tools) if _NAME.fullmatch(t.name)]
-    if not found:
-        raise InvalidRequest(
-            "Invalid value for 'tools': this model writes a tool's name as a bare word, so it "
-            "needs letters, digits, `_` or `-` only.",
-            param="tools",
-        )
-    return found
+    return callable_tools(tools, _NAME.fullmatch, _UNCALLABLE)
 
 
 def parse_v11(text: str, tools: Any = None) -> list[dict[str, Any]]:

@@ -29,14 +29,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
 from mlx_kvserve.chat.request import Tool
 
 _KEY = re.compile(r"[^\s<>]+")  # what the parsers read as a name
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _BOOL_TYPES = {"boolean", "bool", "binary"}
 _JSON_PREFIXES = ("int", "uint", "long", "short", "unsigned", "num", "float", "dict", "list")
+
+# why a request none of whose tools this format can call is refused
+_UNCALLABLE = (
+    "this model writes a tool's name in its calls, so a name needs at least one character "
+    "and no spaces, `<` or `>`."
+)
 
 
 @dataclass(frozen=True)
@@ -182,19 +187,11 @@ def calls_rule(
     `<arg_key>` is one token in its tokenizer), `end` the closing marker."""
     names, rules = [], []
     g = _Items(layout, marker)
-    for k, tool in enumerate(tools):
-        if not _KEY.fullmatch(tool.name):
-            continue  # the parser could not read this name back: the model cannot call it
+    for k, tool in callable_tools(tools, lambda name: _KEY.fullmatch(name), _UNCALLABLE):
         head = g.items(layout.head + tool.name + layout.head_end)
         params = _params_rules(g, f"f{k}", parameters(tool), style, rules)
         names.append(f"fn_{k}")
         rules.append(f"fn_{k}: {head} {params} {g.items(layout.tail)} {marker(end)}")
-    if not names:
-        raise InvalidRequest(
-            "Invalid value for 'tools': this model writes a tool's name in its calls, so a "
-            "name needs at least one character and no spaces, `<` or `>`.",
-            param="tools",
-        )
     return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 
