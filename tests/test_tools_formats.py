@@ -225,7 +225,8 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(client, family):
                 entry["arguments"] += delta.function.arguments
                 fragments += 1
     if family != "mistral-v7":  # v7's call id follows its arguments: they come whole
-        assert fragments >= 7  # `{"key": ` and the value per parameter, as each is written
+        # `{"key": ` and the value per parameter as each is written (three required ones)
+        assert fragments >= 6
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
@@ -406,7 +407,7 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
 def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
     """However the block's text arrives, the stream passes on the same names and arguments, and
     each call's fragments plus `finish`'s last one are the JSON of what the parser reads."""
-    from mlx_lm.tool_parsers import gemma4, mistral, pythonic
+    from mlx_lm.tool_parsers import function_gemma, gemma4, mistral, pythonic
 
     from mlx_kvserve.chat import deepseek_v31, llama3_json
     from mlx_kvserve.chat.mistral_calls import MISTRAL
@@ -426,6 +427,7 @@ def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
             "mistral": (MISTRAL, mistral.parse_tool_call),
             "deepseek_v31": (deepseek_v31.DEEPSEEK_V31, deepseek_v31.parse_tool_call),
             "llama3_json": (llama3_json.LLAMA3, llama3_json.parse_tool_call),
+            "function_gemma": (SYNTAXES["function_gemma"], function_gemma.parse_tool_call),
         }[parser]
     )
     text = FAMILIES[family][6]
@@ -446,7 +448,7 @@ def test_any_chunking_of_a_block_streams_the_same_calls(cuts, family):
     whole, _ = pieces([])
     chunked, stream = pieces(cuts)
     assert calls(chunked) == calls(whole)
-    if parser in {"pythonic", "gemma4"}:  # fragments are whole keys and values, however cut
+    if parser in {"pythonic", "gemma4", "function_gemma"}:  # whole keys and values, however cut
         assert [(p.slot, p.name, p.fragment) for p in chunked] == [
             (p.slot, p.name, p.fragment) for p in whole
         ]
@@ -517,3 +519,34 @@ def test_a_fitted_id_is_nine_letters_or_digits_and_stable(call_id):
     fitted = fitted_id(call_id)
     assert len(fitted) == 9 and fitted.isascii() and fitted.isalnum()
     assert fitted_id(call_id) == fitted and fitted_id(fitted) == fitted
+
+
+def test_function_gemma_writes_sorted_keys_and_flat_values_only(tokenizer, family):
+    """Its parser reads only flat values back whole, and `dictsort` renders keys sorted: the
+    grammar allows exactly that (a list-valued parameter is left out)."""
+    if family != "function-gemma":
+        pytest.skip("FunctionGemma's layout")
+    import llguidance
+
+    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.tool_format import tool_format_for
+
+    fmt = tool_format_for(tokenizer)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    tools = [Tool("get_weather", None, SCHEMAS["get_weather"])]
+    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice("required"))
+    grammar = compiler.grammar_for(req, fmt)
+
+    def accepts(args: str) -> bool:
+        text = f"<start_function_call>call:get_weather{{{args}}}<end_function_call>"
+        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    city, unit = "city:<escape>Paris<escape>", "unit:<escape>celsius<escape>"
+    assert accepts(f"{city},days:3,{unit}")
+    assert accepts(f"{city},days:3,detailed:true,{unit}")
+    assert not accepts(f"{unit},{city},days:3")  # not sorted
+    assert not accepts(f"{city},days:3,hours:[1,2],{unit}")  # a list: the parser splits it
+    assert not accepts("city:<escape>Pa}ris<escape>,days:3," + unit)  # `}` ends the parser's read

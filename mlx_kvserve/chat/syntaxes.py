@@ -4,6 +4,7 @@ name (chat.call_syntax). A format that is not here is parsed only, and says so a
 from __future__ import annotations
 
 from mlx_kvserve.chat.call_syntax import CallSyntax
+from mlx_kvserve.chat.function_gemma_calls import FUNCTION_GEMMA
 from mlx_kvserve.chat.gemma4_calls import GEMMA4
 from mlx_kvserve.chat.kimi_calls import KIMI_K2
 from mlx_kvserve.chat.kimi_k3_calls import KIMI_K3
@@ -24,4 +25,5 @@ SYNTAXES: dict[str, CallSyntax] = {
     KIMI_K3.format: KIMI_K3,
     LONGCAT.format: LONGCAT,
     MINICPM5.format: MINICPM5,
+    FUNCTION_GEMMA.format: FUNCTION_GEMMA,
 }

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tests.support.fuzz_values import name, schema
 from tests.support.thinking_models import (
     DEEPSEEK_TOOL_TOKENS,
+    FUNCTION_GEMMA_TOOL_TOKENS,
     GEMMA4_TOOL_TOKENS,
     LFM_TOOL_TOKENS,
     LLAMA3_TOOL_TOKENS,
@@ -121,6 +122,16 @@ FAMILIES = {
         '[{"name": "get_weather", "arguments": {"city": "Pa}[ris\\"", "unit": "celsius",'
         ' "days": 3}, "id": "a1b2c3d4e"}, {"name": "get_time", "arguments": {"timezone": "UTC"},'
         ' "id": "Z9Z9Z9Z9Z"}]',
+    ),
+    "function-gemma": (
+        FUNCTION_GEMMA_TOOL_TOKENS,
+        "function_gemma",
+        "<start_function_call>call:get_time{timezone:<escape>UTC<escape>}<end_function_call>",
+        "<start_function_call>call:get_tme{",
+        "<start_function_call>call:get_time{tz:",
+        "<start_function_call>call:get_time{}",
+        "call:get_weather{city:<escape>Pa, (ris:<escape>,days:3,detailed:false,"
+        "unit:<escape>celsius<escape>}",
     ),
     "llama3": (
         LLAMA3_TOOL_TOKENS,

@@ -33,6 +33,7 @@ FAMILIES = {
     "mistral-v7": "../mistral-v7.jinja",  # kept beside: tests/fixtures/README.md says why
     "deepseek-v3.1": "deepseek-v3.1.jinja",
     "llama3": "llama-3.1.jinja",
+    "function-gemma": "functiongemma-minimal.jinja",  # no public template: a minimal one
     "longcat": "longcat-minimal.jinja",  # no public template: a minimal one
     "minicpm5": "minicpm5-minimal.jinja",  # no public template: a minimal one
     "laguna": "laguna-minimal.jinja",  # no public template: a minimal one
@@ -74,6 +75,17 @@ GEMMA4_TOOL_TOKENS = (
     "<channel|>",
 )
 # Mistral's control tokens (Tekken tokenizers)
+FUNCTION_GEMMA_TOOL_TOKENS = (  # FunctionGemma's turn, declaration and call tokens
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_function_declaration>",
+    "<end_function_declaration>",
+    "<start_function_call>",
+    "<end_function_call>",
+    "<start_function_response>",
+    "<end_function_response>",
+    "<escape>",
+)
 LLAMA3_TOOL_TOKENS = (  # Llama 3's header and turn tokens (its calls are plain JSON text)
     "<|start_header_id|>",
     "<|end_header_id|>",
