@@ -24,6 +24,8 @@ from mlx_kvserve.chat.request import Tool
 
 QUOTE = "<escape>"
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # what the parser reads as a name (`\w+`) and a key
+_FLAT = ("string", "integer", "number", "boolean", "null")
+_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
 SHAPE = KeywordShape(
     opener=":",
     args_open="{",
@@ -109,23 +111,35 @@ class _FlatValues:
         return f'"{{" {listed} "}}"'
 
     def value(self, prop: Any) -> str | None:
+        """A value typed by `prop`; None when the parser could not read it back whole."""
         if not isinstance(prop, dict):
             return None
-        kind = prop.get("type")
         options = [prop["const"]] if "const" in prop else prop.get("enum")
+        if isinstance(options, list) and options:
+            written = [self._option(o) for o in options]
+            return f"({' | '.join(w for w in written if w)})" if any(written) else None
+        kind = prop.get("type")
         if kind == "string":
-            if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
-                plain = [o for o in options if QUOTE not in o and "}" not in o]
-                if plain:
-                    quoted = (f"{self._quote} {json.dumps(o)} {self._quote}" for o in plain)
-                    return f"({' | '.join(quoted)})"
             return self.string(prop.get("minLength"), prop.get("maxLength"))
-        if kind in {"integer", "number"}:
+        if kind in ("integer", "number"):
             return f"%json {json.dumps({**prop, 'x-guidance': self._style})}"
         if kind == "boolean":
             return '("true" | "false")'
         if kind == "null":
             return '"null"'
+        if kind is None or (isinstance(kind, list) and all(k in _FLAT for k in kind)):
+            # no type, or flat ones only: any flat value
+            return f'({self.string(None, None)} | {_NUMBER} | "true" | "false" | "null")'
+        return None
+
+    def _option(self, option: Any) -> str | None:
+        """One enum or const value as written (strings raw, others as JSON); None if unwritable."""
+        if isinstance(option, str):
+            if QUOTE in option or "}" in option:
+                return None
+            return f"{self._quote} {json.dumps(option)} {self._quote}"
+        if option is None or isinstance(option, bool | int | float):
+            return json.dumps(json.dumps(option))
         return None
 
     def string(self, low: Any, high: Any) -> str:

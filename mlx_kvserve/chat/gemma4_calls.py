@@ -135,7 +135,7 @@ class _Rules:
                     quoted = (f"{self._quote} {json.dumps(o)} {self._quote}" for o in plain)
                     return f"({' | '.join(quoted)})"
             return self.string(prop.get("minLength"), prop.get("maxLength"))
-        if kind in {"integer", "number"}:
+        if kind in ("integer", "number"):  # (a list of types is not hashable)
             return f"%json {json.dumps({**prop, 'x-guidance': self._style})}"
         if kind == "boolean":
             return '("true" | "false")'
