@@ -3,9 +3,10 @@ tiny random-weight model carrying a real chat template in that format, its decod
 without a grammar and with the format's grammar, side by side.
 
 The formats come from the registry (`chat.syntaxes.SYNTAXES`, plus mlx-lm's Hermes JSON
-`json_tools`), so a format registered later gets its column without an edit here; its model is
-the first template in tests/fixtures/templates whose parser mlx-lm names after it. A registered
-format without such a template is listed as lacking one.
+`json_tools` and the server's own `deepseek_v31` and `llama3_json`), so a format registered
+later gets its column without an edit here; its model is the first template in
+tests/fixtures/templates whose format the server names after it. A registered format without
+such a template is listed as lacking one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"
 DECODE = re.compile(r"completion_tokens=(\d+) .*decode=([\d.]+) tok/s")
 NO_THINKING = {"enable_thinking": False}  # the answer (and its grammar) starts at once
+OWN = ("deepseek_v31", "llama3_json")  # the server's own formats (mlx-lm has no parser for them)
 MODES = {
     "none (no grammar)": "none",
     "auto (lazy grammar)": "auto",
@@ -33,7 +35,7 @@ MODES = {
 def registered() -> list[str]:
     from mlx_kvserve.chat.syntaxes import SYNTAXES
 
-    return ["json_tools", *sorted(SYNTAXES)]
+    return ["json_tools", *sorted(SYNTAXES), *OWN]
 
 
 def _tool_tokens(template: str) -> tuple[str, ...]:
@@ -55,7 +57,7 @@ def models(work: Path) -> dict[str, tuple[str, Path]]:
         tags = _tool_tokens((TEMPLATES / template).read_text(encoding="utf-8"))
         dest = build_thinking_model(work / "formats" / family, family, tool_tokens=tags)
         fmt = tool_format_for(load_tokenizer(dest))
-        name = getattr(fmt.parse, "__module__", "").rsplit(".", 1)[-1] if fmt.native else ""
+        name = fmt.name if fmt.native else ""
         if name and name not in found:
             found[name] = (family, dest)
     return found
@@ -101,19 +103,17 @@ def run(work: Path, tools: list[dict], rounds: int, max_tokens: int) -> list[str
             for label, mode in MODES.items():
                 rates[name][label].append(measure(server, client, mode, tools, max_tokens))
         server.stop()
-    heads = [f"{name} ({found[name][0]})" for name in formats]
+    labels = list(MODES)
     lines = [
-        "| decode tok/s (median) | " + " | ".join(heads) + " |",
-        "| --- |" + " --- |" * len(heads),
+        "| decode tok/s (median): format (family) | " + " | ".join(labels) + " | required / none |",
+        "| --- |" + " ---: |" * (len(labels) + 1),
     ]
-    medians = {n: {m: statistics.median(r) for m, r in rates[n].items()} for n in formats}
-    for label in MODES:
-        lines.append(
-            f"| {label} | " + " | ".join(f"{medians[n][label]:.0f}" for n in formats) + " |"
-        )
-    base, forced = list(MODES)[0], list(MODES)[-1]
-    ratio = [medians[n][forced] / medians[n][base] if medians[n][base] else 0 for n in formats]
-    lines.append("| required / none | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    for name in formats:
+        median = {label: statistics.median(rates[name][label]) for label in labels}
+        base, forced = median[labels[0]], median[labels[-1]]
+        cells = " | ".join(f"{median[label]:.0f}" for label in labels)
+        ratio = f"{forced / base:.2f}x" if base else "-"
+        lines.append(f"| {name} ({found[name][0]}) | {cells} | {ratio} |")
     missing = [f for f in registered() if f not in found]
     if missing:
         lines.append(f"\nregistered formats without a fixture template: {', '.join(missing)}")
