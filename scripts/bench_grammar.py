@@ -43,7 +43,7 @@ TOOL = {
             "type": "object",
             "properties": {
                 "city": {"type": "string", "maxLength": 40},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                 "days": {"type": "integer", "minimum": 1, "maximum": 14},
                 "notes": {"type": "string", "maxLength": 200},
             },
