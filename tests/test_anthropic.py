@@ -441,6 +441,19 @@ def test_failure_after_the_stream_started_is_an_error_event(start_server):
         "max_tokens": 4000,
         "stream": True,
         "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}],
+        # a forced call whose input must be long: the answer cannot end by itself within the
+        # shutdown's grace (a free answer sometimes did, and ended with a true message_stop)
+        "tools": [
+            {
+                "name": "write",
+                "input_schema": {
+                    "type": "object",
+                    "properties": {"text": {"type": "string", "minLength": 3000}},
+                    "required": ["text"],
+                },
+            }
+        ],
+        "tool_choice": {"type": "tool", "name": "write"},
     }
     events: list[tuple[str, str]] = []
     started = threading.Event()
