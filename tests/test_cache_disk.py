@@ -18,6 +18,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import CacheLockedError, CacheRestoreError, PromptCache, codec, probe_matches
+from mlx_kvserve.cache import disk as disk_module
+from mlx_kvserve.cache import restore as restore_module
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.disk import DiskTier
 from tests.support.cache_testing import kv_arrays, make_kv, rebuild_benchmark
@@ -592,16 +594,18 @@ def test_evict_whole_chain(tmp_path):
 
 
 def test_disk_restore_reads_into_the_caches_and_promotes_off_the_hot_path(tmp_path, monkeypatch):
-    """A chain read from disk lands in the model's buffers directly (no whole-file read on the
-    restore path); the writer thread then reads it back into RAM for the next hit."""
+    """A chain of large links read from disk lands in the model's buffers directly (no
+    whole-file read on the restore path); the writer thread then reads it back into RAM for the
+    next hit."""
     build_chain(tmp_path)
+    monkeypatch.setattr(restore_module, "SMALL_LINK_BYTES", 0)  # every link counts as large
     pc = open_cache(tmp_path)
     calls = []
     real = DiskTier.read_entry
 
-    def counted(self, key):
+    def counted(self, key, **kw):
         calls.append(threading.current_thread().name)
-        return real(self, key)
+        return real(self, key, **kw)
 
     monkeypatch.setattr(DiskTier, "read_entry", counted)
     n = max(e.n_tokens for e in pc.entries())
@@ -616,6 +620,39 @@ def test_disk_restore_reads_into_the_caches_and_promotes_off_the_hot_path(tmp_pa
     pc.flush()
     assert pc.lookup(T[: n + 1]).source == "ram"
     assert len(calls) == len(pc.entries())  # each link read back once
+    pc.close()
+
+
+def test_small_links_are_read_whole_and_their_headers_checked_once(tmp_path, monkeypatch):
+    """A chain of short links (an agent's turns) is read one file at a time in one call each,
+    and a header validated at the scan is not parsed again unless its bytes changed."""
+    keys = build_chain(tmp_path)
+    pc = open_cache(tmp_path, ram_budget=0)
+    reads, validations = [], []
+    real_read, real_validate = DiskTier.read_entry, disk_module.validate_header
+
+    def counted_read(self, key, **kw):
+        reads.append((threading.current_thread().name, key))
+        return real_read(self, key, **kw)
+
+    def counted_validate(header, key, *args):
+        validations.append(key)
+        return real_validate(header, key, *args)
+
+    monkeypatch.setattr(DiskTier, "read_entry", counted_read)
+    monkeypatch.setattr(disk_module, "validate_header", counted_validate)
+    m, caches = restore(pc, T[:301], tokens=T[:301])
+    assert m.source == "disk" and m.usable == 300
+    for a, b in zip(kv_arrays(caches), kv_arrays(make_kv(300)), strict=True):
+        assert np.array_equal(a, b)
+    here = threading.current_thread().name
+    assert [key for name, key in reads if name == here] == keys  # root first, once each
+    assert validations == []  # all three were validated by the scan
+    # A header rewritten since (valid checksums, one more token claimed) is parsed and refused.
+    rewrite(entry_path(tmp_path, keys[1]), mutate_header=lambda h: h.update(n_tokens=250))
+    with pytest.raises(CacheRestoreError) as info:
+        restore(pc, T[:301], tokens=T[:301])
+    assert info.value.key == keys[1] and validations == [keys[1]]
     pc.close()
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import io
 import itertools
 import json
 import logging
@@ -68,14 +70,25 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _read_head(f: BinaryIO) -> tuple[dict[str, Any], Slot | None, int, int]:
-    """(header, slot, payload offset, file size) of an open entry file, payload unchecked."""
+def _read_head(f: BinaryIO) -> tuple[dict[str, Any], Slot | None, int, int, bytes]:
+    """(header, slot, payload offset, file size, header sha256) of an open entry file,
+    payload unchecked."""
     size = os.fstat(f.fileno()).st_size
     header_len, digest, slot = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
+    body = _read_header_body(f, header_len)
+    header = codec.parse_header(body, digest)
+    return header, slot, codec.payload_start(header_len), size, digest
+
+
+def _read_header_body(f: BinaryIO, header_len: int) -> bytes:
     body = f.read(header_len)
     if len(body) != header_len:
         raise EntryFormatError("file truncated inside its header")
-    return codec.parse_header(body, digest), slot, codec.payload_start(header_len), size
+    return body
+
+
+# What a restore needs of a header it has already validated (see `DiskTier._vetted`).
+_VETTED_KEYS = ("arrays", "payload_bytes", "payload_sha256", "kind", "parent", "parent_len")
 
 
 def _fault(point: str) -> None:
@@ -98,6 +111,11 @@ class DiskTier:
         self.log = log
         self.read_only = read_only
         self.fs_lock = threading.Lock()
+        # key -> (sha256 of its header bytes, the parts of that header a restore reads), for
+        # headers validated in full once (at the scan, or at the first read). A file whose
+        # header bytes hash to the same digest holds that same header: restores of long
+        # chains of small links skip the JSON parse and the checks, which dominated their time.
+        self._vetted: dict[str, tuple[bytes, dict[str, Any]]] = {}
         self._lock_fd: int | None = None
         self._tmp_counter = itertools.count()
         if read_only:
@@ -184,8 +202,9 @@ class DiskTier:
             if path.name.endswith(SUFFIX) and not path.name.startswith("."):
                 yield path
 
-    def read_head(self, path: Path) -> tuple[dict[str, Any], Slot | None, int, int]:
-        """(header, slot, payload offset, file size), validated except for the payload."""
+    def read_head(self, path: Path) -> tuple[dict[str, Any], Slot | None, int, int, bytes]:
+        """(header, slot, payload offset, file size, header sha256), validated except for the
+        payload."""
         key = path.name[: -len(SUFFIX)]
         if not KEY_RE.match(key):
             raise EntryFormatError("file name is not an entry key")
@@ -199,11 +218,12 @@ class DiskTier:
         for path in self.entry_files():
             key = path.name[: -len(SUFFIX)]
             try:
-                header, slot, offset, size = self.read_head(path)
+                header, slot, offset, size, digest = self.read_head(path)
                 tokens = validate_header(header, key, self.fingerprint, size, offset)
             except (EntryFormatError, OSError, ValueError) as exc:
                 bad.append((key, str(exc)))
                 continue
+            self._remember(key, header, digest)
             good.append(ScannedEntry(key, header, tokens, slot, size))
         return good, bad
 
@@ -211,22 +231,61 @@ class DiskTier:
     def path(self, key: str) -> Path:
         return self.dir / f"{key}{SUFFIX}"
 
+    def _remember(self, key: str, header: dict[str, Any], digest: bytes) -> None:
+        """Keep what a restore needs of a header that passed `validate_header` (`digest`:
+        the sha256 of its bytes)."""
+        self._vetted[key] = (digest, {name: header.get(name) for name in _VETTED_KEYS})
+
     @contextlib.contextmanager
-    def _open_entry(self, key: str) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
-        """An entry's file, positioned at its payload, with its fully validated header."""
+    def _open_entry(
+        self, key: str, *, vetted: bool = False, whole: bool = False
+    ) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
+        """An entry's file, positioned at its payload, with its fully validated header.
+
+        `vetted`: a header whose bytes equal one validated before is not parsed again; the
+        header returned is then only its `_VETTED_KEYS`. `whole`: the file is read in one
+        call first (one request to the device instead of one per part, for small files).
+        """
         try:
-            f = self.path(key).open("rb")
+            raw = self.path(key).open("rb", buffering=0 if whole else -1)
         except FileNotFoundError:
             raise EntryFormatError("file is missing") from None
-        with f:
-            header, _, offset, size = _read_head(f)
-            validate_header(header, key, self.fingerprint, size, offset)
+        with raw:
+            f: BinaryIO = io.BytesIO(raw.readall()) if whole else raw  # type: ignore[assignment,attr-defined]
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            header_len, digest, _ = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
+            body = _read_header_body(f, header_len)
+            offset = codec.payload_start(header_len)
+            known = self._vetted.get(key) if vetted else None
+            if known is not None and known[0] == digest == hashlib.sha256(body).digest():
+                header = known[1]
+                if size != offset + header["payload_bytes"]:
+                    raise EntryFormatError("file size changed since its header was checked")
+            else:
+                header = codec.parse_header(body, digest)
+                validate_header(header, key, self.fingerprint, size, offset)
+                self._remember(key, header, digest)
             f.seek(offset)
             yield f, header
 
-    def read_entry(self, key: str) -> tuple[dict[str, Any], list[HostArray]]:
-        """Read and fully verify one entry: header checks and payload checksum."""
-        with self._open_entry(key) as (f, header):
+    def prefetch(self, keys: list[str]) -> None:
+        """Ask the kernel to start reading these (small) files now, all at once, so that the
+        device serves them in parallel while the caller works through them in order."""
+        for key in keys:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path(key), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    def read_entry(
+        self, key: str, *, vetted: bool = False
+    ) -> tuple[dict[str, Any], list[HostArray]]:
+        """Read and fully verify one entry: header checks and payload checksum (`vetted`: see
+        `_open_entry`)."""
+        with self._open_entry(key, vetted=vetted, whole=True) as (f, header):
             payload = f.read()
         return header, codec.decode_payload(memoryview(payload), header)
 
@@ -252,8 +311,8 @@ class DiskTier:
                 for view in views:
                     yield view, check
 
-        with self._open_entry(key) as (f, header):
-            specs = codec.check_array_specs(header)
+        with self._open_entry(key, vetted=True) as (f, header):
+            specs = header["arrays"]  # checked by `validate_header`
             digest = header.get("payload_sha256")
             read_verified(f, targets(specs), header["payload_bytes"], digest)
         return header
@@ -294,6 +353,7 @@ class DiskTier:
         """Remove an entry file (under fs_lock, so no in-flight rename can resurrect it)."""
         if self.read_only:
             return False
+        self._vetted.pop(key, None)
         with self.fs_lock:
             try:
                 self.path(key).unlink()
