@@ -123,3 +123,19 @@ def test_pinned_prefix_not_pruned(cache):
     with cache.pinned(a):
         cache.checkpoint(T[:30], make_ssm(30), "message")
         assert a in keys(cache)
+
+
+def test_departure_snapshots_outlive_their_own_request(cache):
+    """A snapshot cannot be cut back: the conversation before a message (a retry, an edit or a
+    rewind to that message departs there) is kept, and the prompt's end (a re-rendered answer
+    departs there) stays until the conversation's next prompt snapshot."""
+    message = cache.checkpoint(T[:10], make_ssm(10), "message")
+    prompt = cache.checkpoint(T[:20], make_ssm(20), "prompt")
+    answer = cache.checkpoint(T[:30], make_ssm(30), "generation")
+    assert keys(cache) == {message, prompt, answer}
+    # The next turn: its "message" snapshot replaces the answer it extends ...
+    next_message = cache.checkpoint(T[:40], make_ssm(40), "message")
+    assert keys(cache) == {message, prompt, next_message}
+    # ... and its "prompt" snapshot replaces this turn's; every message point stays.
+    next_prompt = cache.checkpoint(T[:50], make_ssm(50), "prompt")
+    assert keys(cache) == {message, next_message, next_prompt}

@@ -8,10 +8,15 @@ or of another branch's chain: its bytes are part of those states, and nothing is
 a delta holds only its own span), or if it is pinned (being restored). Otherwise P is a leaf
 whose state E now covers (a snapshot, or a delta off E's chain, e.g. one whose write failed) and
 it is **deleted** from index, RAM and disk. Kept links stay valid restore targets themselves.
-One exception: the snapshot where the next turn is expected to depart (reason "prompt": a chat
-prompt's end, or its `<think>`; see engine.generate) outlives the longer snapshots of its own
-generation, because the next turn departs from it when its template re-renders the answer
-differently (past reasoning stripped); the conversation's next "prompt" snapshot replaces it.
+Two exceptions, for snapshots where a later request is expected to depart (a snapshot cannot
+be cut back, so nothing longer serves those requests): a "message" snapshot (the conversation
+before one of its messages) is never pruned, because a retried or edited message, or an agent's
+rewind to an earlier message, departs there; a chain of deltas keeps every such point in its
+links for free, and so do a hybrid model's links. A "prompt" snapshot (a chat prompt's end, or
+its `<think>`; see engine.generate), where the next turn departs when its template re-renders
+the answer differently (past reasoning stripped), outlives the longer snapshots of its own
+request until the conversation's next "prompt" snapshot replaces it. Budget eviction still
+applies to both.
 
 The converse holds too: a sliceable checkpoint whose tokens are a strict prefix of an existing
 delta entry is not stored (it is "dominated": that entry already serves it), unless it is an
@@ -108,8 +113,10 @@ class Policy:
             p = cat.entries[pkey]
             if p.anchor or p.children or pkey in cat.pins:
                 continue
-            if p.reason == "prompt" and new.reason != "prompt" and not new.trimmable:
-                continue  # a snapshot does not serve a next turn that departs at the prompt's end
+            if not new.trimmable and (
+                p.reason == "message" or (p.reason == "prompt" and new.reason != "prompt")
+            ):
+                continue  # a longer snapshot does not serve a request that departs at p's end
             cat.counters["pruned"] += len(cat.remove_tree(pkey))
             cat.log.debug("prompt-cache pruned %s (prefix of %s)", pkey[:16], new.key[:16])
 
