@@ -192,6 +192,34 @@ def test_a_config_without_a_context_length_is_said_at_start(tmp_path):
         server.stop()
 
 
+def test_a_cache_that_cannot_be_restored_turns_the_prompt_cache_off(tmp_path):
+    """DeepSeek-V4's layer cache has a read-only `state`: a checkpoint of it could never be
+    restored, so the server says so at start-up, writes none, and answers like `--no-cache`
+    (rather than write every turn and fail every restore); the session resident in memory
+    still serves the next turn."""
+    model_dir = make_model_dir(tmp_path / "model", "deepseek_v41")
+    env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")}
+    server = ServerProcess(tmp_path, "--model", str(model_dir), *FLAGS, env=env).wait_ready()
+    reference = ServerProcess(tmp_path, "--model", str(model_dir), "--no-cache").wait_ready()
+    try:
+        assert "prompt cache off for this model: cache class(es) LayerCache" in server.log()
+        messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+        for turn in range(2):
+            answer, usage = chat(server, messages)
+            assert answer == chat(reference, messages)[0]
+            # the second turn may reuse the resident session in memory, never a checkpoint
+            assert usage.prompt_tokens_details.cached_tokens == 0 or turn == 1
+            messages = [*messages, {"role": "assistant", "content": answer}]
+            messages.append({"role": "user", "content": QUESTIONS[turn + 1]})
+        assert " cache=disk" not in server.log() and " cache=ram" not in server.log()
+        stats = httpx.get(server.base_url + "/v1/cache").json()
+        assert stats["files_written"] == 0 and stats["restore_errors"] == 0
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+        reference.stop()
+
+
 def test_a_cache_of_another_architecture_is_a_clean_miss(tmp_path):
     """Two architectures on one cache directory: each sees only its own checkpoints."""
     env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")}

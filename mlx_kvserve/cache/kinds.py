@@ -58,6 +58,7 @@ class LayerKind:
     sliceable: bool  # plain position-indexed KV: can be cut to any prefix
     known: bool  # one of mlx-lm's classes (cache/layers.py stores the others whole)
     name: str
+    restorable: bool = True  # its state can be set back (a checkpoint can be restored)
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes this layer holds after `tokens` tokens."""
@@ -90,6 +91,7 @@ def describe(cache: Any) -> LayerKind:
         sliceable=type(cache) in _POSITION_SLICEABLE,
         known=known,
         name=name,
+        restorable=known or _state_settable(cache),
     )
 
 
@@ -149,6 +151,11 @@ class KVLayout:
     def unknown(self) -> list[str]:
         return sorted({layer.name for layer in self.layers if not layer.known})
 
+    @property
+    def unrestorable(self) -> list[str]:
+        """Classes whose state cannot be set back: no checkpoint of them could be restored."""
+        return sorted({layer.name for layer in self.layers if not layer.restorable})
+
     def summary(self) -> str:
         """E.g. '2 window of 32 + 1 tokens' for the start-up log."""
         counts: dict[str, int] = {}
@@ -201,6 +208,7 @@ def _combine(cache: Any, parts: list[LayerKind]) -> LayerKind:
         sliceable=False,  # cache/layers.py stores each part as its own kind
         known=_is_mlx_lm_class(cache) and all(p.known for p in parts),
         name=type(cache).__name__,
+        restorable=all(p.restorable for p in parts),
     )
 
 
@@ -212,6 +220,13 @@ def _mergeable(cache: Any) -> bool:
     if isinstance(parts, (list, tuple)):
         return all(_mergeable(c) for c in parts)
     return _is_mlx_lm_class(cache)
+
+
+def _state_settable(cache: Any) -> bool:
+    """Whether `cache.state = ...` can work: a read-only `state` property (DeepSeek-V4's
+    `LayerCache` in mlx-lm 0.32) cannot take a restored state back."""
+    prop = getattr(type(cache), "state", None)
+    return not isinstance(prop, property) or prop.fset is not None
 
 
 def _is_mlx_lm_class(cache: Any) -> bool:

@@ -33,6 +33,12 @@ def describe_loaded(model: Any, context_length: int | None) -> tuple[int | None,
             "whole (snapshots) and requests run one at a time",
             ", ".join(layout.unknown),
         )
+    if layout.unrestorable:
+        log.warning(
+            "prompt cache off for this model: cache class(es) %s keep a state that cannot be "
+            "set back (a read-only `state`), so no checkpoint of it could be restored",
+            ", ".join(layout.unrestorable),
+        )
     return context_length, layout
 
 

@@ -174,9 +174,12 @@ class Engine(Stopping):
         try:
             self.model, self.tokenizer = self._loader()
             self.context_length, self.layout = describe_loaded(self.model, self.context_length)
+            # A model whose caches cannot take a state back keeps its resident sessions but
+            # stores no checkpoint (see `describe_loaded`).
+            checkpoints_to = None if self.layout.unrestorable else self.prompt_cache
             states = make_states(
                 self.model,
-                self.prompt_cache,
+                checkpoints_to,
                 enabled=self.cache_enabled,
                 live_budget=self.live_budget,
             )
@@ -197,7 +200,7 @@ class Engine(Stopping):
                 self.layout.layers,
                 self.kv_budget,
                 states,
-                self.prompt_cache,
+                checkpoints_to,
                 self.kv_reserve,
                 batched=self._can_batch,
             )

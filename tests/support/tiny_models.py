@@ -127,6 +127,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "v_head_dim": 16,
         "max_position_embeddings": 16384,
     },
+    # DeepSeek-V4: mlx-lm keeps each layer's window and compressed groups in its own
+    # `LayerCache`, whose `state` is read-only (the prompt cache turns itself off for it).
+    "deepseek_v41": {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "q_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+        "index_topk": 64,
+        "sliding_window": 32,
+        "max_position_embeddings": 16384,
+    },
     "mamba": {
         "vocab_size": VOCAB,
         "hidden_size": 64,
