@@ -59,34 +59,48 @@ class ChainBuilder:
             raise StateError(f"chain holds {leaf.n_tokens} positions, need {usable}")
         self._spans: dict[str, _Span] = {}
         self._whole: dict[str, np.ndarray] = {}
+        buffers: list[tuple[str, int, int, str, mx.array]] = []
         for _, doc in plan.leaves(self.docs):
             if doc["mode"] == plan.SPAN:
-                self._add_span(doc)
+                buffers += self._span_buffers(doc)
             else:
                 for name in plan.tree_refs(doc.get("state")):
                     self._whole[name] = np.empty(0)  # filled from the leaf
+        mx.eval([buf for *_, buf in buffers])  # one evaluation for every layer's buffer
+        for name, lo, end, dtype, buf in buffers:
+            view = _writable_view(buf)
+            host = view if view is not None else np.zeros(buf.shape, DTYPES[dtype])
+            shape = self.leaf.layout[name][1]
+            geometry = (*shape[:2], *shape[3:])
+            self._spans[name] = _Span(
+                lo, end, dtype, geometry, host, buf if view is not None else None, lo
+            )
         self.links = [link for link in links if self._needs(link)]
 
-    def _add_span(self, doc: dict[str, Any]) -> None:
+    def _span_buffers(self, doc: dict[str, Any]) -> list[tuple[str, int, int, str, mx.array]]:
+        """(name, lo, end, dtype, zeroed buffer, not yet evaluated) per array of a span layer."""
         lo = int(doc["lo"])
         if lo >= self.usable:
             raise StateError(f"a layer needs positions from {lo}, restoring {self.usable}")
         end = self.usable
         if layers.padded(doc["class"]):
             end = max(self.leaf.n_tokens, (self.usable // KV_STEP + 1) * KV_STEP)
+        out = []
         for name in doc["arrays"]:
             dtype, shape = self.leaf.layout[name]
             if self.dtype is not None and dtype in FLOAT_DTYPES and dtype != self.dtype:
                 raise StateError(f"{name}: dtype {dtype}, model uses {self.dtype}")
             storage = mx.uint16 if dtype == "bfloat16" else getattr(mx, dtype)
-            buf = mx.zeros((shape[0], shape[1], end - lo, *shape[3:]), storage)
-            mx.eval(buf)
-            view = _writable_view(buf)
-            host = view if view is not None else np.zeros(buf.shape, DTYPES[dtype])
-            geometry = (*shape[:2], *shape[3:])
-            self._spans[name] = _Span(
-                lo, end, dtype, geometry, host, buf if view is not None else None, lo
+            out.append(
+                (
+                    name,
+                    lo,
+                    end,
+                    dtype,
+                    mx.zeros((shape[0], shape[1], end - lo, *shape[3:]), storage),
+                )
             )
+        return out
 
     def _needs(self, link: Entry) -> bool:
         if link is self.leaf and self._whole:

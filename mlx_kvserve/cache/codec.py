@@ -271,9 +271,33 @@ def check_array_specs(header: dict[str, Any]) -> list[dict[str, Any]]:
     return specs
 
 
-def decode_payload(buf: bytes | memoryview, header: dict[str, Any]) -> list[HostArray]:
-    """Verify the payload checksum and slice it into host arrays (zero-copy views of `buf`)."""
-    specs = check_array_specs(header)
+def first_nonfinite(buf: bytes | memoryview, specs: list[dict[str, Any]]) -> str | None:
+    """The name of the first float array of a payload holding NaN/Inf, or None. A payload of
+    one float dtype (a KV model's) is scanned in one pass: a chain of short links has many
+    small arrays, and a call per array cost more than the scan."""
+    dtypes = {str(s["dtype"]) for s in specs}
+    one = dtypes.pop() if len(dtypes) == 1 else None
+    if one in FLOAT_DTYPES and len(buf) and _finite(np.frombuffer(buf, DTYPES[one]), one):
+        return None
+    for spec in specs:
+        dtype = str(spec["dtype"])
+        if dtype in FLOAT_DTYPES and spec["nbytes"]:
+            start = spec["offset"]
+            data = np.frombuffer(
+                buf, DTYPES[dtype], spec["nbytes"] // DTYPES[dtype].itemsize, start
+            )
+            if not _finite(data, dtype):
+                return str(spec["name"])
+    return None
+
+
+def decode_payload(
+    buf: bytes | memoryview, header: dict[str, Any], *, specs_checked: bool = False
+) -> list[HostArray]:
+    """Verify the payload checksum and slice it into host arrays (zero-copy views of `buf`).
+
+    `specs_checked`: the header's array specs passed `check_array_specs` already."""
+    specs = header["arrays"] if specs_checked else check_array_specs(header)
     if len(buf) != header["payload_bytes"]:
         claimed = header["payload_bytes"]
         raise EntryFormatError(f"payload is {len(buf)} bytes, header says {claimed}")

@@ -108,6 +108,7 @@ class DiskTier:
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.dir = self.root / fingerprint
+        self._dir_name = str(self.dir)
         self.log = log
         self.read_only = read_only
         self.fs_lock = threading.Lock()
@@ -231,6 +232,10 @@ class DiskTier:
     def path(self, key: str) -> Path:
         return self.dir / f"{key}{SUFFIX}"
 
+    def _file(self, key: str) -> str:
+        """`path(key)` as a string, built without pathlib (restores open dozens per call)."""
+        return os.path.join(self._dir_name, key + SUFFIX)
+
     def _remember(self, key: str, header: dict[str, Any], digest: bytes) -> None:
         """Keep what a restore needs of a header that passed `validate_header` (`digest`:
         the sha256 of its bytes)."""
@@ -247,7 +252,7 @@ class DiskTier:
         call first (one request to the device instead of one per part, for small files).
         """
         try:
-            raw = self.path(key).open("rb", buffering=0 if whole else -1)
+            raw = open(self._file(key), "rb", buffering=0 if whole else -1)  # noqa: SIM115
         except FileNotFoundError:
             raise EntryFormatError("file is missing") from None
         with raw:
@@ -274,20 +279,23 @@ class DiskTier:
         device serves them in parallel while the caller works through them in order."""
         for key in keys:
             with contextlib.suppress(OSError):
-                fd = os.open(self.path(key), os.O_RDONLY)
+                fd = os.open(self._file(key), os.O_RDONLY)
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)
 
     def read_entry(
-        self, key: str, *, vetted: bool = False
+        self, key: str, *, vetted: bool = False, finite: bool = False
     ) -> tuple[dict[str, Any], list[HostArray]]:
         """Read and fully verify one entry: header checks and payload checksum (`vetted`: see
-        `_open_entry`)."""
+        `_open_entry`; `finite`: float arrays holding NaN/Inf are a format error too)."""
         with self._open_entry(key, vetted=vetted, whole=True) as (f, header):
-            payload = f.read()
-        return header, codec.decode_payload(memoryview(payload), header)
+            payload = memoryview(f.read())
+        arrays = codec.decode_payload(payload, header, specs_checked=True)
+        if finite and (bad := codec.first_nonfinite(payload, header["arrays"])) is not None:
+            raise EntryFormatError(f"{bad} contains NaN or Inf")
+        return header, arrays
 
     def read_entry_into(
         self, key: str, target: Callable[[dict[str, Any]], list[memoryview]]

@@ -131,8 +131,8 @@ def _restore_chain(
             if catalog.disk is None or link.disk != DISK_WRITTEN:
                 raise EntryFormatError("payload is neither in RAM nor on disk")
             if link.payload_bytes <= SMALL_LINK_BYTES:
-                header, arrays = catalog.disk.read_entry(link.key, vetted=True)
-                check_loaded(link, header, arrays)
+                header, arrays = catalog.disk.read_entry(link.key, vetted=True, finite=True)
+                check_header(link, header)
                 builder.put(link, arrays)
             else:
                 header = catalog.disk.read_entry_into(link.key, builder.read_targets(link))
