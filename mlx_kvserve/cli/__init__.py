@@ -1,6 +1,7 @@
 """Command line: `serve` runs the server, `service` runs it in the background under launchd or
 systemd, `config` shows where each setting comes from, `cache` inspects the prompt cache,
-`ps` / `models` / `unload` show and unload the running server's models.
+`ps` / `models` / `unload` show and unload the running server's models, `cluster check`
+checks a hostfile for a job across machines.
 
 Every `serve` option can also come from the environment (MLX_KVSERVE_<OPTION>) or the config file;
 flags win over the environment, which wins over the file, which wins over the defaults.
@@ -14,6 +15,7 @@ import sys
 
 from mlx_kvserve import __version__, paths
 from mlx_kvserve.cli.cache_commands import add_cache_commands, run_cache_command
+from mlx_kvserve.cli.cluster_commands import add_cluster_commands, run_cluster_command
 from mlx_kvserve.cli.config_commands import add_config_commands, run_config_command
 from mlx_kvserve.cli.model_commands import add_model_commands, run_model_command
 from mlx_kvserve.cli.serve import serve
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_commands(sub)
     add_cache_commands(sub)
     add_model_commands(sub, add_setting_flags)
+    add_cluster_commands(sub)
     return parser
 
 
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_config_command(args)
     if args.command == "service":
         return run_service_command(args)
+    if args.command == "cluster":  # reads only the files it is given
+        return run_cluster_command(args)
     try:
         settings = load_settings(setting_flags(args))
     except (ValueError, OSError) as exc:
