@@ -3,6 +3,8 @@
 
     python scripts/bench_checkpoints.py                       # every architecture, 20 turns
     python scripts/bench_checkpoints.py --archs gemma3_text qwen3_5 --turns 10
+    python scripts/bench_checkpoints.py --archs mamba2 --config state_size=128 num_heads=16 \
+        head_dim=64 hidden_size=1024 intermediate_size=1024   # a real model's state per layer
 
 For each tiny random-weight model of `tests/support/tiny_models.py` (mlx-lm's own classes), a
 real server with the prompt cache answers a `--turns`-turn conversation (greedy, `--max-tokens`
@@ -107,8 +109,10 @@ def timed_restore(pc: PromptCache, model, tokens: list[int], repeats: int) -> di
     }
 
 
-def bench(arch: str, work: Path, turns: int, max_tokens: int, repeats: int) -> dict:
-    model_dir = make_model_dir(work / "model", arch)
+def bench(
+    arch: str, work: Path, turns: int, max_tokens: int, repeats: int, overrides: dict | None = None
+) -> dict:
+    model_dir = make_model_dir(work / "model", arch, **(overrides or {}))
     kv = work / "kv"
     server = ServerProcess(work, "--model", str(model_dir), env={"MLX_KVSERVE_CACHE_DIR": str(kv)})
     try:
@@ -151,7 +155,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument(
+        "--config",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config.json overrides for every model (VALUE is JSON), e.g. a larger state",
+    )
     args = ap.parse_args()
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.config)}
     rows = []
     print(
         "| architecture | layers | tokens | files | written | on disk | written / on disk | "
@@ -160,7 +172,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for arch in args.archs:
         with tempfile.TemporaryDirectory(prefix=f"bench-ckpt-{arch}-") as tmp:
-            row = bench(arch, Path(tmp), args.turns, args.max_tokens, args.repeats)
+            row = bench(arch, Path(tmp), args.turns, args.max_tokens, args.repeats, overrides)
         rows.append(row)
         print(
             f"| {arch} | {row['layers']} | {row['tokens']} | {row['files_written']} | "
