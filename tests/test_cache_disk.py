@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.cache import CacheLockedError, CacheRestoreError, PromptCache, codec, probe_matches
-from mlx_kvserve.cache import disk as disk_module
+from mlx_kvserve.cache import header as header_module
 from mlx_kvserve.cache import restore as restore_module
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.disk import DiskTier
@@ -629,7 +629,7 @@ def test_small_links_are_read_whole_and_their_headers_checked_once(tmp_path, mon
     keys = build_chain(tmp_path)
     pc = open_cache(tmp_path, ram_budget=0)
     reads, validations = [], []
-    real_read, real_validate = DiskTier.read_entry, disk_module.validate_header
+    real_read, real_validate = DiskTier.read_entry, header_module.validate_header
 
     def counted_read(self, key, **kw):
         reads.append((threading.current_thread().name, key))
@@ -640,7 +640,7 @@ def test_small_links_are_read_whole_and_their_headers_checked_once(tmp_path, mon
         return real_validate(header, key, *args)
 
     monkeypatch.setattr(DiskTier, "read_entry", counted_read)
-    monkeypatch.setattr(disk_module, "validate_header", counted_validate)
+    monkeypatch.setattr(header_module, "validate_header", counted_validate)
     m, caches = restore(pc, T[:301], tokens=T[:301])
     assert m.source == "disk" and m.usable == 300
     for a, b in zip(kv_arrays(caches), kv_arrays(make_kv(300)), strict=True):

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
-import io
 import itertools
 import json
 import logging
@@ -40,7 +38,7 @@ from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.dirs import private_subdir
 from mlx_kvserve.cache.entry import KEY_RE
 from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
-from mlx_kvserve.cache.header import validate_header
+from mlx_kvserve.cache.header import VettedHeaders, validate_header
 from mlx_kvserve.cache.pipeline import Check, read_verified
 from mlx_kvserve.durable import fsync_fd, fsync_path
 
@@ -87,10 +85,6 @@ def _read_header_body(f: BinaryIO, header_len: int) -> bytes:
     return body
 
 
-# What a restore needs of a header it has already validated (see `DiskTier._vetted`).
-_VETTED_KEYS = ("arrays", "payload_bytes", "payload_sha256", "kind", "parent", "parent_len")
-
-
 def _fault(point: str) -> None:
     """Test-only fault point (see engine.faults); does nothing unless MLX_KVSERVE_FAULTS is set."""
     if os.environ.get("MLX_KVSERVE_FAULTS"):
@@ -112,11 +106,7 @@ class DiskTier:
         self.log = log
         self.read_only = read_only
         self.fs_lock = threading.Lock()
-        # key -> (sha256 of its header bytes, the parts of that header a restore reads), for
-        # headers validated in full once (at the scan, or at the first read). A file whose
-        # header bytes hash to the same digest holds that same header: restores of long
-        # chains of small links skip the JSON parse and the checks, which dominated their time.
-        self._vetted: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self.headers = VettedHeaders(fingerprint)
         self._lock_fd: int | None = None
         self._tmp_counter = itertools.count()
         if read_only:
@@ -224,7 +214,7 @@ class DiskTier:
             except (EntryFormatError, OSError, ValueError) as exc:
                 bad.append((key, str(exc)))
                 continue
-            self._remember(key, header, digest)
+            self.headers.remember(key, header, digest)
             good.append(ScannedEntry(key, header, tokens, slot, size))
         return good, bad
 
@@ -236,41 +226,24 @@ class DiskTier:
         """`path(key)` as a string, built without pathlib (restores open dozens per call)."""
         return os.path.join(self._dir_name, key + SUFFIX)
 
-    def _remember(self, key: str, header: dict[str, Any], digest: bytes) -> None:
-        """Keep what a restore needs of a header that passed `validate_header` (`digest`:
-        the sha256 of its bytes)."""
-        self._vetted[key] = (digest, {name: header.get(name) for name in _VETTED_KEYS})
+    def _open(self, key: str, buffering: int = -1) -> BinaryIO:
+        try:
+            return open(self._file(key), "rb", buffering=buffering)  # noqa: SIM115
+        except FileNotFoundError:
+            raise EntryFormatError("file is missing") from None
 
     @contextlib.contextmanager
     def _open_entry(
-        self, key: str, *, vetted: bool = False, whole: bool = False
+        self, key: str, *, vetted: bool = False
     ) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
-        """An entry's file, positioned at its payload, with its fully validated header.
-
-        `vetted`: a header whose bytes equal one validated before is not parsed again; the
-        header returned is then only its `_VETTED_KEYS`. `whole`: the file is read in one
-        call first (one request to the device instead of one per part, for small files).
-        """
-        try:
-            raw = open(self._file(key), "rb", buffering=0 if whole else -1)  # noqa: SIM115
-        except FileNotFoundError:
-            raise EntryFormatError("file is missing") from None
-        with raw:
-            f: BinaryIO = io.BytesIO(raw.readall()) if whole else raw  # type: ignore[assignment,attr-defined]
-            size = f.seek(0, os.SEEK_END)
-            f.seek(0)
+        """An entry's file, positioned at its payload, with its validated header (`vetted`:
+        see `VettedHeaders.checked`)."""
+        with self._open(key) as f:
+            size = os.fstat(f.fileno()).st_size
             header_len, digest, _ = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
             body = _read_header_body(f, header_len)
             offset = codec.payload_start(header_len)
-            known = self._vetted.get(key) if vetted else None
-            if known is not None and known[0] == digest == hashlib.sha256(body).digest():
-                header = known[1]
-                if size != offset + header["payload_bytes"]:
-                    raise EntryFormatError("file size changed since its header was checked")
-            else:
-                header = codec.parse_header(body, digest)
-                validate_header(header, key, self.fingerprint, size, offset)
-                self._remember(key, header, digest)
+            header = self.headers.checked(key, body, digest, size, offset, vetted=vetted)
             f.seek(offset)
             yield f, header
 
@@ -289,9 +262,16 @@ class DiskTier:
         self, key: str, *, vetted: bool = False, finite: bool = False
     ) -> tuple[dict[str, Any], list[HostArray]]:
         """Read and fully verify one entry: header checks and payload checksum (`vetted`: see
-        `_open_entry`; `finite`: float arrays holding NaN/Inf are a format error too)."""
-        with self._open_entry(key, vetted=vetted, whole=True) as (f, header):
-            payload = memoryview(f.read())
+        `VettedHeaders.checked`; `finite`: float arrays holding NaN/Inf are a format error too)."""
+        with self._open(key, buffering=0) as f:
+            data = f.read()  # one call: one request to the device for a small file
+        header_len, digest, _ = codec.parse_prefix(data[: codec.PREFIX_SIZE])
+        body = data[codec.PREFIX_SIZE : codec.PREFIX_SIZE + header_len]
+        if len(body) != header_len:
+            raise EntryFormatError("file truncated inside its header")
+        offset = codec.payload_start(header_len)
+        header = self.headers.checked(key, body, digest, len(data), offset, vetted=vetted)
+        payload = memoryview(data)[offset:]
         arrays = codec.decode_payload(payload, header, specs_checked=True)
         if finite and (bad := codec.first_nonfinite(payload, header["arrays"])) is not None:
             raise EntryFormatError(f"{bad} contains NaN or Inf")
@@ -361,7 +341,7 @@ class DiskTier:
         """Remove an entry file (under fs_lock, so no in-flight rename can resurrect it)."""
         if self.read_only:
             return False
-        self._vetted.pop(key, None)
+        self.headers.forget(key)
         with self.fs_lock:
             try:
                 self.path(key).unlink()

@@ -3,6 +3,7 @@ the writer thread runs them too (read-backs), and start-up runs them on every fi
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -75,3 +76,42 @@ def validate_header(
             f"file is {file_bytes} bytes, header implies {payload_offset + header['payload_bytes']}"
         )
     return tokens
+
+
+# What a restore needs of a header it has already validated.
+_VETTED_KEYS = ("arrays", "payload_bytes", "payload_sha256", "kind", "parent", "parent_len")
+
+
+class VettedHeaders:
+    """Headers validated in full once (at the scan, or at the first read), recognised again by
+    the sha256 of their bytes: a file whose header bytes hash the same holds that same header,
+    so a restore of a long chain of small links skips the JSON parse and the checks, which
+    dominated its time. A changed header is parsed and checked again."""
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self._seen: dict[str, tuple[bytes, dict[str, Any]]] = {}  # key -> (digest, parts)
+
+    def remember(self, key: str, header: dict[str, Any], digest: bytes) -> None:
+        """Keep the parts of a header that passed `validate_header` (`digest`: its sha256)."""
+        self._seen[key] = (digest, {name: header.get(name) for name in _VETTED_KEYS})
+
+    def forget(self, key: str) -> None:
+        self._seen.pop(key, None)
+
+    def checked(
+        self, key: str, body: bytes, digest: bytes, size: int, offset: int, *, vetted: bool
+    ) -> dict[str, Any]:
+        """The validated header of a file of `size` bytes whose header bytes are `body`
+        (`digest`: the sha256 its prefix states). `vetted`: one seen before is not parsed
+        again, and only its `_VETTED_KEYS` are returned."""
+        known = self._seen.get(key) if vetted else None
+        if known is not None and known[0] == digest == hashlib.sha256(body).digest():
+            header = known[1]
+            if size != offset + header["payload_bytes"]:
+                raise EntryFormatError("file size changed since its header was checked")
+            return header
+        header = codec.parse_header(body, digest)
+        validate_header(header, key, self.fingerprint, size, offset)
+        self.remember(key, header, digest)
+        return header
