@@ -187,3 +187,41 @@ def test_model_may_be_omitted_in_raw_requests(server):
     )
     assert resp.status_code == 200
     assert resp.json()["model"] == MODEL
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.support.tiny_models import default_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))
+
+
+def test_text_completion_from_token_ids(openai_client, server):
+    """`prompt` as token ids, or a list of one prompt in either form, as the API allows."""
+    text = "The capital of France is"
+    ids = _tokenizer().encode(text)
+    kwargs = dict(model=MODEL, temperature=0, max_tokens=6)
+    expected = openai_client.completions.create(prompt=text, **kwargs)
+    for prompt in (ids, [ids], [text]):
+        got = openai_client.completions.create(prompt=prompt, **kwargs)
+        assert got.choices[0].text == expected.choices[0].text
+        assert got.usage.prompt_tokens == expected.usage.prompt_tokens == len(ids)
+    streamed = openai_client.completions.create(prompt=ids, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed) == expected.choices[0].text
+    for bad, problem in (
+        ([1, 2, 49152], "token id 49152 is outside the vocabulary (0 to 49151)"),
+        ([5, -1], "token id -1 is outside the vocabulary"),
+        ([], "prompt"),
+        ([[1, 2], [3, 4]], "prompt"),
+        (["a", "b"], "prompt"),
+        ([1, "a"], "prompt"),
+        ([1.5], "prompt"),
+        ([True], "prompt"),
+    ):
+        resp = httpx.post(
+            server.base_url + "/v1/completions", json={"prompt": bad, "max_tokens": 1}, timeout=60
+        )
+        assert resp.status_code == 400, (bad, resp.text)
+        error = resp.json()["error"]
+        assert problem in error["message"] or error["param"].startswith(problem), (bad, error)

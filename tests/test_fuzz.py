@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.support.fuzzing import Probe, anthropic_probes, check, json_body, probes, send
 
@@ -59,3 +60,20 @@ def test_codex_shaped_responses_never_produce_a_server_error(server, body: bytes
         status, reply, streamed = send(client, probe)
         problem = check(status, reply, streamed, probe.path)
         assert problem is None, (probe, problem)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.one_of(
+        st.lists(st.integers(-5, 60000), max_size=12),
+        st.lists(st.lists(st.integers(-5, 50000), max_size=6), max_size=2),
+    )
+)
+def test_token_id_prompts_are_served_or_refused(server, ids):
+    """Any token-id prompt is an answer or a 400 naming `prompt`, never a 5xx."""
+    resp = httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": ids, "max_tokens": 1}, timeout=60
+    )
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["param"].startswith("prompt")

@@ -23,7 +23,7 @@ from mlx_kvserve.chat.harmony_gate import HarmonyGate
 from mlx_kvserve.chat.harmony_output import HarmonyParser
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning_gate import ReasoningGate
-from mlx_kvserve.chat.render import Prompt, render_chat, render_text
+from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
 from mlx_kvserve.chat.sampled_turns import SampledTurns
 from mlx_kvserve.engine import (
     Done,
@@ -162,12 +162,17 @@ def _harmony_gate(engine: Engine, constraint: Any, chat: ChatRequest, default: i
     return HarmonyGate(engine.tokenizer, budget, inner=constraint)
 
 
-async def start_text(request: Request, text: str, sampling: Sampling, *, model: str | None):
-    """Tokenize and queue a plain text completion."""
+async def start_text(
+    request: Request, text: str | list[int], sampling: Sampling, *, model: str | None
+):
+    """Tokenize (or check the token ids of) and queue a plain text completion."""
     slot = served_model(request, model)
     engine = await _acquire(request, slot)
     try:
-        prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
+        if isinstance(text, str):
+            prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
+        else:
+            prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
         parser = OutputParser(None)
         return _submit(request, engine, slot, prompt, sampling, "text", parser, None)
     except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
 
@@ -146,17 +147,38 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    # The four shapes the API takes: text, token ids, and a list of one of either (one prompt
+    # per request: several are refused with the reason). Checked by hand for a clear message.
+    prompt: Any
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: Literal[False] = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str:
-        return value[0] if isinstance(value, list) else value
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        """Text, or the token ids of one prompt."""
+        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+            if len(value) > 1:
+                raise PydanticCustomError(
+                    "one_prompt",
+                    "one prompt per request (got {count}); send the others as their own requests",
+                    {"count": len(value)},
+                )
+            value = value[0]
+        if isinstance(value, str) or (
+            isinstance(value, list) and value and all(_is_token_id(v) for v in value)
+        ):
+            return value
+        raise PydanticCustomError(
+            "prompt_shape", "expected text, a non-empty list of token ids, or a list of one of them"
+        )
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse(model: type[_Body], data: Any) -> Any:

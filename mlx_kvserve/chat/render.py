@@ -169,6 +169,20 @@ def render_text(tokenizer: Any, text: str) -> Prompt:
     return Prompt(list(tokenizer.encode(text)), {})
 
 
+def render_token_ids(tokenizer: Any, ids: list[int]) -> Prompt:
+    """A text completion given as token ids (as evaluation harnesses send it): every id must be
+    one the tokenizer knows, or the model would read past its embedding table."""
+    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"Invalid value for 'prompt': token id {bad} is outside the vocabulary "
+            f"(0 to {size - 1}).",
+            param="prompt",
+        )
+    return Prompt(list(ids), {})
+
+
 def _kept_turns(
     source: list[Message], sampled: SampledTurns | None, model: str
 ) -> dict[int, SampledTurn]:
