@@ -242,7 +242,12 @@ def test_least_recently_used_model_is_swapped_out_after_its_request_ends(
         running.join(600)
         assert answer["model"] == "tiny-b"
         assert streamed[-1] == "data: [DONE]"
-        assert json.loads(streamed[-2][5:])["usage"]["completion_tokens"] == 400
+        # The answer ran to its end, not cut by the swap: its 400 tokens, or fewer when the
+        # random-weight model sampled an end-of-turn token by itself (finish "stop").
+        chunks = [json.loads(line[5:]) for line in streamed[:-1]]
+        (finish,) = [c["finish_reason"] for k in chunks for c in k["choices"] if c["finish_reason"]]
+        tokens = chunks[-1]["usage"]["completion_tokens"]
+        assert (finish, tokens) == ("length", 400) or (finish == "stop" and 0 < tokens < 400)
         assert states(proc) == {DEFAULT: "loaded", "tiny-a": "unloaded", "tiny-b": "loaded"}
         log = proc.log()
         assert "unloading model tiny-a (to make room for tiny-b)" in log
