@@ -44,7 +44,7 @@ def conversation(pc: PromptCache, chunk: int) -> list:
     for n in STOPS:
         advance(live, start, n, chunk)
         start = n
-        assert pc.checkpoint(T[:n], live, "message") is not None
+        assert pc.checkpoint(T[:n], live, "generation") is not None
     return live
 
 

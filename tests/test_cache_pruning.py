@@ -31,7 +31,7 @@ def keys(pc):
 def test_strict_prefix_snapshot_pruned(cache):
     a = cache.checkpoint(T[:10], make_ssm(10), "interval")
     b = cache.checkpoint(T[:20], make_ssm(20), "interval")
-    c = cache.checkpoint(T[:30], make_ssm(30), "message")
+    c = cache.checkpoint(T[:30], make_ssm(30), "generation")
     assert keys(cache) == {c}
     assert a and b and cache.stats()["pruned"] == 2
 
@@ -58,7 +58,7 @@ def test_new_entry_itself_kept(cache):
 def test_shared_anchor_kept(cache):
     anchor = cache.checkpoint(T[:10], make_ssm(10), "system", anchor=True)
     a = cache.checkpoint(T[:30], make_ssm(30), "message")
-    b = cache.checkpoint(T[:10] + [7] * 10, make_ssm(20), "message")
+    b = cache.checkpoint(T[:10] + [7] * 20, make_ssm(30), "message")
     assert keys(cache) == {anchor, a, b}
     # A third conversation with the same system prompt restores the anchor.
     m = cache.lookup(T[:10] + [8] * 5)
@@ -119,23 +119,49 @@ def test_delta_leaf_off_the_chain_is_pruned(tmp_path, monkeypatch):
 
 
 def test_pinned_prefix_not_pruned(cache):
-    a = cache.checkpoint(T[:10], make_ssm(10), "message")
+    a = cache.checkpoint(T[:10], make_ssm(10), "interval")
     with cache.pinned(a):
-        cache.checkpoint(T[:30], make_ssm(30), "message")
+        cache.checkpoint(T[:30], make_ssm(30), "generation")
         assert a in keys(cache)
+    cache.checkpoint(T[:40], make_ssm(40), "generation")
+    assert a not in keys(cache)
 
 
 def test_departure_snapshots_outlive_their_own_request(cache):
     """A snapshot cannot be cut back: the conversation before a message (a retry, an edit or a
-    rewind to that message departs there) is kept, and the prompt's end (a re-rendered answer
-    departs there) stays until the conversation's next prompt snapshot."""
+    rewind to that message departs there) and one token before a prompt's end (a retried
+    request, or a next turn that re-renders the answer differently, departs there) are kept;
+    other snapshots of the same request are pruned by longer ones."""
     message = cache.checkpoint(T[:10], make_ssm(10), "message")
-    prompt = cache.checkpoint(T[:20], make_ssm(20), "prompt")
-    answer = cache.checkpoint(T[:30], make_ssm(30), "generation")
+    cache.checkpoint(T[:25], make_ssm(25), "interval")
+    prompt = cache.checkpoint(T[:45], make_ssm(45), "prompt")
+    answer = cache.checkpoint(T[:70], make_ssm(70), "generation")
     assert keys(cache) == {message, prompt, answer}
-    # The next turn: its "message" snapshot replaces the answer it extends ...
-    next_message = cache.checkpoint(T[:40], make_ssm(40), "message")
-    assert keys(cache) == {message, prompt, next_message}
-    # ... and its "prompt" snapshot replaces this turn's; every message point stays.
-    next_prompt = cache.checkpoint(T[:50], make_ssm(50), "prompt")
-    assert keys(cache) == {message, next_message, next_prompt}
+    assert cache.stats()["pruned"] == 1  # the interval snapshot
+    # The next turn re-renders a different answer: its message point is far from every entry
+    # (a snapshot of its own), and the answer nothing extends stays a leaf.
+    other_message = cache.checkpoint(T[:45] + [7] * 40, make_ssm(85), "message")
+    assert keys(cache) == {message, prompt, answer, other_message}
+    # A next turn that extends the answer: its message point, 3 tokens (the template's end of
+    # the answer) after it, is folded into the answer instead of storing another whole state.
+    assert cache.checkpoint(T[:73], make_ssm(73), "message") is None
+    assert cache.stats()["folded"] == 1 and cache.stats()["checkpoints"] == 5
+    next_answer = cache.checkpoint(T[:120], make_ssm(120), "generation")
+    # The answer is now that message's departure point: a longer snapshot does not prune it.
+    assert keys(cache) == {message, prompt, answer, other_message, next_answer}
+    assert cache.lookup(T[:74]).key == answer
+
+
+def test_a_folded_departure_point_survives_a_restart(tmp_path):
+    """The fold is a flag in the entry's slot, so a restarted server keeps the entry too."""
+    with PromptCache(tmp_path, "model-a", disk_budget=64 * MiB, ram_budget=64 * MiB) as pc:
+        answer = pc.checkpoint(T[:70], make_ssm(70), "generation")
+        assert pc.checkpoint(T[:75], make_ssm(75), "message") is None
+    with PromptCache(tmp_path, "model-a", disk_budget=64 * MiB, ram_budget=64 * MiB) as pc:
+        later = pc.checkpoint(T[:120], make_ssm(120), "generation")
+        assert keys(pc) == {answer, later}
+    with PromptCache(tmp_path, "model-b", disk_budget=64 * MiB, ram_budget=64 * MiB) as pc:
+        pc.checkpoint(T[:70], make_ssm(70), "generation")
+        assert pc.checkpoint(T[:87], make_ssm(87), "message") is not None  # 17 > FOLD_TOKENS
+        pc.checkpoint(T[:120], make_ssm(120), "generation")
+        assert len(keys(pc)) == 2  # the unfolded answer was pruned by the longer snapshot

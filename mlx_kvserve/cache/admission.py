@@ -16,6 +16,7 @@ cold prefill they may differ in the last float bits, as any prefix cache does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.codec import Slot
 from mlx_kvserve.cache.entry import (
     DELTA,
+    DEPARTURE_REASONS,
     DISK_NONE,
     SNAPSHOT,
     Entry,
@@ -37,6 +39,14 @@ from mlx_kvserve.cache.persistence import queue_write
 from mlx_kvserve.cache.policy import Policy
 
 _DIGEST_PLACEHOLDER = "0" * 64  # the writer thread fills in the payload's sha256
+
+# A "message" point of caches that cannot be cut back is folded into a stored entry ending at
+# most this many tokens before it, instead of storing another whole state: the next turn's
+# "message" point usually lies a few tokens (the template's end of the answer) after the
+# previous answer's checkpoint. A request departing there (an edited or retried message)
+# restores that entry and prefills these few tokens again. A "prompt" point is never folded:
+# the next turn departs there whenever its template re-renders the answer differently.
+FOLD_TOKENS = 16
 DTYPE_SIZES = {name: dt.itemsize for name, dt in codec.DTYPES.items()}
 
 
@@ -77,12 +87,15 @@ def admit_checkpoint(
     if key in catalog.failed:
         counters["refused"] += 1
         return None
+    departure = reason in DEPARTURE_REASONS
     existing = catalog.entries.get(key)
+    if existing is None and reason == "message" and not prefix_ok:
+        existing = _fold_target(catalog, arr)
     if existing is not None:
-        counters["duplicates"] += 1
+        counters["duplicates" if existing.key == key else "folded"] += 1
         existing.last_used = catalog.clock()
-        if anchor and not existing.anchor:
-            existing.anchor = True
+        existing.anchor |= anchor and existing.key == key
+        existing.departure |= departure
         catalog.persist_slot(existing)
         return None
     if not anchor and state.is_sliceable(caches) and policy.is_dominated(arr):
@@ -98,6 +111,15 @@ def admit_checkpoint(
         if key in catalog.entries:
             catalog.remove_tree(key)
         return None
+
+
+def _fold_target(catalog: Catalog, arr: np.ndarray) -> Entry | None:
+    """The deepest stored entry at most FOLD_TOKENS before the end of `arr`, on its path."""
+    n = arr.shape[0]
+    found = catalog.index.longest_prefix(arr, lambda key: True)
+    if found is None or n - found[0] > FOLD_TOKENS:
+        return None
+    return catalog.entries[found[1]]
 
 
 def _store(
@@ -120,7 +142,7 @@ def _store(
     parent = _parent(catalog, arr, signature, plan.span_starts(docs))
     start = parent.n_tokens if parent else 0
     per_token = sum(
-        DTYPE_SIZES[dt] * int(np.prod([*shape[:2], *shape[3:]])) for dt, shape in live.values()
+        DTYPE_SIZES[dt] * math.prod([*shape[:2], *shape[3:]]) for dt, shape in live.values()
     )
     if not policy.fits(per_token * (n - start), parent, n):
         return None
@@ -174,6 +196,7 @@ def _store(
         payload_bytes=payload_bytes,
         probe=probe_doc,
         last_used=now,
+        departure=reason in DEPARTURE_REASONS,
     )
     catalog.add(entry)
     if payload_bytes <= catalog.ram.budget:

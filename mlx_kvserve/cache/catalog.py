@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from mlx_kvserve.cache import plan
-from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_SUSPECT, HostArray, Slot
+from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_DEPARTURE, FLAG_SUSPECT, HostArray, Slot
 from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.disk import DiskTier
 from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, DISK_WRITTEN, Entry
@@ -169,4 +169,5 @@ class Catalog:
 def slot_of(entry: Entry) -> Slot:
     """The mutable per-file record (see `codec`) of an entry's counters and flags."""
     flags = (FLAG_SUSPECT if entry.suspect else 0) | (FLAG_ANCHOR if entry.anchor else 0)
+    flags |= FLAG_DEPARTURE if entry.departure else 0
     return Slot(entry.hits, entry.last_used, flags)

@@ -13,6 +13,7 @@ verify the file's checksum; links that hold nothing the leaf needs are not read 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,8 @@ class ChainBuilder:
             else:
                 for name in plan.tree_refs(doc.get("state")):
                     self._whole[name] = np.empty(0)  # filled from the leaf
-        mx.eval([buf for *_, buf in buffers])  # one evaluation for every layer's buffer
+        if buffers:
+            mx.eval([buf for *_, buf in buffers])  # one evaluation for every layer's buffer
         for name, lo, end, dtype, buf in buffers:
             view = _writable_view(buf)
             host = view if view is not None else np.zeros(buf.shape, DTYPES[dtype])
@@ -163,7 +165,7 @@ class ChainBuilder:
                 return [_scratch(int(spec["nbytes"]))]
             span, start, r0, r1 = region
             # Per (batch, head) the positions x rest block is contiguous, as in the file.
-            row = int(np.prod(shape[3:], dtype=np.int64)) * DTYPES[dtype].itemsize
+            row = math.prod(shape[3:]) * DTYPES[dtype].itemsize
             head, tail = (r0 - start) * row, (start + shape[2] - r1) * row
             views: list[memoryview] = []
             for b in range(shape[0]):
@@ -192,7 +194,7 @@ class ChainBuilder:
             arrays[name] = buf.view(mx.bfloat16) if span.dtype == "bfloat16" else buf
         for name, data in self._whole.items():
             dtype, shape = self.leaf.layout[name]
-            if data.size * data.itemsize != DTYPES[dtype].itemsize * int(np.prod(shape)):
+            if data.size * data.itemsize != DTYPES[dtype].itemsize * math.prod(shape):
                 raise StateError(f"{name}: not read")
             arrays[name] = to_mx(HostArray(name, dtype, tuple(shape), data))
         self._spans.clear()  # no NumPy view may outlive the hand-over

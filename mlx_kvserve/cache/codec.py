@@ -53,6 +53,7 @@ MAX_HEADER = 64 * 1024 * 1024
 
 FLAG_SUSPECT = 1
 FLAG_ANCHOR = 2
+FLAG_DEPARTURE = 4  # a later request departs at its end: never pruned (see policy)
 
 _PREFIX = struct.Struct("<8sII32s")
 _SLOT = struct.Struct("<QdII")  # hits, last_used, flags, reserved (then crc32, pad)
@@ -168,7 +169,7 @@ def array_specs(arrays: Iterable[HostArray]) -> tuple[list[dict[str, Any]], int]
     specs = []
     offset = 0
     for arr in arrays:
-        expected = int(np.prod(arr.shape, dtype=np.int64)) * DTYPES[arr.dtype].itemsize
+        expected = math.prod(arr.shape) * DTYPES[arr.dtype].itemsize
         if expected != arr.nbytes:
             raise ValueError(f"array {arr.name}: {arr.nbytes} bytes for {arr.dtype}{arr.shape}")
         specs.append(

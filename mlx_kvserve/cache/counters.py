@@ -17,6 +17,7 @@ def new_counters() -> dict[str, int]:
         "checkpoints": 0,
         "refused": 0,
         "duplicates": 0,
+        "folded": 0,  # departure points folded into an entry a few tokens before them
         "dominated": 0,
         "pruned": 0,
         "evictions": 0,

@@ -39,6 +39,11 @@ SCORE_HALF_LIFE_S = 6 * 3600.0
 
 _MAX_TOKEN = 2**32 - 1
 
+# Checkpoint reasons whose end a later request departs from exactly: an edited or retried
+# message ("message"), a retried request or a next turn that re-renders the answer differently
+# ("prompt"). A snapshot there is never pruned by a longer one (see `policy`).
+DEPARTURE_REASONS = frozenset({"message", "prompt"})
+
 # Array name -> (dtype name, shape); a delta's shapes have 0 on the sequence axis.
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -114,6 +119,7 @@ class Entry:
     hits: int = 0
     last_used: float = 0.0
     suspect: bool = False
+    departure: bool = False  # a later request is expected to depart at its end (see policy)
     children: set[str] = field(default_factory=set)
     signature: str = ""  # what a chain's links share (`plan.signature`), set by the catalog
 

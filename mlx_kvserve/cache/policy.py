@@ -8,15 +8,16 @@ or of another branch's chain: its bytes are part of those states, and nothing is
 a delta holds only its own span), or if it is pinned (being restored). Otherwise P is a leaf
 whose state E now covers (a snapshot, or a delta off E's chain, e.g. one whose write failed) and
 it is **deleted** from index, RAM and disk. Kept links stay valid restore targets themselves.
-Two exceptions, for snapshots where a later request is expected to depart (a snapshot cannot
-be cut back, so nothing longer serves those requests): a "message" snapshot (the conversation
-before one of its messages) is never pruned, because a retried or edited message, or an agent's
-rewind to an earlier message, departs there; a chain of deltas keeps every such point in its
-links for free, and so do a hybrid model's links. A "prompt" snapshot (a chat prompt's end, or
-its `<think>`; see engine.generate), where the next turn departs when its template re-renders
-the answer differently (past reasoning stripped), outlives the longer snapshots of its own
-request until the conversation's next "prompt" snapshot replaces it. Budget eviction still
-applies to both.
+One exception, for snapshots where a later request is expected to depart (a snapshot cannot
+be cut back, so nothing longer serves those requests): a departure point (`Entry.departure`) is
+never pruned. That is a "message" snapshot (the conversation before one of its messages), where
+a retried or edited message, or an agent's rewind, departs; a "prompt" snapshot (one token
+before a chat prompt's end, or at its `<think>`; see engine.generate), where a retried request
+departs, and the next turn when its template re-renders the answer differently (past reasoning
+stripped); and an entry such a point was folded into (see `admission.FOLD_TOKENS`: usually the
+previous answer's checkpoint, a few tokens before the next turn's "message" point). A chain of
+deltas keeps every such point in its links for free, and so do a hybrid model's links. Budget
+eviction still applies to them.
 
 The converse holds too: a sliceable checkpoint whose tokens are a strict prefix of an existing
 delta entry is not stored (it is "dominated": that entry already serves it), unless it is an
@@ -113,9 +114,7 @@ class Policy:
             p = cat.entries[pkey]
             if p.anchor or p.children or pkey in cat.pins:
                 continue
-            if not new.trimmable and (
-                p.reason == "message" or (p.reason == "prompt" and new.reason != "prompt")
-            ):
+            if p.departure and not new.trimmable:
                 continue  # a longer snapshot does not serve a request that departs at p's end
             cat.counters["pruned"] += len(cat.remove_tree(pkey))
             cat.log.debug("prompt-cache pruned %s (prefix of %s)", pkey[:16], new.key[:16])

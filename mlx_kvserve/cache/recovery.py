@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.catalog import Catalog, slot_of
-from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_SUSPECT
-from mlx_kvserve.cache.entry import DISK_WRITTEN, Entry, Layout
+from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_DEPARTURE, FLAG_SUSPECT
+from mlx_kvserve.cache.entry import DEPARTURE_REASONS, DISK_WRITTEN, Entry, Layout
 from mlx_kvserve.cache.policy import Policy, default_disk_budget
 from mlx_kvserve.cache.writer import Writer
 
@@ -144,6 +144,7 @@ def _rebuild(catalog: Catalog, scanned: list, *, read_only: bool) -> int:
             hits=slot.hits if slot else 0,
             last_used=slot.last_used if slot and slot.last_used else created,
             suspect=bool(flags & FLAG_SUSPECT),
+            departure=h.get("reason") in DEPARTURE_REASONS or bool(flags & FLAG_DEPARTURE),
             signature=signature,
         )
         entry.digest = h.get("payload_sha256")

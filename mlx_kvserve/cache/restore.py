@@ -8,6 +8,7 @@ be half filled by then: the caller discards them.
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,14 +49,7 @@ def restore_match(
     if not 0 < usable <= entry.n_tokens or (entry.kind == SNAPSHOT and usable != entry.n_tokens):
         raise CacheRestoreError(key, f"cannot restore {usable} of {entry.n_tokens} tokens")
     if tokens is not None:
-        try:
-            arr = as_token_array(tokens)
-        except ValueError as exc:
-            raise ValueError(f"bad prompt tokens: {exc}") from None
-        if arr.shape[0] < usable + 1:
-            raise ValueError("at least one prompt token must be left to prefill")
-        if not np.array_equal(arr[:usable], entry.tokens[:usable]):
-            raise CacheRestoreError(key, "entry tokens do not match the prompt")
+        _check_prompt(entry, tokens, usable)
     dtype_str = None
     if dtype is not None:
         dtype_str = dtype if isinstance(dtype, str) else state.dtype_name(dtype)
@@ -88,6 +82,24 @@ def restore_match(
     )
     request_readback(catalog, from_disk)
     return fresh_caches
+
+
+def _check_prompt(entry: Entry, tokens: Sequence[int], usable: int) -> None:
+    """The prompt begins with the entry's first `usable` tokens and has one more to prefill."""
+    if len(tokens) < usable + 1:
+        raise ValueError("at least one prompt token must be left to prefill")
+    if isinstance(tokens, list):  # the engine's case: one C loop, no NumPy conversion
+        try:
+            if array.array("I", tokens[:usable]).tobytes() == entry.tokens[:usable].tobytes():
+                return  # ids equal to stored ones are valid
+        except (OverflowError, TypeError):
+            pass  # not uint32 ids: as_token_array says why
+    try:
+        arr = as_token_array(tokens)
+    except ValueError as exc:
+        raise ValueError(f"bad prompt tokens: {exc}") from None
+    if not np.array_equal(arr[:usable], entry.tokens[:usable]):
+        raise CacheRestoreError(entry.key, "entry tokens do not match the prompt")
 
 
 def _restore_chain(

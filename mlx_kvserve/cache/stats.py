@@ -51,6 +51,7 @@ def stats_report(
         "checkpoints": c["checkpoints"],
         "refused": c["refused"],
         "duplicates": c["duplicates"],
+        "folded": c["folded"],
         "dominated": c["dominated"],
         "pruned": c["pruned"],
         "evictions": c["evictions"],

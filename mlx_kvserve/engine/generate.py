@@ -13,9 +13,11 @@ Checkpoints (why these boundaries):
 - "interval": every `checkpoint_interval` tokens of a long prefill, so a disconnect or crash
   midway loses at most one interval of work;
 - "prompt": where the next turn will depart from this prompt when its template re-renders the
-  answer differently (past reasoning stripped): the chat layer places it before a `<think>` the
-  generation prompt opens; otherwise it is the prompt's end, kept only for caches that cannot be
-  trimmed (rotating, SSM), since trimmable ones are cut back from the "generation" checkpoint;
+  answer differently (past reasoning stripped), and a retry of the same request: the chat layer
+  places it before a `<think>` the generation prompt opens; otherwise it is one token before
+  the prompt's end (a lookup always leaves one token to prefill), kept only for caches that
+  cannot be trimmed (rotating, SSM), since trimmable ones are cut back from the "generation"
+  checkpoint;
 - "generation": prompt plus completion after the answer, which the next turn resends;
 - "partial": whatever was prefilled when the client went away.
 With delta storage each checkpoint writes only the tokens it adds beyond its parent.
@@ -27,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Generator as Generator_
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -54,6 +56,15 @@ class Checkpoints:
     interval: int
     store: Callable[..., None]  # store(live, last_logits, reason=..., length=None)
     keep_end: bool = False  # a chat prompt: checkpoint its end where caches cannot be trimmed
+
+    def for_prompt(self, start: int, end: int, foldable: bool) -> Checkpoints:
+        """These checkpoints with the "prompt" point one token before `end` added where the
+        caches cannot be cut back (`keep_end`) and the chat layer placed none."""
+        if not self.keep_end or foldable or "prompt" in self.boundaries.values():
+            return self
+        if not start < end - 1 or end - 1 in self.boundaries:
+            return self
+        return replace(self, boundaries={**self.boundaries, end - 1: "prompt"}, keep_end=False)
 
     def reason_at(self, position: int) -> str | None:
         if position in self.boundaries:
@@ -120,6 +131,7 @@ def prefill_steps(
     """
     start, end = len(live.tokens), len(prompt)
     foldable = is_sliceable(live.caches)
+    checkpoints = checkpoints.for_prompt(start, end, foldable)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
     for lo, hi in chunks:
         yield end - lo
@@ -142,10 +154,6 @@ def prefill_steps(
         if reason:
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
-    if checkpoints.keep_end and not foldable and "prompt" not in checkpoints.boundaries.values():
-        # caches that cannot be cut back from the "generation" checkpoint keep the prompt's end
-        mx.eval([c.state for c in live.caches])
-        checkpoints.store(live, out[:, -1, :], reason="prompt")
     return out[:, -1, :]
 
 
