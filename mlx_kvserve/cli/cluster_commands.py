@@ -33,9 +33,28 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--hostfile", required=True, help="the JSON hostfile mlx.launch reads")
     check.add_argument("--model", help="a local model directory to plan the split for")
     check.add_argument("--shard", choices=(TENSOR, PIPELINE), help="force a split (default: best)")
+    join = actions.add_parser(
+        "join",
+        help="on every rank of an mlx.launch job: check the model, load the shards, step once",
+        description=(
+            "Run by mlx.launch on every rank, e.g. `mlx.launch --hostfile hosts.json -- "
+            "mlx-kvserve cluster join --model DIR`. Every rank fingerprints its copy of the "
+            "model (a rank whose files differ is named with its host), loads its shard and "
+            "decodes a few greedy tokens together with the others; the tokens must agree. "
+            "Exit status 0 on every rank when the job can serve, 2 with the same reason on "
+            "every rank otherwise; a peer that dies or stops answering ends the job (75)."
+        ),
+    )
+    join.add_argument("--model", required=True, help="the local model directory on every host")
+    join.add_argument("--shard", choices=(TENSOR, PIPELINE), help="force a split (default: best)")
+    join.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds a peer may take to answer (30)"
+    )
 
 
 def run_cluster_command(args: argparse.Namespace) -> int:
+    if args.cluster_command == "join":
+        return _join(args)
     try:
         hostfile = read_hostfile(args.hostfile)
     except HostfileError as exc:
@@ -76,3 +95,25 @@ def _plan(model_dir: Path, world_size: int, shard: str | None) -> str:
     except Exception as exc:  # an architecture mlx-lm cannot build
         raise ShardingError(f"{model_dir}: mlx-lm cannot build this model ({exc})") from None
     return plan_sharding(model, config, world_size, shard, name=str(model_dir)).mode
+
+
+def _join(args: argparse.Namespace) -> int:
+    from mlx_kvserve.distributed.collective import Collective
+    from mlx_kvserve.distributed.join import JoinError, join_model
+
+    collective = Collective.join(timeout=args.timeout)
+    try:
+        joined = join_model(collective, Path(args.model), args.shard)
+    except (JoinError, ShardingError) as exc:  # the same on every rank
+        print(f"mlx-kvserve: rank {collective.rank}: {exc}", file=sys.stderr, flush=True)
+        collective.barrier("refusal")  # mlx.launch ends the others once one rank exits
+        return 2
+    except (OSError, ValueError) as exc:  # this rank's own files
+        print(f"mlx-kvserve: rank {collective.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if collective.is_leader:
+        print(
+            f"{collective.size} rank(s) on {', '.join(joined.hosts)}: {joined.plan.mode} "
+            f"parallel, model {joined.fingerprint}; greedy probe {joined.probe} on every rank"
+        )
+    return 0

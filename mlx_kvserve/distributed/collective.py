@@ -94,6 +94,25 @@ class Collective:
             data += bytes(memoryview(self._sum(buf.astype(mx.uint8), what)))
         return json.loads(data)
 
+    def gather(self, value: Any, what: str = "gather") -> list[Any]:
+        """Every rank's `value` (JSON-serialisable), in rank order, on every rank: two
+        collectives (the lengths, then each rank's bytes at its own offset)."""
+        if not self.distributed:
+            return [value]
+        data = json.dumps(value, separators=(",", ":")).encode()
+        lengths = mx.zeros((self.size,), dtype=mx.int32)
+        lengths[self.rank] = len(data)
+        sizes = [int(n) for n in self._sum(lengths, what).tolist()]
+        buf = bytearray(sum(sizes))
+        start = sum(sizes[: self.rank])
+        buf[start : start + len(data)] = data
+        raw = bytes(memoryview(self._sum(mx.array(memoryview(buf), dtype=mx.uint8), what)))
+        values, offset = [], 0
+        for n in sizes:
+            values.append(json.loads(raw[offset : offset + n]))
+            offset += n
+        return values
+
     def all_true(self, flag: bool, what: str = "vote") -> bool:
         """True on every rank if `flag` is true on every rank."""
         if not self.distributed:

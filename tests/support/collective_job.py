@@ -27,6 +27,7 @@ def main() -> None:
         "vote_one": c.all_true(c.rank == 0),
         "same": c.all_equal("fingerprint"),
         "differ": c.all_equal(f"fingerprint-{c.rank}"),
+        "gathered": c.gather({"rank": c.rank, "text": "é" * (700 * c.rank)}),
     }
     print(json.dumps(seen), flush=True)
     if c.rank == 1 and mode == "hang":

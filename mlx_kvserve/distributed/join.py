@@ -1,0 +1,114 @@
+"""Join a job: every rank checks it holds the same model, loads its shard and steps in lockstep.
+
+Run on every rank that `mlx.launch` started, before anything opens a port. In order:
+1. every rank fingerprints its model directory (weights, config, tokenizer: `fingerprint_model`)
+   and the ranks gather each other's host name and fingerprint; a rank whose files differ from
+   rank 0's is named, with its host, on every rank, and every rank refuses (a job of different
+   models would answer garbage, or hang when the shapes differ);
+2. the split is planned from the config (`sharding.plan_sharding`: same inputs, same answer on
+   every rank);
+3. each rank builds the model lazily and keeps only its shard (`model.shard(group)` or
+   `model.model.pipeline(group)`, as `mlx_lm.utils.sharded_load` does, from a local directory);
+4. a greedy probe: a few tokens decoded together by every rank, whose ids must agree on every
+   rank (the all-reduce gives every rank the same logits), so a job that cannot step together
+   fails here and not on a user's first request.
+Every failure is a `JoinError` whose message is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_kvserve.distributed.collective import Collective
+from mlx_kvserve.distributed.sharding import PIPELINE, ShardingError, ShardPlan, plan_sharding
+from mlx_kvserve.models.fingerprint import fingerprint_model
+
+PROBE_PROMPT = "The prompt cache of every rank"
+PROBE_TOKENS = 4
+
+
+class JoinError(Exception):
+    """This job cannot serve: the message names the rank, its host and the cause."""
+
+
+@dataclass
+class JoinedModel:
+    """This rank's shard of the model, and what every rank agreed on."""
+
+    model: Any
+    tokenizer: Any
+    plan: ShardPlan
+    fingerprint: str
+    hosts: list[str]  # per rank
+    probe: list[int]  # the greedy probe's token ids, the same on every rank
+
+
+def join_model(
+    collective: Collective, model_dir: Path, shard: str | None = None, *, host: str | None = None
+) -> JoinedModel:
+    """Steps 1-4 above; raises JoinError (or ShardingError) with the same message everywhere."""
+    model_dir = Path(model_dir)
+    host = host or socket.gethostname()
+    try:
+        fingerprint = fingerprint_model(model_dir, model_dir.name)
+    except (OSError, ValueError) as exc:
+        fingerprint = f"unreadable: {exc}"
+    ranks = collective.gather({"host": host, "fingerprint": fingerprint}, "model check")
+    hosts = [str(r["host"]) for r in ranks]
+    _check_same_model(ranks)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:  # this rank's own files: no barrier, see cluster join
+        raise OSError(f"{model_dir}: no readable config.json ({exc})") from None
+    from mlx_lm.utils import load_model, load_tokenizer  # heavy: after the cheap checks
+
+    model, _ = load_model(model_dir, lazy=True, strict=False)
+    plan = plan_sharding(model, config, collective.size, shard, name=model_dir.name)
+    if collective.distributed:
+        if plan.mode == PIPELINE:
+            model.model.pipeline(collective.group)
+        else:
+            model.shard(collective.group)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    probe = greedy_probe(model, tokenizer)
+    if not collective.all_equal(json.dumps(probe), "greedy probe"):
+        raise JoinError(
+            f"the ranks decoded different tokens from the same prompt (rank 0: {probe} on "
+            f"{hosts[0]}): their mlx or mlx-lm versions may differ"
+        )
+    return JoinedModel(model, tokenizer, plan, fingerprint, hosts, probe)
+
+
+def _check_same_model(ranks: list[dict[str, Any]]) -> None:
+    first = ranks[0]
+    for rank, seen in enumerate(ranks[1:], start=1):
+        if seen["fingerprint"] != first["fingerprint"]:
+            raise JoinError(
+                f"rank {rank} ({seen['host']}): its model files differ from rank 0's "
+                f"({first['host']}): fingerprint {seen['fingerprint']} against "
+                f"{first['fingerprint']}; copy the same model directory to every host"
+            )
+
+
+def greedy_probe(model: Any, tokenizer: Any, steps: int = PROBE_TOKENS) -> list[int]:
+    """`steps` greedy token ids after PROBE_PROMPT (one prefill, then one token at a time)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    tokens = mx.array(tokenizer.encode(PROBE_PROMPT))[None]
+    out: list[int] = []
+    for _ in range(steps):
+        logits = model(tokens, cache=caches)[:, -1, :]
+        tokens = mx.argmax(logits, axis=-1, keepdims=True)
+        out.append(int(tokens.item()))
+    return out
+
+
+__all__ = ["JoinError", "JoinedModel", "ShardingError", "greedy_probe", "join_model"]

@@ -1,0 +1,79 @@
+"""`mlx-kvserve cluster join` across real ranks: `mlx.launch` with the ring backend on loopback.
+
+Every rank fingerprints its model, loads its shard (tensor parallel for llama, a pipeline for
+qwen3_next) and decodes a greedy probe together with the others; the probe must equal what one
+process decodes from the whole model. Refusals (different model files on one rank, heads that
+the world size does not divide) come with the same message on every rank and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+
+from mlx_kvserve.distributed.join import greedy_probe
+from tests.support.tiny_models import make_model_dir
+from tests.test_collective import LAUNCH, ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def join(dirs: list[Path], ranks: int, *options: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port())]
+    cmd += ["--", sys.executable, "-m", "tests.support.cluster_join_job", *map(str, dirs)]
+    cmd += ["--", "--timeout", "20", *options]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    work = tmp_path_factory.mktemp("cluster-join")
+    return {
+        "llama": make_model_dir(work / "llama", "llama"),
+        "llama-other": make_model_dir(work / "llama-other", "llama", seed=1),
+        "qwen3_next": make_model_dir(work / "qwen3_next", "qwen3_next"),
+    }
+
+
+def exit_codes(proc: subprocess.CompletedProcess) -> dict[int, int]:
+    """Per rank, the exit status mlx.launch reports (it exits 0 itself whatever they did)."""
+    found = re.findall(r"Node with rank (\d+) exited with code (-?\d+)", proc.stderr)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def single_process_probe(model_dir: Path) -> list[int]:
+    model, tokenizer = load(str(model_dir))
+    return greedy_probe(model, tokenizer)
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "tensor"), ("qwen3_next", "pipeline")])
+def test_two_ranks_step_together_and_decode_like_one_process(models, arch, mode):
+    proc = join([models[arch]], 2, "--shard", mode)
+    assert proc.returncode == 0 and not exit_codes(proc), proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if "greedy probe" in x]
+    assert line.startswith("2 rank(s) on ") and f"{mode} parallel" in line
+    probe = [int(t) for t in re.search(r"greedy probe \[([\d, ]+)\]", line).group(1).split(",")]
+    assert probe == single_process_probe(models[arch])
+
+
+def test_a_rank_with_other_model_files_is_named_on_every_rank(models):
+    proc = join([models["llama"], models["llama-other"]], 2)
+    assert 2 in exit_codes(proc).values(), proc.stderr
+    refusals = [x for x in proc.stderr.splitlines() if "model files differ" in x]
+    assert sorted(x.split(":")[1].strip() for x in refusals) == ["rank 0", "rank 1"]
+    assert all("rank 1 (" in x and "copy the same model directory" in x for x in refusals)
+    assert "greedy probe" not in proc.stdout
+
+
+def test_heads_the_world_size_does_not_divide_are_refused_on_every_rank(models):
+    proc = join([models["llama"]], 3)
+    assert 2 in exit_codes(proc).values(), proc.stderr
+    refusals = [x for x in proc.stderr.splitlines() if "do not divide its 4 attention" in x]
+    assert sorted(x.split(":")[1].strip() for x in refusals) == ["rank 0", "rank 1", "rank 2"]
