@@ -98,6 +98,9 @@ def _plan(model_dir: Path, world_size: int, shard: str | None) -> str:
 
 
 def _join(args: argparse.Namespace) -> int:
+    from mlx_kvserve.blas import preload_optimised_blas
+
+    preload_optimised_blas()  # before the first `import mlx`, as `serve` does
     from mlx_kvserve.distributed.collective import Collective
     from mlx_kvserve.distributed.join import JoinError, join_model
 
