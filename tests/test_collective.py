@@ -42,7 +42,7 @@ def test_every_rank_sees_rank_zeros_messages_and_votes(ranks):
         assert x["small"] == {"tick": 1} and x["big"] is True and x["none"] is None
         assert x["vote_all"] is True and x["vote_one"] is False
         assert x["same"] is True and x["differ"] is False
-        assert x["gathered"] == [{"rank": r, "text": "é" * (700 * r)} for r in range(ranks)]
+        assert x["gathered"] is True
     assert sorted(x["rank"] for x in lines if x.get("done")) == list(range(ranks))
 
 

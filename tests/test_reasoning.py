@@ -332,12 +332,13 @@ def cache_entries(server: ServerProcess) -> list[tuple[str, int]]:
     return [(e["reason"], e["n_tokens"]) for e in entries]
 
 
-@pytest.mark.parametrize(("family", "departs"), [("qwen3_rotating", 0), ("r1_rotating", 2)])
+@pytest.mark.parametrize(("family", "departs"), [("qwen3_rotating", 1), ("r1_rotating", 2)])
 def test_the_next_turn_resumes_where_it_departs_on_untrimmable_caches(
     family: str, departs: int, request: pytest.FixtureRequest
 ) -> None:
     """Both templates drop the reasoning of earlier turns, so the next prompt departs from the
-    last one at its end (Qwen3) or at the `<think>` its generation prompt opened (R1). A
+    last one at its end (Qwen3: checkpointed one token before it, where a retry of the same
+    request departs too) or at the `<think>` its generation prompt opened (R1). A
     sliding-window cache cannot be cut back there from the generation's checkpoint, so that point
     is a checkpoint of its own, which the generation's does not replace."""
     server = request.getfixturevalue(family)
@@ -347,7 +348,9 @@ def test_the_next_turn_resumes_where_it_departs_on_untrimmable_caches(
     assert ("prompt", at) in cache_entries(server)
     answered = {"role": "assistant", "content": "Because.", "reasoning_content": "Hmm, why."}
     second = chat(server, messages=[*turn, answered, {"role": "user", "content": "Sure?"}])
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == at
+    # At least that point; a window not yet full may also be cut back from a longer state.
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert at <= cached <= first["usage"]["prompt_tokens"] - departs + 1
 
 
 def test_trimmable_caches_keep_no_prompt_end_checkpoint(qwen3: ServerProcess) -> None:
