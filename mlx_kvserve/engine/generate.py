@@ -55,7 +55,7 @@ class Checkpoints:
     boundaries: dict[int, str]
     interval: int
     store: Callable[..., None]  # store(live, last_logits, reason=..., length=None)
-    keep_end: bool = False  # a chat prompt: checkpoint its end where caches cannot be trimmed
+    keep_end: bool = False  # a chat prompt: checkpoint near its end where caches cannot be cut
 
     def for_prompt(self, start: int, end: int, foldable: bool) -> Checkpoints:
         """These checkpoints with the "prompt" point one token before `end` added where the
