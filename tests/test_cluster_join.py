@@ -8,7 +8,6 @@ the world size does not divide) come with the same message on every rank and exi
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,18 +17,15 @@ import pytest
 from mlx_lm import load
 
 from mlx_kvserve.distributed.join import greedy_probe
+from tests.support.launch import run_job
 from tests.support.tiny_models import make_model_dir
-from tests.test_collective import LAUNCH, ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
 
 def join(dirs: list[Path], ranks: int, *options: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port())]
-    cmd += ["--", sys.executable, "-m", "tests.support.cluster_join_job", *map(str, dirs)]
-    cmd += ["--", "--timeout", "20", *options]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "tests.support.cluster_join_job", *map(str, dirs)]
+    return run_job([*command, "--", "--timeout", "20", *options], ranks)
 
 
 @pytest.fixture(scope="module")

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.launch import run_job
 
 
 def launch(mode: str, ranks: int = 2, timeout: float = 5.0) -> tuple[list[dict], str]:
     """Run the job; a job that hangs fails the test through the subprocess timeout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLLECTIVE_TIMEOUT=str(timeout))
-    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port())]
-    cmd += ["--", sys.executable, "-m", "tests.support.collective_job", mode]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "tests.support.collective_job", mode]
+    proc = run_job(command, ranks, env={"COLLECTIVE_TIMEOUT": str(timeout)}, timeout=120)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     return lines, proc.stderr
 
