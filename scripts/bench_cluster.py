@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,15 +86,13 @@ def job(model_dir: Path, tokens: int) -> None:
 
 
 def run(model_dir: Path, ranks: int, tokens: int) -> dict:
-    launch = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.support.launch import run_job  # free ports for every rank, retried binds
+
     cmd = [sys.executable, __file__, "--job", str(model_dir), "--tokens", str(tokens)]
-    if ranks > 1:  # one rank is a plain process (mlx.launch's ring needs two)
-        cmd = [launch, "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--"]
-        cmd += [sys.executable, __file__, "--job", str(model_dir), "--tokens", str(tokens)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if ranks > 1:
+        proc = run_job(cmd, ranks, timeout=1800)
+    else:  # one rank is a plain process (mlx.launch's ring needs two)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     if not rows:
         raise SystemExit(f"the {ranks}-rank job reported nothing:\n{proc.stderr[-3000:]}")

@@ -12,7 +12,9 @@ Run on every rank that `mlx.launch` started, before anything opens a port. In or
 4. a greedy probe: a few tokens decoded together by every rank, whose ids must agree on every
    rank (the all-reduce gives every rank the same logits), so a job that cannot step together
    fails here and not on a user's first request.
-Every failure is a `JoinError` whose message is the same on every rank.
+A failure every rank sees alike (different model files, a split the model cannot take, probes
+that disagree) is a `JoinError` or `ShardingError` with the same message on every rank; this
+rank's own unreadable files are an `OSError` on this rank only.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class JoinedModel:
 def join_model(
     collective: Collective, model_dir: Path, shard: str | None = None, *, host: str | None = None
 ) -> JoinedModel:
-    """Steps 1-4 above; raises JoinError (or ShardingError) with the same message everywhere."""
+    """Steps 1-4 above; raises as the module's docstring says."""
     model_dir = Path(model_dir)
     host = host or socket.gethostname()
     try:
