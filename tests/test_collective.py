@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -42,3 +43,21 @@ def test_a_dead_peer_ends_the_job():
     lines, err = launch("die")
     assert len([x for x in lines if "small" in x]) == 2, err
     assert not any(x.get("done") for x in lines)
+
+
+def test_lockstep_replays_rank_0s_turns_and_a_rank_out_of_step_ends_the_job():
+    proc = run_job([sys.executable, "-m", "tests.support.lockstep_job"], 2, timeout=120)
+    seen = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    turns = {(s["rank"], s["turn"]): s for s in seen}
+    for rank in (0, 1):
+        assert turns[rank, 1] == {
+            "rank": rank,
+            "turn": 1,
+            "item": "a",
+            "first": 5,
+            "second": [["a", 2]],
+        }
+        assert turns[rank, 2]["cancelled"] is True and turns[rank, 2]["item"] is None
+    assert (1, 3) not in turns, proc.stdout
+    assert "rank 1 no longer steps with rank 0: its batch differs from rank 0's" in proc.stderr
+    assert re.search(r"Node with rank 1 exited with code 75", proc.stderr), proc.stderr

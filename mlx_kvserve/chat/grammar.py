@@ -53,6 +53,7 @@ class Constraint:
         # Free text until a trigger (tool_choice "auto"): the engine keeps such a request
         # pipelined while the mask stays the free-text one (engine/decode.py).
         self.lazy = lazy
+        self.grammar: str | None = None  # its Lark text, which another rank compiles alike
         self._matcher = matcher
         self._bitmask = lln.allocate_token_bitmask(1, vocab_size)
         self._fill = lln.fill_next_token_bitmask
@@ -209,7 +210,15 @@ class GrammarCompiler:
                 param=param,
                 code="invalid_schema",
             )
-        return Constraint(matcher, self._vocab_size)
+        constraint = Constraint(matcher, self._vocab_size)
+        constraint.grammar = grammar
+        return constraint
+
+    def constraint_from(self, grammar: str, *, lazy: bool) -> Constraint:
+        """A constraint another rank of a job compiled from `grammar` (already checked)."""
+        constraint = self._compile(grammar, "the request's grammar")
+        constraint.lazy = lazy
+        return constraint
 
 
 _UNWRITABLE = {"Cc", "Cf", "Cs", "Co", "Cn"}  # control, format, surrogate, private, unassigned

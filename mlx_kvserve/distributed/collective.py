@@ -55,7 +55,7 @@ class Collective:
         self.timeout = timeout
         self._on_lost = on_lost
         self._lock = threading.Lock()
-        self._pending: tuple[str, float] | None = None  # (what, deadline) of the running one
+        self._pending: tuple[str, float, float] | None = None  # (what, deadline, seconds)
         self._watchdog: threading.Thread | None = None
 
     @classmethod
@@ -138,10 +138,23 @@ class Collective:
         return out
 
     # -- deadlines -----------------------------------------------------------------------------
+    def end_job(self, message: str) -> None:
+        """This rank cannot go on (a peer lost, the ranks no longer agree): end the job."""
+        self._on_lost(message)
+
     @contextmanager
-    def _deadline(self, what: str) -> Iterator[None]:
+    def deadline(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        """Work across the ranks (a forward pass) that must end within `timeout` seconds
+        (the collectives' own by default), or the job ends."""
+        with self._deadline(what, timeout):
+            yield
+
+    @contextmanager
+    def _deadline(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        limit = self.timeout if timeout is None else timeout
         with self._lock:
-            self._pending = (what, time.monotonic() + self.timeout)
+            assert self._pending is None, f"{what} inside {self._pending}"
+            self._pending = (what, time.monotonic() + limit, limit)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="mlx-kvserve-collective-watchdog", daemon=True
@@ -159,10 +172,10 @@ class Collective:
             with self._lock:
                 pending = self._pending
             if pending is not None and time.monotonic() > pending[1]:
-                what, _ = pending
+                what, _, limit = pending
                 self._on_lost(
-                    f"rank {self.rank}: no answer from a peer within {self.timeout:g} s "
-                    f"during {what}; ending the job so every rank restarts"
+                    f"rank {self.rank}: no answer from a peer within {limit:g} s during {what}; "
+                    "ending the job so every rank restarts"
                 )
                 return
 

@@ -56,6 +56,9 @@ class Checkpoints:
     interval: int
     store: Callable[..., None]  # store(live, last_logits, reason=..., length=None)
     keep_end: bool = False  # a chat prompt: checkpoint near its end where caches cannot be cut
+    # False when some rank of a job holds caches that cannot be cut: every rank then plans its
+    # chunks alike, as if its own could not (the ranks' passes must match one for one)
+    sliceable: bool = True
 
     def for_prompt(self, start: int, end: int, foldable: bool) -> Checkpoints:
         """These checkpoints with the "prompt" point one token before `end` added where the
@@ -130,7 +133,7 @@ def prefill_steps(
     resumption: it raises to abandon the prefill (a cancelled request).
     """
     start, end = len(live.tokens), len(prompt)
-    foldable = is_sliceable(live.caches)
+    foldable = checkpoints.sliceable and is_sliceable(live.caches)
     checkpoints = checkpoints.for_prompt(start, end, foldable)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
     for lo, hi in chunks:
@@ -215,6 +218,7 @@ class Generator:
         # Run between prefill chunks and decode steps by `run()` (the engine schedules those
         # itself); set by the engine: its memory policy.
         self.between_steps: Callable[[], None] = lambda: None
+        self.sliceable = True  # False: some rank of the job cannot cut its caches (Checkpoints)
         self.after_prefill: Callable[[int, bool], None] = lambda prefilled, restored: None
         # Set by the engine: sees the finished request's timings just before its Done event,
         # so a client that has its answer also sees it in the metrics.
@@ -318,7 +322,11 @@ class Generator:
             self._save(states, live, last_logits, **kwargs)
 
         checkpoints = Checkpoints(
-            req.boundaries, self.checkpoint_interval, store, keep_end=req.kind == "chat"
+            req.boundaries,
+            self.checkpoint_interval,
+            store,
+            keep_end=req.kind == "chat",
+            sliceable=self.sliceable,
         )
         try:
             if start.usable:

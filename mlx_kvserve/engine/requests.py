@@ -17,6 +17,41 @@ from typing import Any, Protocol
 from mlx_kvserve.engine.namespaces import current_namespace
 
 
+class CancelLatch:
+    """A request's cancel flag on rank 0 of a job: `set()` from any thread asks, and the engine
+    makes the ask take effect (`latch`) at the start of a turn, when it tells the other ranks.
+    Until the request is shared with them (`hold`), asks take effect at once: a queued request
+    the client left gives up its place in the queue straight away."""
+
+    def __init__(self) -> None:
+        self._asked = threading.Event()
+        self._held = False
+        self._seen = False
+
+    def set(self) -> None:
+        self._asked.set()
+
+    def is_set(self) -> bool:
+        return self._seen if self._held else self._asked.is_set()
+
+    def hold(self) -> bool:
+        """From now on asks wait for `latch`; whether it is cancelled already."""
+        self._held, self._seen = True, self._asked.is_set()
+        return self._seen
+
+    def latch(self) -> bool:
+        """Take the ask into effect; whether it just did."""
+        if self._seen or not self._asked.is_set():
+            return False
+        self._seen = True
+        return True
+
+    def set_now(self) -> None:
+        """Cancelled on every rank at the same point of the loop (the engine stopping)."""
+        self._asked.set()
+        self._seen = True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -100,7 +135,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)  # for time-to-first-token
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event | CancelLatch = field(default_factory=threading.Event)
     namespace: str | None = field(default_factory=current_namespace.get)  # per-key cache
     # The token ids sampled so far, end-of-sequence token excluded (written by the engine thread;
     # read once Done arrives): what a tool loop's next prompt splices back (chat.sampled_turns).
@@ -132,3 +167,8 @@ class GenerationRequest:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def cancel_now(self) -> None:
+        """Cancelled at this point of the engine's loop, on every rank of a job alike."""
+        flag = self.cancelled
+        (flag.set_now if isinstance(flag, CancelLatch) else flag.set)()

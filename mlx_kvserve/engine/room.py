@@ -12,6 +12,7 @@ detokenizer and stop matcher were never touched).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Generator as Generator_
 from typing import Any
 
@@ -24,6 +25,12 @@ from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
+
+Decide = Callable[..., Any]  # engine/lockstep.py's `decide`: rank 0's choice on every rank
+
+
+def _own(decide: Callable[[], Any]) -> Any:
+    return decide()
 
 
 class Room:
@@ -72,6 +79,10 @@ class Room:
         self.ledger.admit(id(req), len(req.prompt_tokens), req.params.max_tokens)
         return True
 
+    def take(self, req: GenerationRequest) -> None:
+        """Charge a request rank 0 of the job admitted (this rank follows its decisions)."""
+        self.ledger.admit(id(req), len(req.prompt_tokens), req.params.max_tokens)
+
     def _shortfall(self, req: GenerationRequest) -> int:
         self.refresh()
         return self.ledger.shortfall(len(req.prompt_tokens), req.params.max_tokens)
@@ -82,9 +93,20 @@ class Room:
         self.last = self.ledger.report()
 
     # -- growth ---------------------------------------------------------------------------------
-    def before_step(self, batch: DecodeBatch) -> None:
+    def before_step(self, batch: DecodeBatch, decide: Decide = _own) -> None:
         """Reserve what the next decode step adds: drop copies, pause the youngest, or end a
-        request that is alone and out of memory, until it fits."""
+        request that is alone and out of memory, until it fits. Across machines rank 0's
+        ledger decides (`decide`) and every rank ends and pauses the same requests."""
+        ends, pauses = decide(lambda: self._plan_step(batch))
+        by_id = {seq.req.request_id: seq for seq in batch.seqs}
+        for request_id in ends:
+            log.warning("request %s: the KV budget is full: it ends", request_id)
+            by_id[request_id].out_of_memory()
+        for request_id, order in pauses:
+            self._pause(by_id[request_id], batch, order)
+
+    def _plan_step(self, batch: DecodeBatch) -> tuple[list[str], list[tuple[str, int]]]:
+        """(the requests that end, the requests that pause with their admission order)."""
         holds = self.ledger.holds
         needs = {}
         for seq in batch.seqs:
@@ -92,7 +114,7 @@ class Room:
             if rid in holds and not seq.req.cancelled.is_set():  # a cancelled one ends now
                 needs[rid] = len(seq.live.tokens) + max(1, len(seq.feed)) + 1
         if all(n <= holds[rid].reserved for rid, n in needs.items()):
-            return  # the common case: within every reserve
+            return [], []  # the common case: within every reserve
         self.refresh()
         cost, reserve = self.ledger.cost, self.ledger.reserve
         growth = sum(
@@ -107,14 +129,13 @@ class Room:
         }
         orders = {rid: hold.order for rid, hold in holds.items()}
         paused, full = self.ledger.plan_step(needs, needs.keys(), limits)
-        by_id = {id(seq.req): seq for seq in batch.seqs}
+        by_id = {id(seq.req): seq.req.request_id for seq in batch.seqs}
+        ends = []
         for rid in full:
             if self._drain_copies() and self.ledger.grow(rid, needs[rid], limits.get(rid)):
                 continue  # the copies beside it were in the way, not its own KV
-            log.warning("request %s: the KV budget is full: it ends", by_id[rid].req.request_id)
-            by_id[rid].out_of_memory()
-        for rid in paused:
-            self._pause(by_id[rid], batch, orders[rid])
+            ends.append(by_id[rid])
+        return ends, [(by_id[rid], orders[rid]) for rid in paused]
 
     def _pause(self, seq: Sequence, batch: DecodeBatch, order: int) -> None:
         """Take `seq` out of the batch, checkpoint its KV and free it."""
@@ -133,17 +154,24 @@ class Room:
         )
 
     # -- resuming -------------------------------------------------------------------------------
-    def next_resume(self, model: Any, prefill_step: int, busy: bool) -> PrefillTask | None:
+    def next_resume(
+        self, model: Any, prefill_step: int, busy: bool, decide: Decide = _own
+    ) -> PrefillTask | None:
         """The oldest paused sequence's resumption, if it fits now (or nothing else runs)."""
         if not self.paused:
             return None
         self.paused.sort(key=lambda p: p[1])
         seq, order = self.paused[0]
         left = seq.limit - seq.timings.completion_tokens
-        if not seq.req.cancelled.is_set():
+
+        def fits() -> bool:
+            if seq.req.cancelled.is_set():
+                return True  # it resumes to end at once
             self.refresh()
-            if busy and self.ledger.shortfall(len(seq.live.tokens), left):
-                return None
+            return not (busy and self.ledger.shortfall(len(seq.live.tokens), left))
+
+        if not decide(fits):
+            return None
         self.paused.pop(0)
         self.ledger.admit(id(seq.req), len(seq.live.tokens), left, order=order)
         self.resumes += 1

@@ -29,6 +29,7 @@ class Stopping:
     batch: Any
     schedule: Any
     prompt_cache: Any
+    lockstep: Any
 
     def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new work now; after `grace` seconds cancel what remains.
@@ -81,16 +82,20 @@ class Stopping:
         """Stopping: whatever is queued, held or decoding ends now."""
         assert self.batch is not None
         for req in self._active():
-            req.cancel()
+            req.cancel_now()
         self._end_paused()
         if self._held is not None:
             self._end_unstarted(self._held)
             self._held = None
-        while self.batch:
+        while self.batch:  # every rank of a job ends them alike, turn by turn
+            self._start_turn()
             self._step()
+            self.lockstep.flush()
         for task in self.schedule:  # each ends at its next check, cancelled
             while task in self.schedule.tasks:
+                self._start_turn()
                 self._advance(task)
+                self.lockstep.flush()
         while True:
             try:
                 item = self._queue.get_nowait()

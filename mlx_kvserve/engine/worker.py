@@ -35,9 +35,10 @@ from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
 from mlx_kvserve.engine.loading import describe_loaded, log_ready
+from mlx_kvserve.engine.lockstep import Agreement, Solo
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.namespaces import make_states
-from mlx_kvserve.engine.requests import Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.requests import CancelLatch, Done, EngineError, GenerationRequest
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
@@ -79,6 +80,7 @@ class Engine(Stopping):
         live_budget: int = 1 << 30,
         kv_reserve: int = RESERVE_TOKENS,
         context_length: int | None = None,
+        lockstep: Agreement | None = None,
     ) -> None:
         """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
 
@@ -87,7 +89,8 @@ class Engine(Stopping):
         reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
         `context_length` is the window the model's config states (models/context.py); None
-        falls back to the model object's args.
+        falls back to the model object's args. `lockstep` is the job this engine steps with
+        across machines (engine/lockstep.py); None: this process alone.
         """
         self._loader = loader
         self.prompt_cache = prompt_cache
@@ -118,6 +121,8 @@ class Engine(Stopping):
         self._calls = CallQueue()
         self.busy_seconds = 0.0  # time spent serving requests, for metrics
         self._observers: list[Callable[[GenerationRequest, Timings | None], None]] = []
+        self.lockstep: Agreement = lockstep or Solo()
+        self.cluster: dict[str, Any] | None = None  # the job's ranks, for /health
 
     def add_observer(self, observer: Callable[[GenerationRequest, Timings | None], None]) -> None:
         """Call `observer(request, timings or None if it failed)` on the engine thread once per
@@ -125,7 +130,13 @@ class Engine(Stopping):
         self._observers.append(observer)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the engine thread (once: a job's rank 0 starts it before its pool does)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (a job's other ranks: until rank 0 stops them)."""
+        self._thread.join(timeout)
 
     @property
     def queued(self) -> int:
@@ -151,6 +162,11 @@ class Engine(Stopping):
             raise RequestTooLarge(self.room.too_large(req))
         if self.queued >= self._queue.maxsize:  # the request held for room counts too
             raise EngineBusy
+        if self.lockstep.distributed:  # a client's cancel takes effect at a turn's start
+            latch = CancelLatch()
+            if req.cancelled.is_set():
+                latch.set()
+            req.cancelled = latch
         try:
             self._queue.put_nowait(req)
         except queue.Full:
@@ -193,7 +209,10 @@ class Engine(Stopping):
             self.generator.after_prefill = self.memory.after_prefill
             self.generator.before_done = self._observe
             self.memory.start(self.model)
-            self._can_batch = can_batch(self.layout)
+            # Across machines a rank holds some layers only (a pipeline): what its caches can
+            # do is agreed, so that every rank batches and chunks alike.
+            self._can_batch = self.lockstep.all_true(can_batch(self.layout), "batching")
+            self.generator.sliceable = self.lockstep.all_true(self.layout.sliceable, "slicing")
             if self.kv_budget is None:
                 self.kv_budget = self.memory.default_kv_budget(self.model)
             self.room = Room(
@@ -220,28 +239,51 @@ class Engine(Stopping):
             self.memory.stop()
 
     def _loop(self) -> None:
-        assert self.batch is not None
+        assert self.batch is not None and self.room is not None
         while True:
             self._calls.run()
-            if self._stopping.is_set():
-                self._shut_down()
-                return
-            item = self._next()
+            self._start_turn()
+            item = self.lockstep.next_item(self._take)
             if item is STOP:
+                self.lockstep.flush()
                 self._shut_down()
                 return
             started = time.perf_counter()
             if isinstance(item, GenerationRequest):
+                if not self.lockstep.leader:
+                    self.room.take(item)  # rank 0 admitted it
                 self._begin(item)
             self._resume()
-            task = self.schedule.choose(decoding=bool(self.batch))
+            task = self._choose()
             if task is not None:
                 self._advance(task)
             elif self.batch:
                 self._step()
-            elif not isinstance(item, GenerationRequest):
-                continue
-            self.busy_seconds += time.perf_counter() - started
+            self.lockstep.flush()
+            if task is not None or isinstance(item, GenerationRequest):
+                self.busy_seconds += time.perf_counter() - started
+
+    def _start_turn(self) -> None:
+        """A turn of the loop begins: across machines, where every rank checks it is in step."""
+        assert self.batch is not None and self.room is not None
+        digest = [len(self.batch), len(self.schedule), len(self.room.paused)]
+        digest.append(sum(len(req.sampled) for req in self.batch.requests))
+        self.lockstep.tick(self._active(), digest)
+
+    def _take(self) -> Any:
+        """Rank 0's (or a lone engine's) next item: STOP, a request that has room, or None."""
+        return STOP if self._stopping.is_set() else self._next()
+
+    def _choose(self) -> PrefillTask | None:
+        """The prefill chunk to run next, or None for a decode step (engine/schedule.py)."""
+        tasks = self.schedule.tasks
+
+        def choose() -> int:
+            task = self.schedule.choose(decoding=bool(self.batch))
+            return -1 if task is None else tasks.index(task)
+
+        index = self.lockstep.decide(choose)
+        return None if index < 0 else tasks[index]
 
     def _busy(self) -> bool:
         assert self.batch is not None
@@ -253,7 +295,9 @@ class Engine(Stopping):
         self._end_paused()
         if not self.room.paused or (self._busy() and not self._can_join()):
             return
-        task = self.room.next_resume(self.model, self.prefill_step, self._busy())
+        task = self.room.next_resume(
+            self.model, self.prefill_step, self._busy(), self.lockstep.decide
+        )
         if task is not None:
             self.schedule.add(task)
 
@@ -314,9 +358,11 @@ class Engine(Stopping):
         """One chunk of `task`'s prefill; when it is done the request joins the batch."""
         assert self.batch is not None
         before = task.remaining if task.started else 0
+        self.lockstep.flush()
         started = time.perf_counter()
         try:
-            finished = task.advance()
+            with self.lockstep.working("a prefill chunk"):
+                finished = task.advance()
         except Exception:
             self.schedule.remove(task)
             self._failed([task.req])
@@ -340,12 +386,15 @@ class Engine(Stopping):
 
     def _step(self) -> None:
         assert self.batch is not None and self.room is not None
-        self.room.before_step(self.batch)  # may pause the youngest, or end one alone and full
+        # may pause the youngest, or end one alone and full
+        self.room.before_step(self.batch, self.lockstep.decide)
+        self.lockstep.flush()
         if not self.batch:
             return
         started = time.perf_counter()
         try:
-            self.batch.step()
+            with self.lockstep.working("a decode step"):
+                self.batch.step()
             self.schedule.decoded(time.perf_counter() - started)
         except Exception:
             self._failed([seq.req for seq in self.batch.fail_all()])
