@@ -83,6 +83,21 @@ class Settings:
             "file_only": True,
         },
     )
+    shard: str = field(
+        default="auto",
+        metadata={
+            "help": "How the model splits across the ranks of an mlx.launch job: tensor (its "
+            "heads), pipeline (its layers) or auto (the one the model supports best); "
+            "ignored in one process."
+        },
+    )
+    peer_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a rank of an mlx.launch job may take to answer before the job "
+            "ends with one log line, for the service manager to restart every rank."
+        },
+    )
     api_key: str | None = field(
         default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on /v1/*."}
     )

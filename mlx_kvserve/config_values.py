@@ -49,6 +49,8 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
 _POSITIVE |= {"max_loaded_models", "kv_reserve"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
+_POSITIVE |= {"peer_timeout"}
+SHARD_MODES = ("auto", "tensor", "pipeline")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
 
@@ -80,6 +82,8 @@ def check_value(name: str, value: Any) -> Any:
         raise ValueError(f"{value} is negative")
     if name == "log_level" and str(value).lower() not in _LOG_LEVELS:
         raise ValueError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
+    if name == "shard" and value not in SHARD_MODES:
+        raise ValueError(f"{value!r} is not one of {', '.join(SHARD_MODES)}")
     if name == "kv_dtype" and value not in KV_DTYPES:
         raise ValueError(f"{value!r} is not one of {', '.join(KV_DTYPES)}")
     if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit", "live_budget") and (

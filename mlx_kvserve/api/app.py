@@ -52,6 +52,8 @@ async def health(request: Request) -> Response:
     body: dict = {"model": default.name, "version": __version__, "models": _states(pool)}
     if state.pressure is not None:
         body["memory_pressure"] = state.pressure.level
+    if engine is not None and engine.cluster is not None:
+        body["cluster"] = engine.cluster  # every rank steps each turn with rank 0
     ready = engine is not None and engine.ready.is_set()
     error = (engine.load_error if engine is not None else None) or default.error
     if error or not (ready or default.loaded_at):

@@ -119,7 +119,7 @@ def serve(settings: Settings) -> int:
     from mlx_kvserve.net.resources import keep_open_file_limits
 
     with keep_open_file_limits():  # mlx_lm's import would lower the limit (or fail on it)
-        import uvicorn
+        import uvicorn  # noqa: F401  (its import, too, under the file-limit guard)
         from mlx_lm import load as mlx_load
     from transformers.utils import logging as hf_logging
 
@@ -127,7 +127,13 @@ def serve(settings: Settings) -> int:
 
     if _stop_requested.is_set():
         return 0
-    from mlx_kvserve.api.app import create_app
+    if in_job():
+        from mlx_kvserve.cli.serve_job import serve_job
+        from mlx_kvserve.distributed.collective import Collective
+
+        collective = Collective.join(timeout=settings.peer_timeout)
+        if collective.distributed:
+            return serve_job(settings, collective)
     from mlx_kvserve.cache import CacheLockedError
     from mlx_kvserve.models.pool import ModelPool
     from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
@@ -171,6 +177,29 @@ def serve(settings: Settings) -> int:
             if engine.prompt_cache is not None:
                 engine.prompt_cache.close()
         return 0
+    try:
+        run_http(settings, pool)
+    finally:
+        for engine in premade.values():  # never started: close its cache
+            if engine.prompt_cache is not None:
+                engine.prompt_cache.close()
+    exit_now(0)
+    return 0  # not reached
+
+
+def in_job() -> bool:
+    """Started by `mlx.launch` (or MPI) as one rank of a job."""
+    return any(name in os.environ for name in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE"))
+
+
+def run_http(settings: Settings, pool) -> None:
+    """Serve `pool`'s models over HTTP until SIGINT/SIGTERM, then drain."""
+    import uvicorn
+
+    from mlx_kvserve.api.app import create_app
+
+    if _stop_requested.is_set():
+        return
     app = create_app(settings, pool)
     DrainingServer = _draining_server_class()
     config = uvicorn.Config(
@@ -189,18 +218,11 @@ def serve(settings: Settings) -> int:
     # exit 0, and a stop that comes just before uvicorn takes over ends it at start-up.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: _stop_requested.set())
-    try:
-        DrainingServer(config, pool, settings.shutdown_grace).run()
-    finally:
-        for engine in premade.values():  # never started: close its cache
-            if engine.prompt_cache is not None:
-                engine.prompt_cache.close()
+    DrainingServer(config, pool, settings.shutdown_grace).run()
     log.info(
         "stopped cleanly%s",
         "" if settings.no_cache else ": checkpoint writes flushed, clean shutdown recorded",
     )
-    exit_now(0)
-    return 0  # not reached
 
 
 def exit_now(code: int) -> None:

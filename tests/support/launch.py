@@ -54,3 +54,23 @@ def run_job(
         if BIND_FAILED not in proc.stderr:
             return proc
     return proc
+
+
+def launch_prefix(ranks: int) -> tuple[str, ...]:
+    """`mlx.launch` with the ring backend on loopback, as a prefix for a server's command."""
+    start = free_ports(ranks)
+    return (LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(start), "--")
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks `mlx.launch` (its pid) started on this machine (Linux)."""
+    ranks = {}
+    children = []  # the launcher starts each rank from a thread of its own
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for child in children:
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        for item in environ:
+            if item.startswith(b"MLX_RANK="):
+                ranks[int(item.split(b"=", 1)[1])] = int(child)
+    return ranks

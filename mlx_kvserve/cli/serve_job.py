@@ -1,0 +1,145 @@
+"""`mlx-kvserve serve` on every rank of an `mlx.launch` job: one model split across machines.
+
+Every rank prepares the same model from its own disk, joins the job (distributed/join.py: the
+same files on every rank, its shard of the weights, a greedy probe in lockstep) and runs an
+engine that steps with rank 0's (engine/lockstep.py). Only rank 0 opens HTTP, and only once
+every rank has joined: a job that cannot serve says why on every rank and exits 2 before any
+port opens. The other ranks run until rank 0 stops them (its SIGTERM drains, then every engine
+stops at the same turn); a rank that dies or hangs ends the job (exit 75) within
+`--peer-timeout` seconds, for the service manager to restart every rank.
+
+Not yet across ranks: the prompt cache (each rank would keep its own slice of a checkpoint,
+with lookups agreed by every rank), so a job serves with `--no-cache`; and several models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from mlx_kvserve.config import Settings
+
+log = logging.getLogger("mlx_kvserve")
+
+
+def serve_job(settings: Settings, collective: Any) -> int:
+    """Serve as one rank of the job until it stops; ends the process with its exit code."""
+    from mlx_kvserve.cli.serve import exit_now
+
+    exit_now(_serve(settings, collective))
+    return 0  # not reached
+
+
+def _serve(settings: Settings, collective: Any) -> int:
+    from mlx_kvserve.cli.serve import run_http
+    from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
+
+    rank = f"rank {collective.rank}/{collective.size}"
+    if not collective.is_leader:  # rank 0 logs each request; the others, what goes wrong
+        logging.getLogger("mlx_kvserve.engine").setLevel(logging.WARNING)
+    if not settings.no_cache:
+        if collective.is_leader:
+            log.warning(
+                "the prompt cache is not kept across the ranks of a job yet: serving without it"
+            )
+        settings = dataclasses.replace(settings, no_cache=True)
+    joined: dict[str, Any] = {}
+
+    def load(path: str) -> tuple[Any, Any]:
+        from mlx_kvserve.distributed.join import JoinError, join_model
+        from mlx_kvserve.distributed.sharding import ShardingError
+
+        shard = None if settings.shard == "auto" else settings.shard
+        try:
+            job = join_model(collective, Path(path), shard)
+        except (JoinError, ShardingError) as exc:  # alike on every rank
+            log.error("%s: %s", rank, exc)
+            collective.barrier("refusal")  # every rank says why before mlx.launch ends them
+            raise
+        joined["job"] = job
+        return job.model, job.tokenizer
+
+    problem = None
+    if not collective.is_leader:
+        collective.barrier("model files")  # rank 0 prepares first (an embedded model unpacks)
+    try:
+        slots, start_engine = prepare_slots(settings, lambda *_: None, load)
+        if len(slots) > 1:
+            problem = "a job across machines serves one model; give one --model"
+    except ModelSetupError as exc:
+        problem = str(exc)
+    if collective.is_leader:
+        collective.barrier("model files")
+    problems = collective.gather(problem, "model files")
+    if any(problems):
+        first = next(i for i, p in enumerate(problems) if p)
+        log.error("%s: cannot serve: rank %d: %s", rank, first, problems[first])
+        collective.barrier("refusal")
+        return 2
+
+    engine = start_engine(slots[0])
+    engine.lockstep = _lockstep(collective, engine)
+    engine.start()
+    while not engine.ready.wait(0.2):
+        if engine.load_error:
+            return 2  # said on every rank by `load`, or this rank's own files (logged)
+    job = joined["job"]
+    engine.cluster = {
+        "ranks": collective.size,
+        "hosts": job.hosts,
+        "shard": job.plan.mode,
+        "fingerprint": job.fingerprint,
+    }
+    if not collective.is_leader:
+        return _follow(engine, rank)
+    log.info(
+        "job of %d ranks on %s: %s parallel; rank 0 serves HTTP",
+        collective.size,
+        ", ".join(job.hosts),
+        job.plan.mode,
+    )
+    from mlx_kvserve.models.pool import ModelPool
+
+    slot = slots[0]  # loaded for good: its weights are spread over the job's ranks
+    slot.spec = dataclasses.replace(slot.spec, pinned=True)
+    pool = ModelPool(
+        [slot], lambda _slot: engine, memory_budget=max(1, slot.footprint), max_loaded=1
+    )
+    run_http(settings, pool)
+    return 0
+
+
+def _lockstep(collective: Any, engine: Any) -> Any:
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.distributed.request_wire import RequestWire
+    from mlx_kvserve.engine.lockstep import Lockstep
+
+    compilers: list[GrammarCompiler] = []
+
+    def compiler() -> GrammarCompiler:
+        if not compilers:
+            vocab = getattr(getattr(engine.model, "args", None), "vocab_size", 0)
+            compilers.append(GrammarCompiler(engine.tokenizer, vocab or 0))
+        return compilers[0]
+
+    return Lockstep(collective, RequestWire(compiler))
+
+
+def _follow(engine: Any, rank: str) -> int:
+    """A rank > 0: step with rank 0 until it stops the job; signals are rank 0's to act on."""
+
+    def note(signum: int, _frame: object) -> None:
+        log.info("%s: signal %d: this rank stops when rank 0 stops the job", rank, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, note)
+    log.info("%s: ready, stepping with rank 0", rank)
+    engine.join()
+    log.info("%s: stopped with rank 0", rank)
+    return 0
+
+
+__all__ = ["serve_job"]
