@@ -153,8 +153,9 @@ class Collective:
     def _deadline(self, what: str, timeout: float | None = None) -> Iterator[None]:
         limit = self.timeout if timeout is None else timeout
         with self._lock:
-            assert self._pending is None, f"{what} inside {self._pending}"
-            self._pending = (what, time.monotonic() + limit, limit)
+            outer = self._pending  # a collective inside a forward pass's deadline: the pass's
+            if outer is None:
+                self._pending = (what, time.monotonic() + limit, limit)
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="mlx-kvserve-collective-watchdog", daemon=True
@@ -163,8 +164,9 @@ class Collective:
         try:
             yield
         finally:
-            with self._lock:
-                self._pending = None
+            if outer is None:
+                with self._lock:
+                    self._pending = None
 
     def _watch(self) -> None:
         while True:

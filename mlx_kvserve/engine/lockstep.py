@@ -174,6 +174,10 @@ class Lockstep:
         """Whether `flag` holds on every rank (what their shards of the model can do)."""
         return self.collective.all_true(flag, what)
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's `value` (JSON), in rank order: what each would do (engine/job_states)."""
+        return self.collective.gather(value, what)
+
     def working(self, what: str) -> AbstractContextManager[Any]:
         """A forward pass across the ranks: one that never ends ends the job."""
         return self.collective.deadline(what, self.timeout)

@@ -119,8 +119,15 @@ class NamespacedStates:
         return getattr(self._active, name)
 
 
-def make_states(model: Any, prompt_cache: Any, *, enabled: bool, live_budget: int = 0) -> Any:
-    """PromptStates for one shared cache, or NamespacedStates for per-key caches."""
+def make_states(
+    model: Any, prompt_cache: Any, *, enabled: bool, live_budget: int = 0, job: Any = None
+) -> Any:
+    """PromptStates for one shared cache, or NamespacedStates for per-key caches; JobStates
+    when the model is split across the ranks of a job (`job`, engine/lockstep.py)."""
+    if job is not None:
+        from mlx_kvserve.engine.job_states import JobStates
+
+        return JobStates(model, prompt_cache, job, enabled=enabled, live_budget=live_budget)
     if isinstance(prompt_cache, CacheSet):
         return NamespacedStates(model, prompt_cache, enabled=enabled, live_budget=live_budget)
     from mlx_kvserve.engine.prompt_state import PromptStates

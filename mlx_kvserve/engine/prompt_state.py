@@ -148,10 +148,21 @@ class PromptStates:
     # ----------------------------------------------------------------------------------------
     def _take_live(self, prompt: list[int], match: Match) -> Start | None:
         """The resident that covers most of `prompt`, taken out of the residents (the caller
-        owns it). A resident cut back to less than half of itself is most likely another
-        conversation that shares a prefix (a system prompt) with this one: it is taken only if
-        it beats the prompt cache; else it stays for its own conversation and the cache's copy
-        serves this prompt. A retry or an edited last message keeps most of its resident."""
+        owns it)."""
+        best, best_usable = self._best_live(prompt, match)
+        if best is None:
+            return None
+        self._residents = [r for r in self._residents if r is not best]
+        if best_usable < best.usable:
+            trim_prompt_cache(best.caches, best.usable - best_usable)
+        return Start(best.caches, prompt[:best_usable], "live")
+
+    def _best_live(self, prompt: list[int], match: Match) -> tuple[Start | None, int]:
+        """The resident `_take_live` takes and the prompt tokens it covers. A resident cut back
+        to less than half of itself is most likely another conversation that shares a prefix (a
+        system prompt) with this one: it is taken only if it beats the prompt cache; else it
+        stays for its own conversation and the cache's copy serves this prompt. A retry or an
+        edited last message keeps most of its resident."""
         best, best_usable = None, 0
         for resident in self._residents:
             usable = min(common_prefix(resident.tokens, prompt), len(prompt) - 1)
@@ -161,12 +172,7 @@ class PromptStates:
                 continue
             if usable > best_usable:
                 best, best_usable = resident, usable
-        if best is None:
-            return None
-        self._residents = [r for r in self._residents if r is not best]
-        if best_usable < best.usable:
-            trim_prompt_cache(best.caches, best.usable - best_usable)
-        return Start(best.caches, prompt[:best_usable], "live")
+        return best, best_usable
 
     def _restore(self, prompt: list[int], match: Match, *, again: bool = True) -> Start:
         assert self.cache is not None and match.key is not None

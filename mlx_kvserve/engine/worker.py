@@ -198,6 +198,7 @@ class Engine(Stopping):
                 checkpoints_to,
                 enabled=self.cache_enabled,
                 live_budget=self.live_budget,
+                job=self.lockstep if self.lockstep.distributed else None,
             )
             self.generator = Generator(
                 self.model,

@@ -1,0 +1,101 @@
+"""Where a prompt's prefill starts when the model is split across the ranks of a job.
+
+ENGINE THREAD. Every rank keeps its own slice of each checkpoint (its heads, or its layers) in
+a prompt cache of its own (named by the model's fingerprint, the split, the world size and the
+rank), and its own resident sessions. A prefill must start at the same token on every rank, or
+their passes would not match, so a start is agreed (engine/lockstep.py's collectives):
+
+1. every rank looks up its own residents and its own cache and says what each offers (a
+   resident of n tokens; a checkpoint of n tokens, and whether it is suspect); the longest that
+   every rank offers alike is used. A checkpoint that some rank found and another did not is
+   evicted where it was found (it could never serve the job), and the ranks look again, since
+   they may agree on a shorter one; residents that differ (rank 0 alone drops them when memory
+   runs short) are only passed over;
+2. every rank restores its slice; unless all restored, all start cold and the entry is evicted
+   on every rank (a damaged file on one rank is a miss on all);
+3. a suspect entry (written by a run that died) is checked by prefilling its probe position on
+   every rank together; unless the logits match on all, it is evicted everywhere.
+Failures that follow a start (non-finite logits) are the same on every rank, since the logits
+are; the engine evicts and retries cold on each alike (engine/generate.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlx_kvserve.cache import MISS, CacheRestoreError
+from mlx_kvserve.engine.prompt_state import PromptStates, Start
+
+LOOKUP_ROUNDS = 3  # lookups before a cold start, each after evicting what some rank lacked
+
+
+class JobStates(PromptStates):
+    """PromptStates whose every start is agreed by the ranks of the job (`job`: a Lockstep)."""
+
+    def __init__(self, model: Any, cache: Any, job: Any, **options: Any) -> None:
+        super().__init__(model, cache, **options)
+        self.job = job
+
+    def acquire(self, prompt: list[int]) -> Start:
+        if not self.enabled:
+            return self.cold()
+        for _ in range(LOOKUP_ROUNDS):
+            match = self.cache.lookup(prompt) if self.cache is not None else MISS
+            best, live_usable = self._best_live(prompt, match)
+            mine = {
+                "live": live_usable if best is not None else None,
+                "disk": [match.usable, bool(match.suspect)] if match.hit else None,
+            }
+            seen = self.job.gather(mine, "a cache lookup")
+            live_agreed = mine["live"] is not None and all(s["live"] == mine["live"] for s in seen)
+            disk_agreed = mine["disk"] is not None and all(s["disk"] == mine["disk"] for s in seen)
+            if live_agreed and not (disk_agreed and match.usable > live_usable):
+                start = self._take_live(prompt, match)
+                assert start is not None
+                return start
+            if disk_agreed:
+                return self._restore_together(prompt, match)
+            if all(s["disk"] == seen[0]["disk"] for s in seen):
+                return self.cold()  # no rank holds more than the others: nothing to evict
+            shortest = min(s["disk"][0] if s["disk"] else 0 for s in seen)
+            if match.hit and match.usable > shortest:
+                self._evict(match, "another rank of the job holds no such entry")
+            # and look again: the ranks may agree on a shorter entry (a shared system prompt)
+        return self.cold()
+
+    def _restore_together(self, prompt: list[int], match: Any) -> Start:
+        assert self.cache is not None
+        target = match.for_probe() if match.suspect else match
+        caches = self.fresh()
+        started = time.perf_counter()
+        restored = True
+        try:
+            self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
+        except CacheRestoreError as err:
+            self.cache.evict(err.key, err.problem)
+            restored = False
+        if not self.job.all_true(restored, "a restore"):
+            if restored:
+                self._evict(match, "another rank of the job could not restore its slice")
+            return self.cold()
+        start = Start(caches, prompt[: target.usable], match.source or "disk", match)
+        start.restore_seconds = time.perf_counter() - started
+        if match.suspect:
+            behaves = self._behaves(prompt, start, target)  # a pass on every rank together
+            if not self.job.all_true(behaves, "a behaviour check"):
+                self.cache.evict(
+                    match.key,
+                    "behaviour check failed after an unclean shutdown (on some rank of the job)",
+                    first_suspect=True,
+                )
+                return self.cold()
+            self.cache.mark_verified(match.key)
+        return start
+
+    def _evict(self, match: Any, why: str) -> None:
+        assert self.cache is not None
+        self.cache.evict(match.key, why)
+
+
+__all__ = ["JobStates"]
