@@ -131,6 +131,22 @@ def chat(server: ServerProcess, i: int, **extra) -> dict:
     return reply.model_dump()["choices"][0]
 
 
+def conversation(server: ServerProcess, turns: int) -> list[tuple[str, int]]:
+    """A conversation of `turns` greedy turns: (each answer, its cached prompt tokens)."""
+    messages = [{"role": "system", "content": "You answer briefly and kindly. " * 12}]
+    seen = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what about {turn}?"})
+        reply = client(server).chat.completions.create(
+            model="llama", messages=messages, max_tokens=10, temperature=0
+        )
+        text = reply.choices[0].message.content
+        messages.append({"role": "assistant", "content": text})
+        details = reply.usage.prompt_tokens_details
+        seen.append((text, details.cached_tokens if details else 0))
+    return seen
+
+
 def answers(server: ServerProcess, count: int) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         return list(pool.map(lambda i: chat(server, i), range(count)))
@@ -197,6 +213,52 @@ def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, alone):
     assert httpx.get(job.base_url + "/health").json()["running"] == 0
 
 
+def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(models, alone, tmp_path):
+    cache = str(tmp_path / "cache")
+    args = ("--model", str(models["llama"]), "--cache-dir", cache)
+    job = start_job(tmp_path, 2, *args)
+    first = conversation(job, 2)
+    assert job.stop() == 0 and job.exit_codes() == {}
+    slices = sorted(p.name.rsplit("-", 1)[1] for p in Path(cache).iterdir())
+    assert slices == ["2r0", "2r1"]  # one cache per rank, named by the job's layout
+    assert all(list((Path(cache) / p).glob("*.kvc")) for p in os.listdir(cache))
+
+    job = start_job(tmp_path, 2, *args)
+    try:
+        again = conversation(job, 3)
+        expected = [text for text, _ in conversation(alone, 3)]
+        assert [text for text, _ in again] == expected
+        assert [text for text, _ in first] == expected[:2]
+        assert again[0][1] > 0 and again[1][1] > again[0][1], again  # from disk, every rank
+        assert "cache=disk" in job.log()
+    finally:
+        job.stop()
+
+
+def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--model", str(models["llama"]), "--cache-dir", str(cache))
+    job = start_job(tmp_path, 2, *args)
+    conversation(job, 2)
+    job.stop()
+    (rank_1,) = [p for p in cache.iterdir() if p.name.endswith("-2r1")]
+    for path in rank_1.glob("*.kvc"):  # every checkpoint of rank 1's slice
+        data = bytearray(path.read_bytes())
+        data[-150:-100] = bytes(b ^ 0x5A for b in data[-150:-100])
+        path.write_bytes(bytes(data))
+
+    job = start_job(tmp_path, 2, *args)
+    try:
+        again = conversation(job, 2)
+        assert [text for text, _ in again] == [text for text, _ in conversation(alone, 2)]
+        assert again[0][1] == 0  # a miss on rank 0 too, though its own slice is sound
+        log = job.log()
+        assert "payload checksum mismatch" in log
+        assert "another rank of the job could not restore its slice" in log
+    finally:
+        job.stop()
+
+
 def test_a_pipeline_job_answers_as_one_process(models, tmp_path):
     model = str(models["qwen3_next"])
     job = start_job(tmp_path, 2, "--model", model, "--shard", "pipeline")
@@ -235,7 +297,9 @@ def test_a_stop_of_rank_0_stops_every_rank_cleanly(models, tmp_path):
 
 
 def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(models, tmp_path):
-    job = start_job(tmp_path, 2, "--model", str(models["llama"]), "--peer-timeout", "5")
+    args = ("--model", str(models["llama"]), "--cache-dir", str(tmp_path / "cache"))
+    job = start_job(tmp_path, 2, *args, "--peer-timeout", "5")
+    before = conversation(job, 1)
     body = {"model": "llama", "prompt": "Go", "max_tokens": 4000, "temperature": 0, "stream": True}
     events = []
     started = time.monotonic()
@@ -255,6 +319,12 @@ def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(models, tmp
     assert codes[1] == -9 and codes[0] == 75, job.log()
     assert "ending the job so every rank restarts" in job.log() or "a peer left" in job.log()
     job.stop()
+    job = start_job(tmp_path, 2, *args)  # what a service manager does next
+    try:
+        after = conversation(job, 1)
+        assert after[0][0] == before[0][0] and after[0][1] > 0  # served from every rank's disk
+    finally:
+        job.stop()
 
 
 def test_a_job_that_cannot_serve_says_why_on_every_rank_before_http(models, tmp_path):

@@ -23,9 +23,14 @@ log = logging.getLogger("mlx_kvserve")
 
 
 def open_prompt_cache(
-    settings: Settings, model_dir: Path, model_id: str, kv_dtype: str | None = None
+    settings: Settings,
+    model_dir: Path,
+    model_id: str,
+    kv_dtype: str | None = None,
+    rank: str | None = None,
 ):
-    """The model's PromptCache, or None with --no-cache. Raises CacheLockedError if in use."""
+    """The model's PromptCache, or None with --no-cache. Raises CacheLockedError if in use.
+    `rank` names this rank's slice in a job across machines (cli/serve_job.py)."""
     if settings.no_cache:
         return None
     from mlx_kvserve.cache import PromptCache
@@ -38,7 +43,7 @@ def open_prompt_cache(
     def open_cache(root: Path | None) -> PromptCache:
         return PromptCache(
             root,
-            fingerprint_model(model_dir, model_id, kv_dtype),
+            fingerprint_model(model_dir, model_id, kv_dtype) + (f"-{rank}" if rank else ""),
             disk_budget=budget // share if budget else None,
             ram_budget=parse_size(settings.cache_ram_budget) // share,
         )

@@ -8,8 +8,10 @@ port opens. The other ranks run until rank 0 stops them (its SIGTERM drains, the
 stops at the same turn); a rank that dies or hangs ends the job (exit 75) within
 `--peer-timeout` seconds, for the service manager to restart every rank.
 
-Not yet across ranks: the prompt cache (each rank would keep its own slice of a checkpoint,
-with lookups agreed by every rank), so a job serves with `--no-cache`; and several models.
+Each rank keeps its own slice of every checkpoint in a prompt cache of its own, named by the
+model's fingerprint, the split, the world size and the rank (a directory written by another
+job layout is another cache); where a prefill starts is agreed by every rank
+(engine/job_states.py). Not yet across ranks: several models, per-key caches.
 """
 
 from __future__ import annotations
@@ -34,18 +36,13 @@ def serve_job(settings: Settings, collective: Any) -> int:
 
 
 def _serve(settings: Settings, collective: Any) -> int:
-    from mlx_kvserve.cli.serve import run_http
+    from mlx_kvserve.cache import CacheLockedError
+    from mlx_kvserve.cli.serve import open_prompt_cache, run_http
     from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
 
     rank = f"rank {collective.rank}/{collective.size}"
     if not collective.is_leader:  # rank 0 logs each request; the others, what goes wrong
         logging.getLogger("mlx_kvserve.engine").setLevel(logging.WARNING)
-    if not settings.no_cache:
-        if collective.is_leader:
-            log.warning(
-                "the prompt cache is not kept across the ranks of a job yet: serving without it"
-            )
-        settings = dataclasses.replace(settings, no_cache=True)
     joined: dict[str, Any] = {}
 
     def load(path: str) -> tuple[Any, Any]:
@@ -65,11 +62,21 @@ def _serve(settings: Settings, collective: Any) -> int:
     problem = None
     if not collective.is_leader:
         collective.barrier("model files")  # rank 0 prepares first (an embedded model unpacks)
+    # this rank's slices of the checkpoints: a job of another split or size is another cache
+    slice_name = f"{settings.shard}-{collective.size}r{collective.rank}"
+
+    def open_cache(settings: Settings, model_dir: Path, model_id: str, kv_dtype=None) -> Any:
+        return open_prompt_cache(settings, model_dir, model_id, kv_dtype, rank=slice_name)
+
     try:
-        slots, start_engine = prepare_slots(settings, lambda *_: None, load)
+        slots, start_engine = prepare_slots(settings, open_cache, load)
         if len(slots) > 1:
             problem = "a job across machines serves one model; give one --model"
-    except ModelSetupError as exc:
+        elif settings.isolate_cache:
+            problem = "--isolate-cache is not available across machines yet"
+        else:
+            engine = start_engine(slots[0])  # its prompt cache opens now
+    except (ModelSetupError, CacheLockedError) as exc:
         problem = str(exc)
     if collective.is_leader:
         collective.barrier("model files")
@@ -80,7 +87,6 @@ def _serve(settings: Settings, collective: Any) -> int:
         collective.barrier("refusal")
         return 2
 
-    engine = start_engine(slots[0])
     engine.lockstep = _lockstep(collective, engine)
     engine.start()
     while not engine.ready.wait(0.2):
@@ -138,6 +144,7 @@ def _follow(engine: Any, rank: str) -> int:
         signal.signal(sig, note)
     log.info("%s: ready, stepping with rank 0", rank)
     engine.join()
+    engine.stop()  # the engine thread has ended: this flushes the cache's writes
     log.info("%s: stopped with rank 0", rank)
     return 0
 
