@@ -91,6 +91,18 @@ class Settings:
             "ignored in one process."
         },
     )
+    hostfile: str | None = field(
+        default=None,
+        metadata={
+            "help": "Serve one model across the hosts of this mlx.launch hostfile: this "
+            "process starts every rank with mlx.launch (rank 0, the first host, serves HTTP), "
+            "stops them on SIGTERM and exits with the job's status (75: a rank was lost)."
+        },
+    )
+    ring_port: int = field(
+        default=32323,
+        metadata={"help": "With --hostfile: the ring backend's first port (rank r: + r)."},
+    )
     peer_timeout: float = field(
         default=30.0,
         metadata={

@@ -49,7 +49,7 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "max_concurrency"}
 _POSITIVE |= {"max_loaded_models", "kv_reserve"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
-_POSITIVE |= {"peer_timeout"}
+_POSITIVE |= {"peer_timeout", "ring_port"}
 SHARD_MODES = ("auto", "tensor", "pipeline")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 

@@ -71,6 +71,15 @@ def test_a_bad_hostfile_is_refused_naming_the_host_and_cause(tmp_path, doc, expe
     assert expected in str(info.value) and str(path) in str(info.value)
 
 
+def test_a_jaccl_ring_hostfile_as_mlx_distributed_config_writes_it_is_read(tmp_path):
+    hosts = [
+        {"ssh": "mac-a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3"]},
+        {"ssh": "mac-b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None]},
+    ]
+    job = read_hostfile(write(tmp_path, {"backend": "jaccl-ring", "hosts": hosts, "envs": []}))
+    assert job.backend == "jaccl-ring" and job.world_size == 2
+
+
 def test_a_missing_hostfile_is_refused(tmp_path):
     with pytest.raises(HostfileError, match="cannot read it"):
         read_hostfile(tmp_path / "nowhere.json")

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from mlx_kvserve.service.manage import health
 from tests.conftest import ServerProcess
-from tests.support.launch import BIND_FAILED, launch_prefix, rank_pids
+from tests.support.launch import BIND_FAILED, free_ports, launch_prefix, rank_pids
 from tests.support.tiny_models import make_model_dir
 
 pytestmark = pytest.mark.slow
@@ -345,3 +348,59 @@ def test_a_job_that_cannot_serve_says_why_on_every_rank_before_http(models, tmp_
     assert refused == {"0", "1", "2"}, log
     assert 2 in three.exit_codes().values() and "Uvicorn running" not in log
     three.stop()
+
+
+def hostfile_job(tmp_path: Path, *args: str) -> ServerProcess:
+    """`serve --hostfile` over two ranks on this machine (hosts named 127.0.0.1 run locally)."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    for _ in range(3):
+        port = str(free_ports(2))
+        server = ServerProcess(tmp_path, "--hostfile", str(hosts), "--ring-port", port, *args)
+        try:
+            return server.wait_ready(timeout=300)
+        except RuntimeError:
+            server.stop()
+            if BIND_FAILED not in server.log():
+                raise
+    raise RuntimeError("the ring backend could not bind its ports three times")
+
+
+def ranks_of(server: ServerProcess) -> dict[int, int]:
+    """The ranks under `serve --hostfile`'s launcher (its one child)."""
+    pid = server.proc.pid
+    (launcher,) = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return rank_pids(int(launcher))
+
+
+def test_serve_with_a_hostfile_stands_for_the_whole_job(models, alone, tmp_path):
+    server = hostfile_job(tmp_path, "--model", str(models["llama"]))
+    assert httpx.get(server.base_url + "/health").json()["cluster"]["ranks"] == 2
+    line = health("127.0.0.1", server.port)  # what `service status` prints
+    assert line.startswith("ok (") and "2 ranks, tensor parallel: rank 0 " in line
+    assert answers(server, 2) == answers(alone, 2)
+    ranks = ranks_of(server)
+    assert sorted(ranks) == [0, 1]
+    assert server.stop() == 0  # SIGTERM to this process: rank 0 drains, every rank stops
+    assert "rank 1/2: stopped with rank 0" in server.log()
+    assert not [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()]
+
+
+def test_serve_with_a_hostfile_exits_75_when_a_rank_is_lost(models, tmp_path):
+    server = hostfile_job(tmp_path, "--model", str(models["llama"]), "--peer-timeout", "5")
+    with_signal(ranks_of(server)[1], signal.SIGKILL)
+    assert server.proc.wait(60) == 75  # the service manager restarts the job
+    server.stop()
+
+
+def test_a_hostfile_that_does_not_parse_is_refused_before_anything_starts(tmp_path):
+    bad = tmp_path / "hosts.json"
+    bad.write_text('[{"ssh": "a", "ips": ["not an address"]}, {"ssh": "b"}]')
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvserve", "serve", "--hostfile", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert str(bad) in proc.stderr and "not an address" in proc.stderr

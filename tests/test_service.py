@@ -235,6 +235,15 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     assert named[-4:] == ["--model", f"small={tmp_path / 'my-model'}", "--model", "big=org/repo-id"]
 
 
+def test_a_job_service_runs_serve_with_the_hostfile_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts.json").write_text("[]")
+    argv = spec({"hostfile": "hosts.json", "ring_port": 40000}).program
+    assert argv[3] == "serve" and "--hostfile" in argv
+    assert argv[argv.index("--hostfile") + 1] == str(tmp_path / "hosts.json")
+    assert argv[argv.index("--ring-port") + 1] == "40000"
+
+
 def test_line_breaks_cannot_be_injected_into_a_unit(tmp_path):
     unit = Systemd("mlx-kvserve", config_home=tmp_path)
     with pytest.raises(ValueError, match="line break"):

@@ -116,6 +116,11 @@ def serve(settings: Settings) -> int:
     if problem:
         log.error("%s", problem)
         return 2
+    if settings.hostfile and not in_job():
+        from mlx_kvserve.distributed.launcher import run_job
+
+        argv = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
+        return run_job(settings.hostfile, settings.ring_port, settings.shutdown_grace, argv)
 
     blas = preload_optimised_blas(settings.blas_threads)  # must precede the first `import mlx`
     if blas:

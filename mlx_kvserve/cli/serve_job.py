@@ -107,7 +107,10 @@ def _serve(settings: Settings, collective: Any) -> int:
         ", ".join(job.hosts),
         job.plan.mode,
     )
+    from mlx_kvserve.distributed.launcher import note_rank_0
     from mlx_kvserve.models.pool import ModelPool
+
+    note_rank_0(collective.rank)  # for `serve --hostfile`, which stops the job through rank 0
 
     slot = slots[0]  # loaded for good: its weights are spread over the job's ranks
     slot.spec = dataclasses.replace(slot.spec, pinned=True)

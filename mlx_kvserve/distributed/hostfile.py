@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("", "ring", "jaccl", "mpi")
+BACKENDS = ("", "ring", "jaccl", "jaccl-ring", "mpi")
 
 
 class HostfileError(ValueError):
@@ -86,7 +86,8 @@ def parse_hostfile(data: Any, path: Path) -> JobHostfile:
     else:
         raise HostfileError(f"{where}: expected an object with 'hosts' or a list of hosts")
     if backend not in BACKENDS:
-        raise HostfileError(f"{where}: backend {backend!r} is not one of ring, jaccl, mpi")
+        names = ", ".join(b for b in BACKENDS if b)
+        raise HostfileError(f"{where}: backend {backend!r} is not one of {names}")
     if not isinstance(envs, list) or not all(isinstance(e, str) and "=" in e for e in envs):
         raise HostfileError(f"{where}: 'envs' must be a list of NAME=value strings")
     if not isinstance(hosts, list) or not hosts:
@@ -120,7 +121,7 @@ def _host(rank: int, entry: Any, count: int, backend: str, where: str) -> JobHos
     rdma = entry.get("rdma", [])
     if not isinstance(rdma, list):
         raise HostfileError(f"{who}: 'rdma' must be a list (one device per host)")
-    if backend == "jaccl" and len(rdma) != count:
+    if backend in ("jaccl", "jaccl-ring") and len(rdma) != count:
         raise HostfileError(
             f"{who}: JACCL needs {count} 'rdma' entries (one per host), got {len(rdma)}"
         )

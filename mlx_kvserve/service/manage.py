@@ -98,7 +98,12 @@ def health(host: str, port: int, timeout: float = 2.0) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (our own URL)
             body = json.loads(resp.read(65536) or b"{}")
-            return f"{body.get('status', '?')} ({url}: model {body.get('model')})"
+            line = f"{body.get('status', '?')} ({url}: model {body.get('model')})"
+            job = body.get("cluster")
+            if isinstance(job, dict):  # a job across machines: every rank steps with rank 0
+                hosts = ", ".join(f"rank {i} {h}" for i, h in enumerate(job.get("hosts", [])))
+                line += f"; {job.get('ranks')} ranks, {job.get('shard')} parallel: {hosts}"
+            return line
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code} ({url})"
     except (OSError, ValueError) as exc:

@@ -66,8 +66,9 @@ def flag_argv(flags: Mapping[str, Any]) -> list[str]:
 def _absolute_paths(flags: Mapping[str, Any]) -> dict[str, Any]:
     """Paths made absolute: the service does not start in this shell's directory."""
     out = {}
-    if flags.get("cache_dir"):
-        out["cache_dir"] = str(Path(flags["cache_dir"]).expanduser().absolute())
+    for name in ("cache_dir", "hostfile"):
+        if flags.get(name):
+            out[name] = str(Path(flags[name]).expanduser().absolute())
     models = flags.get("model") or []
     if models:
         out["model"] = [_absolute_model(m) for m in models]
