@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -199,6 +200,25 @@ def test_seeded_sampling_and_grammars_answer_as_one_process(job, alone):
     assert unseeded["finish_reason"] == "length"
 
 
+def test_the_anthropic_and_responses_protocols_and_metrics_across_ranks(job, alone):
+    def both(server: ServerProcess) -> list[str]:
+        claude = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
+        message = claude.messages.create(
+            model="llama",
+            max_tokens=12,
+            messages=[{"role": "user", "content": "Name a colour."}],
+            extra_body={"temperature": 0},
+        )
+        response = client(server).responses.create(
+            model="llama", input="Name a fruit.", max_output_tokens=12, temperature=0
+        )
+        return [message.content[0].text, response.output_text]
+
+    assert both(job) == both(alone)
+    metrics = httpx.get(job.base_url + "/metrics").text
+    assert re.search(r"mlx_kvserve_requests_total\{[^}]*\} [1-9]", metrics), metrics[:2000]
+
+
 def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, alone):
     body = {
         "model": "llama",
@@ -264,8 +284,8 @@ def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_
 
 def test_a_pipeline_job_answers_as_one_process(models, tmp_path):
     model = str(models["qwen3_next"])
-    job = start_job(tmp_path, 2, "--model", model, "--shard", "pipeline")
-    alone = ServerProcess(tmp_path, "--model", model).wait_ready()
+    job = start_job(tmp_path, 2, "--model", model, "--shard", "pipeline", "--no-cache")
+    alone = ServerProcess(tmp_path, "--model", model, "--no-cache").wait_ready()
     try:
         assert httpx.get(job.base_url + "/health").json()["cluster"]["shard"] == "pipeline"
         assert answers(job, 3) == answers(alone, 3)
