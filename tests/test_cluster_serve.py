@@ -26,6 +26,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from mlx_kvserve.cache import PromptCache
 from mlx_kvserve.service.manage import health
 from tests.conftest import ServerProcess
 from tests.support.launch import BIND_FAILED, free_ports, launch_prefix, rank_pids
@@ -256,6 +257,34 @@ def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(model
         assert "cache=disk" in job.log()
     finally:
         job.stop()
+
+
+def test_rank_0s_disk_budget_decides_what_every_rank_evicts(models, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--model", str(models["llama"]), "--cache-dir", str(cache), "--cache-budget", "256KiB")
+    job = start_job(tmp_path, 2, *args)
+    try:
+        for topic in range(8):  # different conversations, more than the budget holds
+            reply = client(job).chat.completions.create(
+                model="llama",
+                messages=[
+                    {"role": "system", "content": f"Topic {topic}. " + "Be brief. " * 40},
+                    {"role": "user", "content": "Go on."},
+                ],
+                max_tokens=8,
+                temperature=0,
+            )
+            assert reply.choices[0].message.content
+        evictions = httpx.get(job.base_url + "/v1/cache").json()["evictions"]
+        assert evictions > 0
+    finally:
+        job.stop()
+    kept = {}
+    for directory in cache.iterdir():
+        stored = PromptCache(cache, directory.name, disk_budget=None, ram_budget=0, read_only=True)
+        kept[directory.name[-3:]] = sorted((e.n_tokens, e.reason) for e in stored.entries())
+        stored.close()
+    assert kept["2r0"] and kept["2r0"] == kept["2r1"], kept
 
 
 def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_path):

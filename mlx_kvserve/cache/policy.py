@@ -71,6 +71,10 @@ class Policy:
         self.catalog = catalog
         self.drain = drain
         self.disk_budget = 0
+        # in a job across machines: rank 0 records what its disk budget evicts, and the other
+        # ranks (`follower`) evict only that (PromptCache.drop_alike)
+        self.follower = False
+        self.budget_evicted: list[np.ndarray] = []
         self._warned_oversize = False
         self._waiting = False  # in wait_for_writes
 
@@ -135,13 +139,14 @@ class Policy:
 
     def enforce_disk_budget(self, protect: set[str]) -> None:
         cat = self.catalog
-        if cat.disk is None:
+        if cat.disk is None or self.follower:
             return
         protected = cat.protected(protect)
         while cat.disk_bytes > self.disk_budget:
             victim = self.pick_leaf(lambda e: e.disk != DISK_NONE, protected)
             if victim is None:
                 break
+            self.budget_evicted.append(victim.tokens)
             cat.counters["evictions"] += len(cat.remove_tree(victim.key))
             cat.log.debug("prompt-cache evicted %s (disk budget)", victim.key[:16])
 

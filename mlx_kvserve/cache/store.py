@@ -46,7 +46,13 @@ from mlx_kvserve.cache import state
 from mlx_kvserve.cache.admission import admit_checkpoint
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.disk import DiskTier
-from mlx_kvserve.cache.entry import DISK_WRITTEN, EntryInfo, Match, check_fingerprint
+from mlx_kvserve.cache.entry import (
+    DISK_WRITTEN,
+    EntryInfo,
+    Match,
+    check_fingerprint,
+    entry_key,
+)
 from mlx_kvserve.cache.errors import CacheError, EntryFormatError
 from mlx_kvserve.cache.lookup import find_match
 from mlx_kvserve.cache.persistence import apply_writer_results
@@ -105,6 +111,30 @@ class PromptCache:
     @disk_budget.setter
     def disk_budget(self, value: int) -> None:
         self._policy.disk_budget = value
+
+    # -- a job across machines: every rank's cache holds the same entries (engine/job_states.py)
+    def follow_evictions(self) -> None:
+        """A rank > 0: the disk budget evicts what rank 0's evicts (`drop_alike`), nothing else."""
+        self._policy.follower = True
+
+    def take_budget_evictions(self) -> list[str]:
+        """Rank 0: the entries its disk budget evicted since the last call, by content."""
+        with self._lock:
+            taken, self._policy.budget_evicted = self._policy.budget_evicted, []
+        return [entry_key("", tokens) for tokens in taken]
+
+    def drop_alike(self, contents: list[str]) -> int:
+        """Remove the entries (and their dependents) holding these contents; how many went."""
+        wanted = set(contents)
+        if not wanted:
+            return 0
+        with self._lock:
+            self._drain()
+            cat = self._catalog
+            found = [e.key for e in cat.entries.values() if entry_key("", e.tokens) in wanted]
+            removed = sum(len(cat.remove_tree(key)) for key in found if key in cat.entries)
+            cat.counters["evictions"] += removed
+        return removed
 
     def limit_ram(self, share: float) -> int:
         """Shrink the RAM tier to `share` of its configured budget (1.0 restores it) when the

@@ -107,12 +107,20 @@ class Lockstep:
         self.wire = wire
         self.timeout = timeout
         self._requests: dict[str, Any] = {}  # the others: this turn's requests by id
+        self.cache: Any = None  # this rank's prompt cache, whose budget evictions rank 0 decides
         self._turn: dict[str, Any] | None = None  # rank 0: this turn's list, until sent
         self._replay: list[Any] | None = None  # the others: this turn's list, being replayed
         self.turns = 0
 
+    def attach_cache(self, cache: Any) -> None:
+        """This rank's prompt cache: on the other ranks, its disk budget follows rank 0's."""
+        self.cache = cache
+        if cache is not None and not self.leader:
+            cache.follow_evictions()
+
     def tick(self, requests: Iterable[Any], digest: list[int]) -> None:
-        """A turn starts. Rank 0 latches its requests' cancellations."""
+        """A turn starts. Rank 0 latches its requests' cancellations and collects what its
+        disk budget evicted during the last turn, for the others to evict alike."""
         self.turns += 1
         if not self.leader:
             self._replay = None
@@ -120,7 +128,8 @@ class Lockstep:
             self._requests = {r.request_id: r for r in requests}
             return
         cancel = [r.request_id for r in requests if _latch(r)]
-        self._turn = {"cancel": cancel, "digest": digest, "decisions": []}
+        evicted = self.cache.take_budget_evictions() if self.cache is not None else []
+        self._turn = {"cancel": cancel, "digest": digest, "evicted": evicted, "decisions": []}
 
     def next_item(self, take: Callable[[], Any]) -> Any:
         """The turn's first decision: a new request (rank 0 takes it from its queue), the
@@ -194,6 +203,8 @@ class Lockstep:
             req = self._requests.get(request_id)
             if req is not None:
                 req.cancelled.set()
+        if self.cache is not None:
+            self.cache.drop_alike(turn["evicted"])
         self._replay = list(turn["decisions"])
 
     def _diverged(self, why: str) -> None:

@@ -200,6 +200,8 @@ class Engine(Stopping):
                 live_budget=self.live_budget,
                 job=self.lockstep if self.lockstep.distributed else None,
             )
+            if self.lockstep.distributed:
+                self.lockstep.attach_cache(checkpoints_to)
             self.generator = Generator(
                 self.model,
                 self.tokenizer,
