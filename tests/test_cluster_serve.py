@@ -243,8 +243,8 @@ def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(model
     job = start_job(tmp_path, 2, *args)
     first = conversation(job, 2)
     assert job.stop() == 0 and job.exit_codes() == {}
-    slices = sorted(p.name.rsplit("-", 1)[1] for p in Path(cache).iterdir())
-    assert slices == ["2r0", "2r1"]  # one cache per rank, named by the job's layout
+    slices = sorted(p.name.split("-", 2)[2] for p in Path(cache).iterdir())
+    assert slices == ["tensor-2r0", "tensor-2r1"]  # one cache per rank, named by the layout
     assert all(list((Path(cache) / p).glob("*.kvc")) for p in os.listdir(cache))
 
     job = start_job(tmp_path, 2, *args)

@@ -10,12 +10,16 @@ no weight is read). Exit status 0 when the job can run, 2 with the reason otherw
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from mlx_kvserve.distributed.hostfile import HostfileError, read_hostfile
-from mlx_kvserve.distributed.sharding import PIPELINE, TENSOR, ShardingError, plan_sharding
+from mlx_kvserve.distributed.sharding import (
+    PIPELINE,
+    TENSOR,
+    ShardingError,
+    plan_for_directory,
+)
 
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
@@ -74,27 +78,12 @@ def run_cluster_command(args: argparse.Namespace) -> int:
     if args.model is None:
         return 0
     try:
-        mode = _plan(Path(args.model), hostfile.world_size, args.shard)
+        mode = plan_for_directory(Path(args.model), hostfile.world_size, args.shard)
     except ShardingError as exc:
         print(f"mlx-kvserve: {exc}", file=sys.stderr)
         return 2
     print(f"model {args.model}: {mode} parallel across {hostfile.world_size} rank(s)")
     return 0
-
-
-def _plan(model_dir: Path, world_size: int, shard: str | None) -> str:
-    config_path = model_dir / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ShardingError(f"{model_dir}: no readable config.json ({exc})") from None
-    from mlx_lm.utils import load_model  # heavy: only when a model is checked
-
-    try:
-        model, _ = load_model(model_dir, lazy=True, strict=False)
-    except Exception as exc:  # an architecture mlx-lm cannot build
-        raise ShardingError(f"{model_dir}: mlx-lm cannot build this model ({exc})") from None
-    return plan_sharding(model, config, world_size, shard, name=str(model_dir)).mode
 
 
 def _join(args: argparse.Namespace) -> int:

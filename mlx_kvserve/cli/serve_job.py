@@ -62,11 +62,19 @@ def _serve(settings: Settings, collective: Any) -> int:
     problem = None
     if not collective.is_leader:
         collective.barrier("model files")  # rank 0 prepares first (an embedded model unpacks)
-    # this rank's slices of the checkpoints: a job of another split or size is another cache
-    slice_name = f"{settings.shard}-{collective.size}r{collective.rank}"
 
     def open_cache(settings: Settings, model_dir: Path, model_id: str, kv_dtype=None) -> Any:
-        return open_prompt_cache(settings, model_dir, model_id, kv_dtype, rank=slice_name)
+        """This rank's slices of the checkpoints: a job of another split or size is another
+        cache (a split the model cannot take is refused when the ranks join)."""
+        from mlx_kvserve.distributed.sharding import ShardingError, plan_for_directory
+
+        shard = None if settings.shard == "auto" else settings.shard
+        try:
+            mode = plan_for_directory(model_dir, collective.size, shard)
+        except ShardingError:
+            mode = settings.shard
+        name = f"{mode}-{collective.size}r{collective.rank}"
+        return open_prompt_cache(settings, model_dir, model_id, kv_dtype, rank=name)
 
     try:
         slots, start_engine = prepare_slots(settings, open_cache, load)
@@ -107,10 +115,11 @@ def _serve(settings: Settings, collective: Any) -> int:
         ", ".join(job.hosts),
         job.plan.mode,
     )
-    from mlx_kvserve.distributed.launcher import note_rank_0
+    from mlx_kvserve.distributed.launcher import note_rank_0, warn_public_ring
     from mlx_kvserve.models.pool import ModelPool
 
     note_rank_0(collective.rank)  # for `serve --hostfile`, which stops the job through rank 0
+    warn_public_ring()
 
     slot = slots[0]  # loaded for good: its weights are spread over the job's ranks
     slot.spec = dataclasses.replace(slot.spec, pinned=True)

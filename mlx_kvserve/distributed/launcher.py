@@ -143,6 +143,31 @@ def _stop_rank_0(proc: subprocess.Popen, pidfile: Path, grace: float) -> None:
         proc.kill()
 
 
+def warn_public_ring() -> None:
+    """On rank 0 of any job: warn when the ring's addresses (MLX_HOSTFILE, written by
+    `mlx.launch`) leave the private ranges; the collectives take no authentication."""
+    import ipaddress
+    import json
+
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        ring = json.loads(Path(path).read_text()) if path else []
+        addresses = {str(item).rsplit(":", 1)[0] for node in ring for item in node}
+    except (OSError, ValueError, TypeError):
+        return
+    for address in sorted(addresses):
+        try:
+            ip = ipaddress.ip_address(address.strip("[]"))
+        except ValueError:
+            continue
+        if not (ip.is_private or ip.is_loopback or ip.is_link_local):
+            log.warning(
+                "the job's ranks talk over %s, outside the private ranges: the collectives "
+                "take no authentication; link the hosts by a private network",
+                address,
+            )
+
+
 def note_rank_0(rank: int) -> None:
     """On rank 0 of a job started by `serve --hostfile`: say where it runs, for its stop."""
     path = os.environ.get(PIDFILE_ENV)
@@ -156,4 +181,4 @@ def note_rank_0(rank: int) -> None:
         log.info("rank 0 could not note its pid for the launcher (%s)", exc)
 
 
-__all__ = ["job_exit_code", "note_rank_0", "run_job", "serve_argv"]
+__all__ = ["job_exit_code", "note_rank_0", "run_job", "serve_argv", "warn_public_ring"]

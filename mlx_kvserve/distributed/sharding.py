@@ -12,6 +12,7 @@ instead of failing inside a collective or a reshape.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mlx_kvserve.models.kv_shape import text_config
@@ -93,3 +94,21 @@ def plan_sharding(
 def _int(config: dict[str, Any], key: str) -> int:
     value = config.get(key)
     return value if isinstance(value, int) and value > 0 else 0
+
+
+def plan_for_directory(model_dir: Path, world_size: int, shard: str | None) -> str:
+    """The split of the model in `model_dir` across `world_size` ranks, from its config alone
+    (the model is built lazily: no weight is read). Raises ShardingError."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardingError(f"{model_dir}: no readable config.json ({exc})") from None
+    from mlx_lm.utils import load_model  # heavy: only when a model is planned
+
+    try:
+        model, _ = load_model(model_dir, lazy=True, strict=False)
+    except Exception as exc:  # an architecture mlx-lm cannot build
+        raise ShardingError(f"{model_dir}: mlx-lm cannot build this model ({exc})") from None
+    return plan_sharding(model, config, world_size, shard, name=str(model_dir)).mode
