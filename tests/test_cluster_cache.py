@@ -1,0 +1,108 @@
+"""The prompt cache across the ranks of a job: every rank keeps its own slice of each
+checkpoint (engine/job_states.py). A restarted job restores from every rank's disk; a damaged
+slice on one rank is a miss on all; rank 0's disk budget decides what every rank evicts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlx_kvserve.cache import PromptCache
+from tests.conftest import ServerProcess
+from tests.support.cluster_jobs import (
+    client,
+    conversation,
+    make_models,
+    start_job,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return make_models(tmp_path_factory.mktemp("cluster-models"))
+
+
+@pytest.fixture(scope="module")
+def alone(models, tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("alone"), "--model", str(models["llama"]))
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(models, alone, tmp_path):
+    cache = str(tmp_path / "cache")
+    args = ("--model", str(models["llama"]), "--cache-dir", cache)
+    job = start_job(tmp_path, 2, *args)
+    first = conversation(job, 2)
+    assert job.stop() == 0 and job.exit_codes() == {}
+    slices = sorted(p.name.split("-", 2)[2] for p in Path(cache).iterdir())
+    assert slices == ["tensor-2r0", "tensor-2r1"]  # one cache per rank, named by the layout
+    assert all(list((Path(cache) / p).glob("*.kvc")) for p in os.listdir(cache))
+
+    job = start_job(tmp_path, 2, *args)
+    try:
+        again = conversation(job, 3)
+        expected = [text for text, _ in conversation(alone, 3)]
+        assert [text for text, _ in again] == expected
+        assert [text for text, _ in first] == expected[:2]
+        assert again[0][1] > 0 and again[1][1] > again[0][1], again  # from disk, every rank
+        assert "cache=disk" in job.log()
+    finally:
+        job.stop()
+
+
+def test_rank_0s_disk_budget_decides_what_every_rank_evicts(models, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--model", str(models["llama"]), "--cache-dir", str(cache), "--cache-budget", "256KiB")
+    job = start_job(tmp_path, 2, *args)
+    try:
+        for topic in range(8):  # different conversations, more than the budget holds
+            reply = client(job).chat.completions.create(
+                model="llama",
+                messages=[
+                    {"role": "system", "content": f"Topic {topic}. " + "Be brief. " * 40},
+                    {"role": "user", "content": "Go on."},
+                ],
+                max_tokens=8,
+                temperature=0,
+            )
+            assert reply.choices[0].message.content
+        evictions = httpx.get(job.base_url + "/v1/cache").json()["evictions"]
+        assert evictions > 0
+    finally:
+        job.stop()
+    kept = {}
+    for directory in cache.iterdir():
+        stored = PromptCache(cache, directory.name, disk_budget=None, ram_budget=0, read_only=True)
+        kept[directory.name[-3:]] = sorted((e.n_tokens, e.reason) for e in stored.entries())
+        stored.close()
+    assert kept["2r0"] and kept["2r0"] == kept["2r1"], kept
+
+
+def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--model", str(models["llama"]), "--cache-dir", str(cache))
+    job = start_job(tmp_path, 2, *args)
+    conversation(job, 2)
+    job.stop()
+    (rank_1,) = [p for p in cache.iterdir() if p.name.endswith("-2r1")]
+    for path in rank_1.glob("*.kvc"):  # every checkpoint of rank 1's slice
+        data = bytearray(path.read_bytes())
+        data[-150:-100] = bytes(b ^ 0x5A for b in data[-150:-100])
+        path.write_bytes(bytes(data))
+
+    job = start_job(tmp_path, 2, *args)
+    try:
+        again = conversation(job, 2)
+        assert [text for text, _ in again] == [text for text, _ in conversation(alone, 2)]
+        assert again[0][1] == 0  # a miss on rank 0 too, though its own slice is sound
+        log = job.log()
+        assert "payload checksum mismatch" in log
+        assert "another rank of the job could not restore its slice" in log
+    finally:
+        job.stop()
