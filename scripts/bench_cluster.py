@@ -85,6 +85,18 @@ def job(model_dir: Path, tokens: int) -> None:
         )
 
 
+def llama_size(hidden: int) -> dict[str, int]:
+    """The benchmarks' llama: 8 layers, 8 heads of hidden/8, 4 KV heads, MLP 3x hidden."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": hidden // 8,
+    }
+
+
 def run(model_dir: Path, ranks: int, tokens: int) -> dict:
     from tests.support.launch import run_job  # free ports for every rank, retried binds
 
@@ -111,14 +123,7 @@ def main() -> None:
         return
     from tests.support.tiny_models import make_model_dir
 
-    size = {
-        "hidden_size": args.hidden,
-        "intermediate_size": 3 * args.hidden,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": args.hidden // 8,
-    }
+    size = llama_size(args.hidden)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         model_dir = make_model_dir(Path(tmp) / "llama", "llama", **size)
         print(

@@ -140,16 +140,11 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=180, help="lines of context (~11 tokens each)")
     ap.add_argument("--hidden", type=int, default=1024)
     args = ap.parse_args()
+    from bench_cluster import llama_size  # the same model as the per-token benchmark
+
     from tests.support.tiny_models import make_model_dir
 
-    size = {
-        "hidden_size": args.hidden,
-        "intermediate_size": 3 * args.hidden,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": args.hidden // 8,
-    }
+    size = llama_size(args.hidden)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-restore-") as tmp:
         work = Path(tmp)
         model = make_model_dir(work / "llama", "llama", **size)

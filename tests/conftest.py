@@ -22,6 +22,8 @@ from mlx_kvserve.blas import preload_optimised_blas
 
 preload_optimised_blas()  # before any test module imports mlx: in-process tests run fast too
 
+pytest_plugins = ["tests.support.cluster_jobs"]  # the job tests' shared fixtures
+
 STARTUP_TIMEOUT = 900.0  # first run downloads and converts the model; a guard, not a benchmark
 
 

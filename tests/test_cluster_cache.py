@@ -11,32 +11,20 @@ import httpx
 import pytest
 
 from mlx_kvserve.cache import PromptCache
-from tests.conftest import ServerProcess
 from tests.support.cluster_jobs import (
     client,
     conversation,
-    make_models,
     start_job,
 )
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return make_models(tmp_path_factory.mktemp("cluster-models"))
-
-
-@pytest.fixture(scope="module")
-def alone(models, tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("alone"), "--model", str(models["llama"]))
-    yield server.wait_ready()
-    server.stop()
-
-
-def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(models, alone, tmp_path):
+def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(
+    job_models, llama_alone, tmp_path
+):
     cache = str(tmp_path / "cache")
-    args = ("--model", str(models["llama"]), "--cache-dir", cache)
+    args = ("--model", str(job_models["llama"]), "--cache-dir", cache)
     job = start_job(tmp_path, 2, *args)
     first = conversation(job, 2)
     assert job.stop() == 0 and job.exit_codes() == {}
@@ -47,7 +35,7 @@ def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(model
     job = start_job(tmp_path, 2, *args)
     try:
         again = conversation(job, 3)
-        expected = [text for text, _ in conversation(alone, 3)]
+        expected = [text for text, _ in conversation(llama_alone, 3)]
         assert [text for text, _ in again] == expected
         assert [text for text, _ in first] == expected[:2]
         assert again[0][1] > 0 and again[1][1] > again[0][1], again  # from disk, every rank
@@ -56,9 +44,16 @@ def test_every_rank_keeps_its_slice_and_a_restarted_job_restores_from_disk(model
         job.stop()
 
 
-def test_rank_0s_disk_budget_decides_what_every_rank_evicts(models, tmp_path):
+def test_rank_0s_disk_budget_decides_what_every_rank_evicts(job_models, tmp_path):
     cache = tmp_path / "cache"
-    args = ("--model", str(models["llama"]), "--cache-dir", str(cache), "--cache-budget", "256KiB")
+    args = (
+        "--model",
+        str(job_models["llama"]),
+        "--cache-dir",
+        str(cache),
+        "--cache-budget",
+        "256KiB",
+    )
     job = start_job(tmp_path, 2, *args)
     try:
         for topic in range(8):  # different conversations, more than the budget holds
@@ -84,9 +79,9 @@ def test_rank_0s_disk_budget_decides_what_every_rank_evicts(models, tmp_path):
     assert kept["2r0"] and kept["2r0"] == kept["2r1"], kept
 
 
-def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_path):
+def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(job_models, llama_alone, tmp_path):
     cache = tmp_path / "cache"
-    args = ("--model", str(models["llama"]), "--cache-dir", str(cache))
+    args = ("--model", str(job_models["llama"]), "--cache-dir", str(cache))
     job = start_job(tmp_path, 2, *args)
     conversation(job, 2)
     job.stop()
@@ -99,7 +94,7 @@ def test_a_damaged_slice_on_one_rank_is_a_miss_on_every_rank(models, alone, tmp_
     job = start_job(tmp_path, 2, *args)
     try:
         again = conversation(job, 2)
-        assert [text for text, _ in again] == [text for text, _ in conversation(alone, 2)]
+        assert [text for text, _ in again] == [text for text, _ in conversation(llama_alone, 2)]
         assert again[0][1] == 0  # a miss on rank 0 too, though its own slice is sound
         log = job.log()
         assert "payload checksum mismatch" in log

@@ -16,13 +16,11 @@ import httpx
 import pytest
 
 from mlx_kvserve.service.manage import health
-from tests.conftest import ServerProcess
 from tests.support.cluster_jobs import (
     answers,
     chat,
     conversation,
     hostfile_job,
-    make_models,
     ranks_of,
     start_job,
     with_signal,
@@ -31,20 +29,8 @@ from tests.support.cluster_jobs import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return make_models(tmp_path_factory.mktemp("cluster-models"))
-
-
-@pytest.fixture(scope="module")
-def alone(models, tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("alone"), "--model", str(models["llama"]))
-    yield server.wait_ready()
-    server.stop()
-
-
-def test_a_stop_of_rank_0_stops_every_rank_cleanly(models, tmp_path):
-    job = start_job(tmp_path, 2, "--model", str(models["llama"]))
+def test_a_stop_of_rank_0_stops_every_rank_cleanly(job_models, tmp_path):
+    job = start_job(tmp_path, 2, "--model", str(job_models["llama"]))
     assert chat(job, 1)["message"]["content"]
     assert job.stop() == 0
     log = job.log()
@@ -52,8 +38,8 @@ def test_a_stop_of_rank_0_stops_every_rank_cleanly(models, tmp_path):
     assert "rank 1/2: stopped with rank 0" in log and "stopped cleanly" in log
 
 
-def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(models, tmp_path):
-    args = ("--model", str(models["llama"]), "--cache-dir", str(tmp_path / "cache"))
+def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(job_models, tmp_path):
+    args = ("--model", str(job_models["llama"]), "--cache-dir", str(tmp_path / "cache"))
     job = start_job(tmp_path, 2, *args, "--peer-timeout", "5")
     before = conversation(job, 1)
     body = {"model": "llama", "prompt": "Go", "max_tokens": 4000, "temperature": 0, "stream": True}
@@ -83,8 +69,8 @@ def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(models, tmp
         job.stop()
 
 
-def test_a_job_that_cannot_serve_says_why_on_every_rank_before_http(models, tmp_path):
-    llama = str(models["llama"])
+def test_a_job_that_cannot_serve_says_why_on_every_rank_before_http(job_models, tmp_path):
+    llama = str(job_models["llama"])
     two = start_job(tmp_path, 2, "--model", llama, "--model", f"other={llama}", ready=False)
     two.proc.wait(120)
     log = two.log()
@@ -103,12 +89,12 @@ def test_a_job_that_cannot_serve_says_why_on_every_rank_before_http(models, tmp_
     three.stop()
 
 
-def test_serve_with_a_hostfile_stands_for_the_whole_job(models, alone, tmp_path):
-    server = hostfile_job(tmp_path, "--model", str(models["llama"]))
+def test_serve_with_a_hostfile_stands_for_the_whole_job(job_models, llama_alone, tmp_path):
+    server = hostfile_job(tmp_path, "--model", str(job_models["llama"]))
     assert httpx.get(server.base_url + "/health").json()["cluster"]["ranks"] == 2
     line = health("127.0.0.1", server.port)  # what `service status` prints
     assert line.startswith("ok (") and "2 ranks, tensor parallel: rank 0 " in line
-    assert answers(server, 2) == answers(alone, 2)
+    assert answers(server, 2) == answers(llama_alone, 2)
     ranks = ranks_of(server)
     assert sorted(ranks) == [0, 1]
     assert server.stop() == 0  # SIGTERM to this process: rank 0 drains, every rank stops
@@ -116,8 +102,8 @@ def test_serve_with_a_hostfile_stands_for_the_whole_job(models, alone, tmp_path)
     assert not [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()]
 
 
-def test_serve_with_a_hostfile_exits_75_when_a_rank_is_lost(models, tmp_path):
-    server = hostfile_job(tmp_path, "--model", str(models["llama"]), "--peer-timeout", "5")
+def test_serve_with_a_hostfile_exits_75_when_a_rank_is_lost(job_models, tmp_path):
+    server = hostfile_job(tmp_path, "--model", str(job_models["llama"]), "--peer-timeout", "5")
     with_signal(ranks_of(server)[1], signal.SIGKILL)
     assert server.proc.wait(60) == 75  # the service manager restarts the job
     server.stop()

@@ -11,7 +11,6 @@ tests/test_cluster_lifecycle.py.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -22,7 +21,6 @@ from tests.support.cluster_jobs import (
     answers,
     chat,
     client,
-    make_models,
     start_job,
 )
 
@@ -30,21 +28,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return make_models(tmp_path_factory.mktemp("cluster-models"))
-
-
-@pytest.fixture(scope="module")
-def alone(models, tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("alone"), "--model", str(models["llama"]))
-    yield server.wait_ready()
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def job(models, tmp_path_factory):
+def job(job_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("job")
-    server = start_job(work, 2, "--model", str(models["llama"]), "--shard", "tensor")
+    server = start_job(work, 2, "--model", str(job_models["llama"]), "--shard", "tensor")
     yield server
     server.stop()
 
@@ -70,19 +56,19 @@ def test_health_names_every_rank_and_the_split(job):
     assert len(body["cluster"]["hosts"]) == 2
 
 
-def test_requests_batched_across_ranks_answer_as_one_process(job, alone):
+def test_requests_batched_across_ranks_answer_as_one_process(job, llama_alone):
     together = answers(job, 4)
-    assert together == answers(alone, 4)
+    assert together == answers(llama_alone, 4)
     assert all(c["message"]["content"] for c in together)
     assert re.search(r"batch=[2-4]", job.log()), "the job never decoded two requests together"
     text = client(job).completions.create(model="llama", prompt="Once", max_tokens=9, temperature=0)
-    same = client(alone).completions.create(
+    same = client(llama_alone).completions.create(
         model="llama", prompt="Once", max_tokens=9, temperature=0
     )
     assert text.choices[0].text == same.choices[0].text
 
 
-def test_seeded_sampling_and_grammars_answer_as_one_process(job, alone):
+def test_seeded_sampling_and_grammars_answer_as_one_process(job, llama_alone):
     def sampled(server: ServerProcess) -> list:
         seeded = chat(server, 3, temperature=0.9, seed=11)["message"]["content"]
         called = chat(server, 4, tools=[TOOL], tool_choice="required", max_tokens=60)
@@ -100,14 +86,14 @@ def test_seeded_sampling_and_grammars_answer_as_one_process(job, alone):
         return [seeded, calls, shaped["message"]["content"]]
 
     ours = sampled(job)
-    assert ours == sampled(alone)
+    assert ours == sampled(llama_alone)
     call = ours[1][0]  # a random-weight model's arguments run to max_tokens, in the grammar
     assert call["name"] == "get_weather" and call["arguments"].startswith('{"city": "')
     unseeded = chat(job, 6, temperature=1.0)  # rank 0 seeds it for every rank
     assert unseeded["finish_reason"] == "length"
 
 
-def test_the_anthropic_and_responses_protocols_and_metrics_across_ranks(job, alone):
+def test_the_anthropic_and_responses_protocols_and_metrics_across_ranks(job, llama_alone):
     def both(server: ServerProcess) -> list[str]:
         claude = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
         message = claude.messages.create(
@@ -121,12 +107,12 @@ def test_the_anthropic_and_responses_protocols_and_metrics_across_ranks(job, alo
         )
         return [message.content[0].text, response.output_text]
 
-    assert both(job) == both(alone)
+    assert both(job) == both(llama_alone)
     metrics = httpx.get(job.base_url + "/metrics").text
     assert re.search(r"mlx_kvserve_requests_total\{[^}]*\} [1-9]", metrics), metrics[:2000]
 
 
-def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, alone):
+def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, llama_alone):
     body = {
         "model": "llama",
         "messages": [{"role": "user", "content": "Count for me."}],
@@ -139,19 +125,19 @@ def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, alone):
             if n > 6:
                 break
     job.wait_for_log("finish=cancelled")
-    assert answers(job, 2) == answers(alone, 2)
+    assert answers(job, 2) == answers(llama_alone, 2)
     assert httpx.get(job.base_url + "/health").json()["running"] == 0
 
 
-def test_a_pipeline_job_answers_as_one_process(models, tmp_path):
-    model = str(models["qwen3_next"])
+def test_a_pipeline_job_answers_as_one_process(job_models, tmp_path):
+    model = str(job_models["qwen3_next"])
     job = start_job(tmp_path, 2, "--model", model, "--shard", "pipeline", "--no-cache")
-    alone = ServerProcess(tmp_path, "--model", model, "--no-cache").wait_ready()
+    single = ServerProcess(tmp_path, "--model", model, "--no-cache").wait_ready()
     try:
         assert httpx.get(job.base_url + "/health").json()["cluster"]["shard"] == "pipeline"
-        assert answers(job, 3) == answers(alone, 3)
+        assert answers(job, 3) == answers(single, 3)
     finally:
-        alone.stop()
+        single.stop()
         job.stop()
 
 

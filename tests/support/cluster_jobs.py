@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from openai import OpenAI
 
 from tests.conftest import ServerProcess
@@ -19,11 +20,23 @@ from tests.support.launch import BIND_FAILED, free_ports, launch_prefix, rank_pi
 from tests.support.tiny_models import make_model_dir
 
 
-def make_models(work: Path) -> dict[str, Path]:
+@pytest.fixture(scope="session")
+def job_models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny models the job tests split: llama (4 heads, 2 KV heads), qwen3_next."""
+    work = tmp_path_factory.mktemp("cluster-models")
     return {
         "llama": make_model_dir(work / "llama", "llama"),
         "qwen3_next": make_model_dir(work / "qwen3_next", "qwen3_next"),
     }
+
+
+@pytest.fixture(scope="session")
+def llama_alone(job_models, tmp_path_factory):
+    """One process serving the tiny llama: what a job's answers must equal."""
+    work = tmp_path_factory.mktemp("alone")
+    server = ServerProcess(work, "--model", str(job_models["llama"])).wait_ready()
+    yield server
+    server.stop()
 
 
 class Job(ServerProcess):
