@@ -54,6 +54,10 @@ def test_health_names_every_rank_and_the_split(job):
     assert body["status"] == "ok"
     assert body["cluster"]["ranks"] == 2 and body["cluster"]["shard"] == "tensor"
     assert len(body["cluster"]["hosts"]) == 2
+    # unloading the model would stop every rank: refused, and the job goes on serving
+    answer = httpx.post(job.base_url + "/v1/models/llama/unload", json={}).json()
+    assert answer["unloaded"] is False and answer["state"] == "loaded"
+    assert chat(job, 1)["message"]["content"]
 
 
 def test_requests_batched_across_ranks_answer_as_one_process(job, llama_alone):

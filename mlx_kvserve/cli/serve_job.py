@@ -96,6 +96,7 @@ def _serve(settings: Settings, collective: Any) -> int:
         return 2
 
     engine.lockstep = _lockstep(collective, engine)
+    engine.unloadable = False  # stopping it stops the job
     engine.start()
     while not engine.ready.wait(0.2):
         if engine.load_error:

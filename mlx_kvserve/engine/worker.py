@@ -123,6 +123,7 @@ class Engine(Stopping):
         self._observers: list[Callable[[GenerationRequest, Timings | None], None]] = []
         self.lockstep: Agreement = lockstep or Solo()
         self.cluster: dict[str, Any] | None = None  # the job's ranks, for /health
+        self.unloadable = True  # False in a job across machines: every rank stops with it
 
     def add_observer(self, observer: Callable[[GenerationRequest, Timings | None], None]) -> None:
         """Call `observer(request, timings or None if it failed)` on the engine thread once per

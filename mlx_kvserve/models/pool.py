@@ -224,8 +224,8 @@ class ModelPool:
         """Drain the model's requests, then stop its engine. Nothing of its conversations is
         lost: each request's end state is checkpointed as it finishes ("generation"), and
         stopping flushes the pending checkpoint writes to disk."""
-        if slot.state != LOADED:
-            return False
+        if slot.state != LOADED or not getattr(slot.engine, "unloadable", True):
+            return False  # a job's model: its ranks would stop with it (cli/serve_job.py)
         slot.state = UNLOADING  # new requests for it wait for the reload
         slot._notify()
         reason = reason or kind
