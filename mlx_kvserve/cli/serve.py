@@ -138,12 +138,13 @@ def serve(settings: Settings) -> int:
     if _stop_requested.is_set():
         return 0
     if in_job():
-        from mlx_kvserve.cli.serve_job import serve_job
+        from mlx_kvserve.cli.serve_job import ServeParts, serve_job
         from mlx_kvserve.distributed.collective import Collective
 
         collective = Collective.join(timeout=settings.peer_timeout)
         if collective.distributed:
-            return serve_job(settings, collective)
+            parts = ServeParts(open_prompt_cache, run_http, exit_now)
+            return serve_job(settings, collective, parts)
     from mlx_kvserve.cache import CacheLockedError
     from mlx_kvserve.models.pool import ModelPool
     from mlx_kvserve.models.serving import ModelSetupError, prepare_slots

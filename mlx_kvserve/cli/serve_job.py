@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,23 @@ from mlx_kvserve.config import Settings
 log = logging.getLogger("mlx_kvserve")
 
 
-def serve_job(settings: Settings, collective: Any) -> int:
-    """Serve as one rank of the job until it stops; ends the process with its exit code."""
-    from mlx_kvserve.cli.serve import exit_now
+@dataclass(frozen=True)
+class ServeParts:
+    """What `serve` lends a rank: its prompt-cache opener, its HTTP server, its way to exit."""
 
-    exit_now(_serve(settings, collective))
+    open_prompt_cache: Callable[..., Any]
+    run_http: Callable[[Settings, Any], None]
+    exit_now: Callable[[int], None]
+
+
+def serve_job(settings: Settings, collective: Any, parts: ServeParts) -> int:
+    """Serve as one rank of the job until it stops; ends the process with its exit code."""
+    parts.exit_now(_serve(settings, collective, parts))
     return 0  # not reached
 
 
-def _serve(settings: Settings, collective: Any) -> int:
+def _serve(settings: Settings, collective: Any, parts: ServeParts) -> int:
     from mlx_kvserve.cache import CacheLockedError
-    from mlx_kvserve.cli.serve import open_prompt_cache, run_http
     from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
 
     rank = f"rank {collective.rank}/{collective.size}"
@@ -74,7 +82,7 @@ def _serve(settings: Settings, collective: Any) -> int:
         except ShardingError:
             mode = settings.shard
         name = f"{mode}-{collective.size}r{collective.rank}"
-        return open_prompt_cache(settings, model_dir, model_id, kv_dtype, rank=name)
+        return parts.open_prompt_cache(settings, model_dir, model_id, kv_dtype, rank=name)
 
     try:
         slots, start_engine = prepare_slots(settings, open_cache, load)
@@ -127,7 +135,7 @@ def _serve(settings: Settings, collective: Any) -> int:
     pool = ModelPool(
         [slot], lambda _slot: engine, memory_budget=max(1, slot.footprint), max_loaded=1
     )
-    run_http(settings, pool)
+    parts.run_http(settings, pool)
     return 0
 
 
