@@ -52,12 +52,12 @@ def _serve(settings: Settings, collective: Any, parts: ServeParts) -> int:
     if not collective.is_leader:  # rank 0 logs each request; the others, what goes wrong
         logging.getLogger("mlx_kvserve.engine").setLevel(logging.WARNING)
     joined: dict[str, Any] = {}
+    shard = None if settings.shard == "auto" else settings.shard  # None: the model's best
 
     def load(path: str) -> tuple[Any, Any]:
         from mlx_kvserve.distributed.join import JoinError, join_model
         from mlx_kvserve.distributed.sharding import ShardingError
 
-        shard = None if settings.shard == "auto" else settings.shard
         try:
             job = join_model(collective, Path(path), shard)
         except (JoinError, ShardingError) as exc:  # alike on every rank
@@ -76,7 +76,6 @@ def _serve(settings: Settings, collective: Any, parts: ServeParts) -> int:
         cache (a split the model cannot take is refused when the ranks join)."""
         from mlx_kvserve.distributed.sharding import ShardingError, plan_for_directory
 
-        shard = None if settings.shard == "auto" else settings.shard
         try:
             mode = plan_for_directory(model_dir, collective.size, shard)
         except ShardingError:

@@ -50,10 +50,12 @@ class JobStates(PromptStates):
             seen = self.job.gather(mine, "a cache lookup")
             live_agreed = mine["live"] is not None and all(s["live"] == mine["live"] for s in seen)
             disk_agreed = mine["disk"] is not None and all(s["disk"] == mine["disk"] for s in seen)
-            if live_agreed and not (disk_agreed and match.usable > live_usable):
-                start = self._take_live(prompt, match)
-                assert start is not None
-                return start
+            if (
+                best is not None
+                and live_agreed
+                and not (disk_agreed and match.usable > live_usable)
+            ):
+                return self._take_resident(best, live_usable, prompt)
             if disk_agreed:
                 return self._restore_together(prompt, match)
             if all(s["disk"] == seen[0]["disk"] for s in seen):

@@ -150,12 +150,14 @@ class PromptStates:
         """The resident that covers most of `prompt`, taken out of the residents (the caller
         owns it)."""
         best, best_usable = self._best_live(prompt, match)
-        if best is None:
-            return None
-        self._residents = [r for r in self._residents if r is not best]
-        if best_usable < best.usable:
-            trim_prompt_cache(best.caches, best.usable - best_usable)
-        return Start(best.caches, prompt[:best_usable], "live")
+        return None if best is None else self._take_resident(best, best_usable, prompt)
+
+    def _take_resident(self, resident: Start, usable: int, prompt: list[int]) -> Start:
+        """`resident` out of the residents, cut back to the first `usable` tokens of `prompt`."""
+        self._residents = [r for r in self._residents if r is not resident]
+        if usable < resident.usable:
+            trim_prompt_cache(resident.caches, resident.usable - usable)
+        return Start(resident.caches, prompt[:usable], "live")
 
     def _best_live(self, prompt: list[int], match: Match) -> tuple[Start | None, int]:
         """The resident `_take_live` takes and the prompt tokens it covers. A resident cut back

@@ -76,11 +76,12 @@ class Room:
             shortfall = self._shortfall(req)
         if shortfall and busy:
             return False
-        self.ledger.admit(id(req), len(req.prompt_tokens), req.params.max_tokens)
+        self.take(req)
         return True
 
     def take(self, req: GenerationRequest) -> None:
-        """Charge a request rank 0 of the job admitted (this rank follows its decisions)."""
+        """Charge `req` its prompt and first reserve: once admitted here, or, on the other
+        ranks of a job, once rank 0 admitted it (they follow its decisions)."""
         self.ledger.admit(id(req), len(req.prompt_tokens), req.params.max_tokens)
 
     def _shortfall(self, req: GenerationRequest) -> int:

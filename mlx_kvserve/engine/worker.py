@@ -263,9 +263,11 @@ class Engine(Stopping):
                 self._advance(task)
             elif self.batch:
                 self._step()
+            elif not isinstance(item, GenerationRequest):
+                self.lockstep.flush()
+                continue
             self.lockstep.flush()
-            if task is not None or isinstance(item, GenerationRequest):
-                self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += time.perf_counter() - started
 
     def _start_turn(self) -> None:
         """A turn of the loop begins: across machines, where every rank checks it is in step."""
