@@ -20,9 +20,9 @@ from mlx_kvserve.cli.config_commands import add_config_commands, run_config_comm
 from mlx_kvserve.cli.model_commands import add_model_commands, run_model_command
 from mlx_kvserve.cli.serve import serve
 from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
-from mlx_kvserve.config import ENV_PREFIX
-from mlx_kvserve.config_flags import add_setting_flags, setting_flags
-from mlx_kvserve.config_resolve import load_settings
+from mlx_kvserve.config.flags import add_setting_flags, setting_flags
+from mlx_kvserve.config.resolve import load_settings
+from mlx_kvserve.config.settings import ENV_PREFIX
 
 log = logging.getLogger("mlx_kvserve")
 

@@ -10,12 +10,15 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from mlx_kvserve.config import Settings
+from mlx_kvserve.config.settings import Settings
+
+if TYPE_CHECKING:  # imports MLX: only when a cache command runs
+    from mlx_kvserve.cache import PromptCache
 
 
-def add_cache_commands(sub: Any) -> None:
+def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cache = sub.add_parser(
         "cache",
         help="inspect, verify or clear the prompt cache",
@@ -32,7 +35,7 @@ def add_cache_commands(sub: Any) -> None:
     actions.add_parser("clear", help="delete every entry (the server must be stopped)")
 
 
-def _open_all(root: Path, *, read_only: bool) -> list[Any]:
+def _open_all(root: Path, *, read_only: bool) -> list[PromptCache]:
     from mlx_kvserve.cache import PromptCache, model_directories
 
     return [
@@ -66,7 +69,7 @@ def run_cache_command(args: argparse.Namespace, settings: Settings) -> int:
             cache.close()
 
 
-def _ls(caches: list[Any], root: Path, as_json: bool) -> int:
+def _ls(caches: list[PromptCache], root: Path, as_json: bool) -> int:
     rows = [(c.fingerprint, e) for c in caches for e in c.entries()]
     if as_json:
         print(json.dumps([{"fingerprint": fp, **e.as_dict()} for fp, e in rows], indent=2))
@@ -87,7 +90,7 @@ def _ls(caches: list[Any], root: Path, as_json: bool) -> int:
     return 0
 
 
-def _stats(caches: list[Any], root: Path, as_json: bool) -> int:
+def _stats(caches: list[PromptCache], root: Path, as_json: bool) -> int:
     stats = [{**c.stats(), "entry_hits": sum(e.hits for e in c.entries())} for c in caches]
     if as_json:
         print(json.dumps(stats, indent=2))
@@ -102,7 +105,7 @@ def _stats(caches: list[Any], root: Path, as_json: bool) -> int:
     return 0
 
 
-def _verify(caches: list[Any], root: Path, as_json: bool) -> int:
+def _verify(caches: list[PromptCache], root: Path, as_json: bool) -> int:
     problems = [(c.fingerprint, key, why) for c in caches for key, why in c.verify()]
     checked = sum(len(c.entries()) for c in caches)
     if as_json:
@@ -114,7 +117,7 @@ def _verify(caches: list[Any], root: Path, as_json: bool) -> int:
     return 1 if problems else 0
 
 
-def _clear(caches: list[Any], root: Path, as_json: bool) -> int:
+def _clear(caches: list[PromptCache], root: Path, as_json: bool) -> int:
     removed = sum(c.clear() for c in caches)
     print(json.dumps({"removed": removed}) if as_json else f"{root}: removed {removed} entries")
     return 0

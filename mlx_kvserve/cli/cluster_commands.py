@@ -22,7 +22,7 @@ from mlx_kvserve.distributed.sharding import (
 )
 
 
-def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = sub.add_parser(
         "cluster",
         help="check a hostfile for serving one model across several machines",

@@ -10,18 +10,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
 
 from mlx_kvserve import paths
-from mlx_kvserve.config import ENV_PREFIX, Settings
-from mlx_kvserve.config_file import default_config_text, write_private
-from mlx_kvserve.config_flags import add_setting_flags, setting_flags
-from mlx_kvserve.config_resolve import resolve_settings
+from mlx_kvserve.config.file import default_config_text, write_private
+from mlx_kvserve.config.flags import add_setting_flags, setting_flags
+from mlx_kvserve.config.resolve import resolve_settings
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings
+from mlx_kvserve.config.values import SettingValue
 
 SECRET = {"api_key", "api_keys"}
 
 
-def add_config_commands(sub: Any) -> None:
+def add_config_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     config = sub.add_parser(
         "config",
         help="show the effective settings, the config file's path, or write a commented one",
@@ -80,7 +80,7 @@ def _init(*, force: bool) -> int:
     return 0
 
 
-def _shown(name: str, value: Any) -> Any:
+def _shown(name: str, value: SettingValue) -> SettingValue:
     if name in SECRET:
         if isinstance(value, list):
             return [f"(set, {len(value)})"] if value else []

@@ -10,16 +10,19 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any
 
-from mlx_kvserve.config import Settings
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.startup import api_keys
 
 TIMEOUT = 10.0
 UNLOAD_TIMEOUT = 600.0  # unloading waits for the model's running requests to end
 
 
-def add_model_commands(sub: argparse._SubParsersAction, add_flags: Callable) -> None:
+def add_model_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_flags: Callable[[argparse.ArgumentParser], None],
+) -> None:
     ps = sub.add_parser("ps", help="list the models the running server has loaded")
     models = sub.add_parser("models", help="list the configured models and which are loaded")
     unload = sub.add_parser("unload", help="unload a model from the running server now")
@@ -86,8 +89,8 @@ def _unload(settings: Settings, name: str) -> int:
 
 
 def _call(
-    settings: Settings, method: str, path: str, body: Any = None, timeout: float = TIMEOUT
-) -> Any:
+    settings: Settings, method: str, path: str, body: JSON = None, timeout: float = TIMEOUT
+) -> JSON:
     host = settings.host
     if host in ("0.0.0.0", "", "*"):
         host = "127.0.0.1"

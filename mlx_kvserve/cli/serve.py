@@ -10,7 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
-from mlx_kvserve.config import Settings, parse_size
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.config.values import parse_size
 from mlx_kvserve.startup import (
     api_keys,
     open_namespaced,
@@ -34,7 +35,7 @@ def open_prompt_cache(
     if settings.no_cache:
         return None
     from mlx_kvserve.cache import PromptCache
-    from mlx_kvserve.models.fingerprint import fingerprint_model
+    from mlx_kvserve.models.identity import fingerprint_model
 
     budget = parse_size(settings.cache_budget) if settings.cache_budget else None
     keys = api_keys(settings) if settings.isolate_cache else []
@@ -163,7 +164,7 @@ def serve(settings: Settings) -> int:
         engine = premade.pop(slot.name, None)
         return engine if engine is not None else start_engine(slot)
 
-    from mlx_kvserve.models.memory import memory_budget
+    from mlx_kvserve.models.budget import memory_budget
 
     budget = memory_budget(settings.memory_budget)
     from mlx_kvserve.models.specs import parse_duration

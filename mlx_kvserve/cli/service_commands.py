@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
-from mlx_kvserve.config_flags import add_setting_flags, setting_flags
+from mlx_kvserve.config.flags import add_setting_flags, setting_flags
 from mlx_kvserve.service.runner import Runner, SystemRunner
 from mlx_kvserve.service.spec import DEFAULT_NAME, check_name
+
+if TYPE_CHECKING:  # imported when a service command runs
+    from mlx_kvserve.service.actions import Plan
+    from mlx_kvserve.service.manage import Manager
 
 _ACTIONS = {
     "install": "write the service file and start the server in the background (again: update)",
@@ -21,7 +26,7 @@ _ACTIONS = {
 }
 
 
-def add_service_commands(sub: Any) -> None:
+def add_service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     service = sub.add_parser(
         "service",
         help="run the server in the background under launchd (macOS) or systemd (Linux)",
@@ -67,7 +72,7 @@ def add_service_commands(sub: Any) -> None:
 
 def run_service_command(args: argparse.Namespace, runner: Runner | None = None) -> int:
     from mlx_kvserve.service import manage
-    from mlx_kvserve.service.plan import ServiceError, execute
+    from mlx_kvserve.service.actions import ServiceError, execute
 
     runner = runner or SystemRunner()
     kind = args.manager or manage.default_manager()
@@ -98,12 +103,12 @@ def run_service_command(args: argparse.Namespace, runner: Runner | None = None) 
     return 0
 
 
-def _install_plan(manager: Any, args: argparse.Namespace) -> Any:
-    from mlx_kvserve.config_resolve import load_settings
+def _install_plan(manager: Manager, args: argparse.Namespace) -> Plan:
+    from mlx_kvserve.config.resolve import load_settings
     from mlx_kvserve.service.spec import build_spec
 
     flags = setting_flags(args)
     settings = load_settings(flags)  # a bad option or config file fails here, not in the log
     plan = manager.install(build_spec(args.name, flags, settings))
-    plan.secrets = [k for k in [settings.api_key or "", *settings.api_keys] if k]
-    return plan
+    secrets = [k for k in [settings.api_key or "", *settings.api_keys] if k]
+    return dataclasses.replace(plan, secrets=secrets)  # masked when a dry run prints the plan

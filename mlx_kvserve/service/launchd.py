@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mlx_kvserve.service.plan import MakeDir, Plan, RemoveFile, Run, WriteFile
+from mlx_kvserve.service.actions import MakeDir, Plan, RemoveFile, Run, Step, WriteFile
 from mlx_kvserve.service.runner import Result
 from mlx_kvserve.service.spec import LABEL_PREFIX, ServiceSpec
 
@@ -87,7 +87,7 @@ class Launchd:
     def install(self, spec: ServiceSpec) -> Plan:
         """Write the plist and (re)load it: an installed agent is booted out first, so new
         options take effect in place."""
-        steps: list = [MakeDir(self.log_path.parent), WriteFile(self.path, self.render(spec))]
+        steps: list[Step] = [MakeDir(self.log_path.parent), WriteFile(self.path, self.render(spec))]
         if self.path.exists():
             steps.append(Run(("launchctl", "bootout", self.target), may_fail=True))
         steps += [

@@ -17,8 +17,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
+from mlx_kvserve import macos
+from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.service.launchd import Launchd
 from mlx_kvserve.service.runner import Runner
 from mlx_kvserve.service.systemd import Systemd
@@ -27,7 +28,7 @@ Manager = Launchd | Systemd
 
 
 def default_manager() -> str | None:
-    if sys.platform == "darwin":
+    if macos.on_macos():
         return "launchd"
     if sys.platform.startswith("linux"):
         return "systemd"
@@ -72,10 +73,10 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def service_settings(argv: list[str], env: dict[str, str]) -> Any:
+def service_settings(argv: list[str], env: dict[str, str]) -> Settings | None:
     """The settings the installed service runs with: its flags, its environment, its file."""
-    from mlx_kvserve.config_flags import add_setting_flags, setting_flags
-    from mlx_kvserve.config_resolve import load_settings
+    from mlx_kvserve.config.flags import add_setting_flags, setting_flags
+    from mlx_kvserve.config.resolve import load_settings
 
     try:
         serve_at = argv.index("serve")

@@ -17,10 +17,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mlx_kvserve import paths
-from mlx_kvserve.config import ENV_PREFIX, Settings, is_list_setting
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings, is_list_setting
+from mlx_kvserve.config.values import SettingValue
 
 DEFAULT_NAME = "mlx-kvserve"
 LABEL_PREFIX = "io.github."
@@ -45,7 +45,7 @@ class ServiceSpec:
     stop_timeout: int = 30  # seconds the manager waits after SIGTERM before SIGKILL
 
 
-def flag_argv(flags: Mapping[str, Any]) -> list[str]:
+def flag_argv(flags: Mapping[str, SettingValue]) -> list[str]:
     """Setting flags as command-line arguments (the inverse of argparse for our flags)."""
     argv: list[str] = []
     for name in Settings.option_names():
@@ -63,9 +63,9 @@ def flag_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def _absolute_paths(flags: Mapping[str, Any]) -> dict[str, Any]:
+def _absolute_paths(flags: Mapping[str, SettingValue]) -> dict[str, SettingValue]:
     """Paths made absolute: the service does not start in this shell's directory."""
-    out = {}
+    out: dict[str, SettingValue] = {}
     for name in ("cache_dir", "hostfile"):
         if flags.get(name):
             out[name] = str(Path(flags[name]).expanduser().absolute())
@@ -87,7 +87,7 @@ def _absolute_model(value: str) -> str:
 
 def build_spec(
     name: str,
-    flags: Mapping[str, Any],
+    flags: Mapping[str, SettingValue],
     settings: Settings,
     environ: Mapping[str, str] | None = None,
     python: str | None = None,

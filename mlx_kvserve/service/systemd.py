@@ -17,7 +17,7 @@ import re
 import shlex
 from pathlib import Path
 
-from mlx_kvserve.service.plan import Plan, RemoveFile, Run, WriteFile
+from mlx_kvserve.service.actions import Plan, RemoveFile, Run, Step, WriteFile
 from mlx_kvserve.service.runner import Result
 from mlx_kvserve.service.spec import ServiceSpec
 
@@ -110,7 +110,7 @@ WantedBy=default.target
     def install(self, spec: ServiceSpec) -> Plan:
         """Write the unit and start it; an installed unit is restarted with the new options."""
         reload = Run(self.systemctl("daemon-reload"))
-        steps: list = [WriteFile(self.path, self.render(spec)), reload]
+        steps: list[Step] = [WriteFile(self.path, self.render(spec)), reload]
         if self.path.exists():
             steps += [
                 Run(self.systemctl("enable", self.unit)),

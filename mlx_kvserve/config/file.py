@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import json
 import math
-import os
 import re
 import textwrap
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from mlx_kvserve import paths
+from mlx_kvserve import durable, paths
+from mlx_kvserve.config.values import ModelTables, SettingValue
+from mlx_kvserve.json_value import JSON
 
 
 class ConfigError(ValueError):
@@ -32,7 +34,7 @@ class ConfigError(ValueError):
 class FileValue:
     """A value read from the config file, with the line it was set on (None if not found)."""
 
-    value: Any
+    value: SettingValue
     line: int | None
 
 
@@ -64,8 +66,9 @@ def where(path: Path, line: int | None) -> str:
     return f"{path}, line {line}" if line else str(path)
 
 
-def read_config_file(path: Path, fields: dict[str, dataclasses.Field]) -> dict[str, FileValue]:
-    """The file's settings with their lines; {} if there is no file. Raises ConfigError."""
+def read_config_file(path: Path, types: Mapping[str, object]) -> dict[str, FileValue]:
+    """The file's settings with their lines; {} if there is no file. Raises ConfigError.
+    `types` maps each setting's name to its type (config.settings.setting_type)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -85,19 +88,19 @@ def read_config_file(path: Path, fields: dict[str, dataclasses.Field]) -> dict[s
     out: dict[str, FileValue] = {}
     for key, value in data.items():
         line = lines.get(key)
-        if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=1)
+        if key not in types:
+            near = difflib.get_close_matches(key, list(types), n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise ConfigError(f"{where(path, line)}: unknown setting '{key}'{hint}")
         try:
-            checked = check_type(fields[key], value)
+            checked = check_type(types[key], value)
         except ValueError as exc:
             raise ConfigError(f"{where(path, line)}: setting '{key}': {exc}") from None
         out[key] = FileValue(checked, line)
     return out
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: JSON) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
@@ -111,32 +114,32 @@ def _type_name(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def check_type(f: dataclasses.Field, value: Any) -> Any:
-    """A TOML value for field `f`, or ValueError: TOML is typed, so `port = "80"` is refused
-    instead of guessed at (the environment, which has only strings, is parsed instead)."""
-    kind = str(f.type)
-    if kind == "bool":
+def check_type(kind: object, value: JSON) -> SettingValue:
+    """A TOML value for a setting of type `kind`, or ValueError: TOML is typed, so `port = "80"`
+    is refused instead of guessed at (the environment, which has only strings, is parsed
+    instead). A TOML value is JSON's kind of value (tables, arrays, scalars), dates aside."""
+    if kind is bool:
         if isinstance(value, bool):
             return value
         raise ValueError(f"expected true or false, got {_type_name(value)}")
-    if kind == "int":
+    if kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ValueError(f"expected an integer, got {_type_name(value)} {value!r}"[:200])
-    if kind == "float":
+    if kind is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise ValueError(f"expected a finite number, got {value!r}")
             return float(value)
         raise ValueError(f"expected a number, got {_type_name(value)}")
-    if kind == "list[dict]":  # [[models]]: checked whole by models.specs
+    if kind == ModelTables:  # [[models]]: checked whole by models.specs
         from mlx_kvserve.models.specs import check_model_tables
 
         if not isinstance(value, list):
             raise ValueError("expected [[models]] tables")
         check_model_tables(value)
         return value
-    if kind == "list[str]":
+    if kind == list[str]:
         items = value if isinstance(value, list) else [value]
         if all(isinstance(item, str) for item in items):
             return items
@@ -156,7 +159,7 @@ _EXAMPLES = {
 }
 
 
-def toml_value(value: Any) -> str:
+def toml_value(value: SettingValue) -> str:
     """`value` as a TOML literal (JSON string escapes are valid TOML basic strings)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -207,10 +210,11 @@ _TABLE_EXAMPLES = {
 
 
 def write_private(path: Path, text: str, *, overwrite: bool) -> None:
-    """Write `text` to `path` as 0600 in a 0700 directory: config may hold an API key."""
+    """Write `text` to `path` as 0600 in a 0700 directory (config may hold an API key),
+    durably (mlx_kvserve.durable); FileExistsError when it exists and `overwrite` is false."""
     paths.ensure_private(path.parent)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (0 if overwrite else os.O_EXCL)
-    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        os.fchmod(fh.fileno(), 0o600)
-        fh.write(text)
+    data = text.encode("utf-8")
+    if overwrite:
+        durable.replace_file(path, data, 0o600)
+    elif not durable.create_file(path, data, 0o600):
+        raise FileExistsError(errno.EEXIST, "file exists", str(path))

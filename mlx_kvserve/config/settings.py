@@ -2,19 +2,27 @@
 
 Every setting has one name. Its environment variable is ``MLX_KVSERVE_<NAME>`` and its key in the
 TOML config file is ``<name>``; `mlx-kvserve serve --help` lists them all. Where an effective value
-comes from (flags > environment > config file > defaults) is config_resolve.py's job; what a value
-may be is config_values.py's.
+comes from (flags > environment > config file > defaults) is config/resolve.py's job; what a value
+may be is config/values.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mlx_kvserve import paths
-from mlx_kvserve.config_values import KV_DTYPES, parse_size, parse_template_kwargs, split_list
+from mlx_kvserve.config.values import (
+    KV_DTYPES,
+    ModelTables,
+    parse_size,
+    parse_template_kwargs,
+    split_list,
+)
+from mlx_kvserve.json_value import JSON
+from mlx_kvserve.models.specs import ModelSpec, check_model_tables, merge_specs, parse_model_flag
 
 __all__ = [
     "ENV_PREFIX",
@@ -22,7 +30,8 @@ __all__ = [
     "Settings",
     "is_list_setting",
     "parse_size",
-    "setting_field",
+    "setting_type",
+    "setting_types",
     "split_list",
 ]
 
@@ -75,7 +84,7 @@ class Settings:
             "prompt cache's RAM tier and resident sessions shrink, then idle models unload)."
         },
     )
-    models: list[dict] = field(
+    models: ModelTables = field(
         default_factory=list,
         metadata={
             "help": "[[models]] tables: name, model (directory or repo id), aliases, pinned, "
@@ -107,11 +116,16 @@ class Settings:
         default=30.0,
         metadata={
             "help": "Seconds a rank of an mlx.launch job may take to answer before the job "
-            "ends with one log line, for the service manager to restart every rank."
+            "ends with one log line, for the service manager to restart every rank (a forward "
+            "pass: this plus 0.25 s for each token it computes)."
         },
     )
     api_key: str | None = field(
-        default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on /v1/*."}
+        default=None,
+        metadata={
+            "help": "Require this key ('Authorization: Bearer <key>' or 'x-api-key: <key>') on "
+            "every path but /health and the status page's files."
+        },
     )
     max_body_bytes: int = field(
         default=16 * 1024 * 1024, metadata={"help": "Largest request body accepted (413 above)."}
@@ -141,7 +155,8 @@ class Settings:
     cache_budget: str | None = field(
         default=None,
         metadata={
-            "help": "Disk budget per model, e.g. 20GiB (default: min(20 GiB, 25%% of free space))."
+            "help": "Disk budget per model, e.g. 20GiB (default: min(20 GiB, 25%% of free "
+            "space)); lowered while the disk has less room, and back when space returns."
         },
     )
     cache_ram_budget: str = field(
@@ -243,7 +258,7 @@ class Settings:
         },
     )
 
-    def template_defaults(self) -> dict[str, Any]:
+    def template_defaults(self) -> dict[str, JSON]:
         """--chat-template-kwargs as an object (checked when the settings were loaded)."""
         return parse_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
@@ -254,16 +269,9 @@ class Settings:
             return Path(self.cache_dir).expanduser()
         return paths.cache_dir(create=False)
 
-    def model_specs(self) -> list[Any]:
-        """The models to serve (models.specs.ModelSpec), the default first: the --model flags,
-        then the config file's [[models]] not named by a flag."""
-        from mlx_kvserve.models.specs import (
-            ModelSpec,
-            check_model_tables,
-            merge_specs,
-            parse_model_flag,
-        )
-
+    def model_specs(self) -> list[ModelSpec]:
+        """The models to serve, the default first: the --model flags, then the config file's
+        [[models]] not named by a flag."""
         tables = check_model_tables(self.models)
         specs = merge_specs([parse_model_flag(m) for m in self.model], tables)
         first = specs[0]  # --served-model-name: more names for the default model
@@ -334,11 +342,21 @@ class Settings:
         return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("file_only")]
 
 
-def setting_field(name: str) -> dataclasses.Field:
-    """The dataclass field of setting `name` (its type, default and help)."""
-    return {f.name: f for f in dataclasses.fields(Settings)}[name]
+# Each setting's type, evaluated from its annotation (`int`, `str | None`, `list[str]`): what a
+# flag, an environment variable and a TOML value are read as.
+_TYPES: dict[str, object] = typing.get_type_hints(Settings)
+
+
+def setting_types() -> dict[str, object]:
+    """Every setting's type, by name, to compare with `is` or `==` (`bool`, `list[str]`, ...)."""
+    return dict(_TYPES)
+
+
+def setting_type(name: str) -> object:
+    """The type of setting `name` (see `setting_types`)."""
+    return _TYPES[name]
 
 
 def is_list_setting(name: str) -> bool:
     """Settings that take several values (repeated flag, comma-separated env, TOML list)."""
-    return str(setting_field(name).type) == "list[str]"
+    return setting_type(name) == list[str]

@@ -3,40 +3,43 @@ remembering where each value came from (`mlx-kvserve config show`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mlx_kvserve import paths
-from mlx_kvserve.config import ENV_PREFIX, Settings, is_list_setting, setting_field
-from mlx_kvserve.config_file import ConfigError, read_config_file, where
-from mlx_kvserve.config_values import check_value, split_list
+from mlx_kvserve.config.file import ConfigError, read_config_file, where
+from mlx_kvserve.config.settings import (
+    ENV_PREFIX,
+    Settings,
+    is_list_setting,
+    setting_type,
+    setting_types,
+)
+from mlx_kvserve.config.values import SettingValue, check_value, split_list
 
 __all__ = ["ConfigError", "Resolved", "Source", "load_settings", "resolve_settings"]
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
-def _coerce(name: str, raw: Any) -> Any:
+def _coerce(name: str, raw: str) -> SettingValue:
     """Turn an environment string into the field's type; ValueError says what was wrong."""
-    target = setting_field(name)
     if is_list_setting(name):
         return split_list(raw)
-    kind = str(target.type)
-    if kind == "bool":
+    kind = setting_type(name)
+    if kind is bool:
         text = str(raw).strip().lower()
         if text in _TRUE | _FALSE:
             return text in _TRUE
         raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}")
     try:
-        if kind == "int":
+        if kind is int:
             return int(raw)
-        if kind == "float":
+        if kind is float:
             return float(raw)
     except (TypeError, ValueError):
-        wanted = "an integer" if kind == "int" else "a number"
+        wanted = "an integer" if kind is int else "a number"
         raise ValueError(f"expected {wanted}, got {raw!r}") from None
     return None if raw is None else str(raw)
 
@@ -59,19 +62,18 @@ class Resolved:
     config_path: Path
 
 
-def resolve_settings(flags: dict[str, Any], config_path: Path | None = None) -> Resolved:
+def resolve_settings(flags: dict[str, SettingValue], config_path: Path | None = None) -> Resolved:
     """Merge defaults, config file, environment and flags (non-None flags win), remembering
     where each value came from. A bad value raises ConfigError naming its source."""
     path = config_path or paths.config_file()
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
-    file_values = read_config_file(path, fields)
+    file_values = read_config_file(path, setting_types())
     for name, found in file_values.items():  # a bad line is reported even where overridden
         try:
             value = split_list(found.value) if is_list_setting(name) else found.value
             check_value(name, value)
         except ValueError as exc:
             raise ConfigError(f"{where(path, found.line)}: setting '{name}': {exc}") from None
-    values: dict[str, Any] = {}
+    values: dict[str, SettingValue] = {}
     sources: dict[str, Source] = {}
     for name in Settings.option_names():
         env_name = ENV_PREFIX + name.upper()
@@ -107,6 +109,6 @@ def resolve_settings(flags: dict[str, Any], config_path: Path | None = None) -> 
     return Resolved(settings, sources, path)
 
 
-def load_settings(flags: dict[str, Any], config_path: Path | None = None) -> Settings:
+def load_settings(flags: dict[str, SettingValue], config_path: Path | None = None) -> Settings:
     """The effective settings (see resolve_settings)."""
     return resolve_settings(flags, config_path).settings

@@ -6,12 +6,12 @@ launchd.py and systemd.py build plans; `execute` applies one through a Runner, o
 
 from __future__ import annotations
 
-import os
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_kvserve.durable import replace_file
 from mlx_kvserve.paths import ensure_private
 from mlx_kvserve.service.runner import Runner
 
@@ -65,14 +65,7 @@ class ServiceError(Exception):
 
 def write_file(path: Path, data: bytes) -> None:
     ensure_private(path.parent)  # only a missing directory is created (0700)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        os.fchmod(fh.fileno(), 0o600)
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    replace_file(path, data, 0o600)
 
 
 def execute(

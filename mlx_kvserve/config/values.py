@@ -1,12 +1,20 @@
 """Single setting values: sizes ('512MiB'), lists ('a, b'), chat-template variables, and each
-setting's own constraints. Nothing here knows where a value came from (config_resolve.py does)."""
+setting's own constraints. Nothing here knows where a value came from (config/resolve.py does)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from typing import Any
+from collections.abc import Sequence
+
+from mlx_kvserve.json_value import JSON
+
+# The [[models]] tables of the config file: JSON objects, checked whole by models.specs.
+ModelTables = list[dict[str, JSON]]
+# A setting's value as a source gives it, its type checked (flags and TOML are typed; the
+# environment's strings are parsed first).
+SettingValue = bool | int | float | str | list[str] | ModelTables | None
 
 KV_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
@@ -39,7 +47,7 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def split_list(raw: Any) -> list[str]:
+def split_list(raw: str | Sequence[str]) -> list[str]:
     """'a, b' or ['a', 'b,c'] -> ['a', 'b', 'c']: the same list from every source."""
     items = raw if isinstance(raw, list | tuple) else [raw]
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
@@ -54,9 +62,9 @@ SHARD_MODES = ("auto", "tensor", "pipeline")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
 
-def parse_template_kwargs(text: str) -> dict[str, Any]:
+def parse_template_kwargs(text: str) -> dict[str, JSON]:
     """A JSON object of chat-template variables; ValueError says what is wrong."""
-    from mlx_kvserve.chat.thinking import RESERVED
+    from mlx_kvserve.chat.reasoning.thinking import RESERVED
 
     try:
         value = json.loads(text)
@@ -70,7 +78,7 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
-def check_value(name: str, value: Any) -> Any:
+def check_value(name: str, value: SettingValue) -> SettingValue:
     """One setting's own constraints (types are already right); ValueError if it breaks one."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value!r} is not a finite number")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
 
-from mlx_kvserve.config import ENV_PREFIX, Settings
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings, setting_type
+from mlx_kvserve.config.values import SettingValue
 
-_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+# What argparse turns a flag's text into, by the setting's type (switches and lists aside).
+_PARSE: dict[object, type] = {int: int, float: float, str: str, str | None: str}
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +22,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = "embedded SmolLM2-135M-Instruct" if f.name == "model" else f.default
         default_text = "none" if default is None else default
-        if str(f.type) == "bool":
+        kind = setting_type(f.name)
+        if kind is bool:
             parser.add_argument(
                 flag,
                 dest=f.name,
@@ -30,7 +32,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                 help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}=1]",
             )
             continue
-        if str(f.type) == "list[str]":  # repeatable; each value may also hold a, b, c
+        if kind == list[str]:  # repeatable; each value may also hold a, b, c
             parser.add_argument(
                 flag,
                 dest=f.name,
@@ -43,14 +45,14 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag,
             dest=f.name,
-            type=_TYPES[str(f.type)],
+            type=_PARSE[kind],
             default=None,
             metavar=f.name.upper(),
             help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {default_text}]",
         )
 
 
-def setting_flags(args: argparse.Namespace) -> dict[str, Any]:
+def setting_flags(args: argparse.Namespace) -> dict[str, SettingValue]:
     """The setting flags that were given (None for the rest)."""
     names = set(Settings.option_names())
     return {k: v for k, v in vars(args).items() if k in names}
