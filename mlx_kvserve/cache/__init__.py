@@ -4,9 +4,8 @@ The engine thread creates one `PromptCache` per loaded model and calls it from t
 see `store` for the rules (deltas, prefix dominance, budgets, crash recovery).
 """
 
-from mlx_kvserve.cache.disk import model_directories
 from mlx_kvserve.cache.entry import MISS, EntryInfo, Match, entry_key
-from mlx_kvserve.cache.errors import (
+from mlx_kvserve.cache.exceptions import (
     CacheError,
     CacheLockedError,
     CacheRestoreError,
@@ -14,6 +13,7 @@ from mlx_kvserve.cache.errors import (
 )
 from mlx_kvserve.cache.fingerprint import hash_files, layout_versions, model_fingerprint
 from mlx_kvserve.cache.policy import default_disk_budget
+from mlx_kvserve.cache.scan import model_directories
 from mlx_kvserve.cache.state import make_probe, probe_matches
 from mlx_kvserve.cache.store import PromptCache
 

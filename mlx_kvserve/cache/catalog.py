@@ -19,7 +19,7 @@ from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_DEPARTURE, FLAG_SUSPECT, H
 from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.disk import DiskTier
 from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, DISK_WRITTEN, Entry
-from mlx_kvserve.cache.errors import CacheRestoreError
+from mlx_kvserve.cache.exceptions import CacheRestoreError
 from mlx_kvserve.cache.index import TokenIndex
 from mlx_kvserve.cache.ram import RamTier
 from mlx_kvserve.cache.writer import WriteJob, Writer
@@ -47,7 +47,6 @@ class Catalog:
         self.ram = RamTier(ram_budget)
         self.pins: dict[str, int] = {}
         self.pending: dict[str, WriteJob] = {}
-        self.failed: set[str] = set()  # evicted for failure: never re-stored by this process
         self.live_signature: str | None = None  # of the last live caches checkpointed
         self.disk_bytes = 0
         self.counters = new_counters()
@@ -69,7 +68,9 @@ class Catalog:
         """Remove `key` and its descendants (deepest first); returns the removed keys.
 
         Each goes from the index, RAM and disk; a queued write is cancelled under the disk's
-        lock, so it can never land after its entry is gone.
+        lock, so it can never land after its entry is gone. The entries leave memory first,
+        all of them, then their files: a file that cannot be deleted never stops the rest, and
+        the disk tier voids it so that no later start indexes it again (`DiskTier.delete`).
         """
         root = self.entries.get(key)
         if root is None:
@@ -80,8 +81,9 @@ class Catalog:
             e = stack.pop()
             order.append(e)
             stack.extend(self.entries[c] for c in e.children if c in self.entries)
-        removed = []
-        for e in reversed(order):
+        order.reverse()
+        jobs = []
+        for e in order:
             self.index.remove(e.tokens, e.key)
             del self.entries[e.key]
             self.ram.drop(e.key)
@@ -89,14 +91,17 @@ class Catalog:
                 self.entries[e.parent].children.discard(e.key)
             if e.disk in (DISK_WRITTEN, DISK_PENDING):
                 self.disk_bytes -= e.file_bytes
-            job = self.pending.pop(e.key, None)
-            if self.disk is not None:
+            jobs.append(self.pending.pop(e.key, None))
+        if self.disk is not None:
+            for e, job in zip(order, jobs, strict=True):
                 if job is not None:
                     with self.disk.fs_lock:
                         job.cancelled = True
-                self.disk.delete(e.key, durable=durable)
-            removed.append(e.key)
-        return removed
+                try:
+                    self.disk.delete(e.key, durable=durable)
+                except Exception:  # pragma: no cover - delete reports its own failures
+                    self.log.exception("prompt-cache could not delete %s", e.key[:16])
+        return [e.key for e in order]
 
     def links(self, entry: Entry | None, usable: int) -> list[Entry]:
         """Chain root..entry, keeping the links that hold positions below `usable`."""

@@ -24,6 +24,7 @@ import numpy as np
 from mlx_kvserve.cache import layers, plan
 from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
 from mlx_kvserve.cache.entry import Entry
+from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.state import StateError, to_mx
 
 KV_STEP = 256  # KVCache grows its buffers in multiples of this
@@ -46,7 +47,11 @@ class ChainBuilder:
     """Fresh caches filled link by link (root first) with `usable` tokens of the leaf's state."""
 
     def __init__(
-        self, caches: Sequence[Any], links: list[Entry], usable: int, dtype: str | None = None
+        self,
+        caches: Sequence[LayerCache],
+        links: list[Entry],
+        usable: int,
+        dtype: str | None = None,
     ) -> None:
         """`dtype`: the model's KV dtype, which every floating KV array must have."""
         leaf = links[-1]

@@ -21,9 +21,11 @@ about as fast as a cold read from a fast disk: restores hash in a helper thread 
 see `pipeline`).
 
 The 32-byte slot is the only part ever rewritten in place: counters (hits, last use) and flags
-(suspect, anchor). It is outside both checksums and carries its own crc32; a torn or garbled
-slot reads as "no hits, suspect", the conservative answer. Updates are not fsync'd: losing a hit
-count to a power cut is harmless; the suspect flag is fsync'd when set.
+(suspect, anchor, departure, evicted: a file whose entry was evicted but that could not be
+deleted, which start-up deletes instead of indexing). It is outside both checksums and carries
+its own crc32; a torn or garbled slot reads as "no hits, suspect", the conservative answer.
+Updates are not fsync'd: losing a hit count to a power cut is harmless; the suspect and evicted
+flags are fsync'd when set.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_kvserve.cache.errors import EntryFormatError
+from mlx_kvserve.cache.exceptions import EntryFormatError
 
 MAGIC = b"MLXKVC\r\n"
 FORMAT_VERSION = 2  # 2: per-layer chains (see `plan`); 1: whole-model deltas or snapshots
@@ -54,6 +56,7 @@ MAX_HEADER = 64 * 1024 * 1024
 FLAG_SUSPECT = 1
 FLAG_ANCHOR = 2
 FLAG_DEPARTURE = 4  # a later request departs at its end: never pruned (see policy)
+FLAG_EVICTED = 8  # evicted, but the unlink failed: never indexed again (see disk.DiskTier.delete)
 
 _PREFIX = struct.Struct("<8sII32s")
 _SLOT = struct.Struct("<QdII")  # hits, last_used, flags, reserved (then crc32, pad)

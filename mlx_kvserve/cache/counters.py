@@ -26,4 +26,6 @@ def new_counters() -> dict[str, int]:
         "bytes_queued": 0,
         "bytes_read": 0,  # entry files read from disk to restore
         "write_waits": 0,
+        "disk_full": 0,  # write results that failed for want of space (ENOSPC, or skipped)
+        "disk_skipped": 0,  # checkpoints kept off the disk: its budget, lowered, had no room
     }

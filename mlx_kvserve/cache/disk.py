@@ -12,6 +12,12 @@ Crash safety (DESIGN invariant 6):
   the last run died; its entries are flagged suspect (in their slots, fsync'd) before the new
   marker replaces it.
 * `lock` carries an exclusive, non-blocking `flock`: one writer process per directory.
+
+A failing disk never escapes as an error of a request: a failed write raises to the writer
+thread, which loses only that checkpoint; a failed read raises to the restore, which evicts the
+entry. A file that cannot be deleted (EACCES, EIO) is marked evicted in its slot, kept in
+`undeleted` and deleted later (`retry_deletions`), or at the next start instead of being indexed.
+The points where tests make the disk fail are `disk_fault`'s (see engine.faults).
 """
 
 from __future__ import annotations
@@ -24,21 +30,19 @@ import json
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
-import numpy as np
-
+from mlx_kvserve import macos
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.dirs import private_subdir
-from mlx_kvserve.cache.entry import KEY_RE
-from mlx_kvserve.cache.errors import CacheLockedError, EntryFormatError
-from mlx_kvserve.cache.header import VettedHeaders, validate_header
+from mlx_kvserve.cache.exceptions import CacheLockedError, EntryFormatError
+from mlx_kvserve.cache.header import VettedHeaders
 from mlx_kvserve.cache.pipeline import Check, read_verified
 from mlx_kvserve.durable import fsync_fd, fsync_path
 
@@ -48,15 +52,8 @@ LOCK_NAME = "lock"
 MARKER_NAME = "RUNNING"
 NAMESPACES_DIR = "keys"  # per-API-key caches (--isolate-cache): keys/<namespace>/<fingerprint>
 FILE_MODE = 0o600
-
-
-@dataclass
-class ScannedEntry:
-    key: str
-    header: dict[str, Any]
-    tokens: np.ndarray
-    slot: Slot | None
-    file_bytes: int
+RADVISORY = "qi4x"  # macOS's struct radvisory {off_t ra_offset; int ra_count;}, padded to 16
+RA_COUNT_MAX = 2**31 - 1
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -68,21 +65,21 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _read_head(f: BinaryIO) -> tuple[dict[str, Any], Slot | None, int, int, bytes]:
-    """(header, slot, payload offset, file size, header sha256) of an open entry file,
-    payload unchecked."""
-    size = os.fstat(f.fileno()).st_size
-    header_len, digest, slot = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
-    body = _read_header_body(f, header_len)
-    header = codec.parse_header(body, digest)
-    return header, slot, codec.payload_start(header_len), size, digest
-
-
-def _read_header_body(f: BinaryIO, header_len: int) -> bytes:
+def read_header_body(f: BinaryIO, header_len: int) -> bytes:
     body = f.read(header_len)
     if len(body) != header_len:
         raise EntryFormatError("file truncated inside its header")
     return body
+
+
+def advise_read(fd: int) -> None:
+    """Ask the kernel to start reading a whole open file: posix_fadvise where the OS has it,
+    F_RDADVISE on macOS (whose Python has no posix_fadvise), nothing elsewhere."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    elif macos.on_macos():
+        count = min(os.fstat(fd).st_size, RA_COUNT_MAX)
+        macos.fcntl(fd, macos.F_RDADVISE, struct.pack(RADVISORY, 0, count))
 
 
 def _fault(point: str) -> None:
@@ -91,6 +88,20 @@ def _fault(point: str) -> None:
         from mlx_kvserve.engine import faults  # imported late: the engine imports this package
 
         faults.maybe_fail(point)
+
+
+def disk_fault(op: str) -> None:
+    """Test-only point `disk_<op>_<errno>` (engine.faults.DISK_OPS): raises that OSError."""
+    if os.environ.get("MLX_KVSERVE_FAULTS"):
+        from mlx_kvserve.engine import faults
+
+        faults.maybe_fail_disk(op)
+
+
+class Cancellable(Protocol):
+    """A queued write (cache/writer.py's `WriteJob`): the engine may cancel it until it lands."""
+
+    cancelled: bool
 
 
 class DiskTier:
@@ -109,6 +120,8 @@ class DiskTier:
         self.headers = VettedHeaders(fingerprint)
         self._lock_fd: int | None = None
         self._tmp_counter = itertools.count()
+        # evicted entries whose file could not be deleted: key -> why (under fs_lock)
+        self.undeleted: dict[str, str] = {}
         if read_only:
             return
         private_subdir(self.root, fingerprint)  # the root the user named is never chmod'ed
@@ -175,48 +188,13 @@ class DiskTier:
         os.replace(tmp, path)
         fsync_path(self.dir)
 
-    # -- scanning ------------------------------------------------------------------------------
-    def sweep_temp(self) -> int:
-        """Delete temporary leftovers of interrupted writes."""
-        count = 0
-        for path in self.dir.iterdir():
-            if path.name.startswith(TMP_PREFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    count += 1
-        return count
-
+    # -- files ------------------------------------------------------------------------------
     def entry_files(self) -> Iterator[Path]:
         if not self.dir.is_dir():
             return
         for path in self.dir.iterdir():
             if path.name.endswith(SUFFIX) and not path.name.startswith("."):
                 yield path
-
-    def read_head(self, path: Path) -> tuple[dict[str, Any], Slot | None, int, int, bytes]:
-        """(header, slot, payload offset, file size, header sha256), validated except for the
-        payload."""
-        key = path.name[: -len(SUFFIX)]
-        if not KEY_RE.match(key):
-            raise EntryFormatError("file name is not an entry key")
-        with path.open("rb") as f:
-            return _read_head(f)
-
-    def scan(self) -> tuple[list[ScannedEntry], list[tuple[str, str]]]:
-        """Headers of every entry file; damaged or foreign files are reported, not returned."""
-        good: list[ScannedEntry] = []
-        bad: list[tuple[str, str]] = []
-        for path in self.entry_files():
-            key = path.name[: -len(SUFFIX)]
-            try:
-                header, slot, offset, size, digest = self.read_head(path)
-                tokens = validate_header(header, key, self.fingerprint, size, offset)
-            except (EntryFormatError, OSError, ValueError) as exc:
-                bad.append((key, str(exc)))
-                continue
-            self.headers.remember(key, header, digest)
-            good.append(ScannedEntry(key, header, tokens, slot, size))
-        return good, bad
 
     # -- entries -------------------------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -239,9 +217,10 @@ class DiskTier:
         """An entry's file, positioned at its payload, with its validated header (`vetted`:
         see `VettedHeaders.checked`)."""
         with self._open(key) as f:
+            disk_fault("header")
             size = os.fstat(f.fileno()).st_size
             header_len, digest, _ = codec.parse_prefix(f.read(codec.PREFIX_SIZE))
-            body = _read_header_body(f, header_len)
+            body = read_header_body(f, header_len)
             offset = codec.payload_start(header_len)
             header = self.headers.checked(key, body, digest, size, offset, vetted=vetted)
             f.seek(offset)
@@ -249,14 +228,20 @@ class DiskTier:
 
     def prefetch(self, keys: list[str]) -> None:
         """Ask the kernel to start reading these (small) files now, all at once, so that the
-        device serves them in parallel while the caller works through them in order."""
+        device serves them in parallel while the caller works through them in order. A hint:
+        nothing it meets (a file gone, a call this OS lacks or refuses) fails the restore."""
         for key in keys:
-            with contextlib.suppress(OSError):
+            try:
+                disk_fault("prefetch")
                 fd = os.open(self._file(key), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+            except OSError:
+                continue  # the read that follows reports it
+            try:
+                advise_read(fd)
+            except Exception as exc:  # the reads work without the hint
+                self.log.debug("prompt-cache read-ahead hint refused: %r", exc)
+            finally:
+                os.close(fd)
 
     def read_entry(
         self, key: str, *, vetted: bool = False, finite: bool = False
@@ -264,6 +249,7 @@ class DiskTier:
         """Read and fully verify one entry: header checks and payload checksum (`vetted`: see
         `VettedHeaders.checked`; `finite`: float arrays holding NaN/Inf are a format error too)."""
         with self._open(key, buffering=0) as f:
+            disk_fault("read")
             data = f.read()  # one call: one request to the device for a small file
         header_len, digest, _ = codec.parse_prefix(data[: codec.PREFIX_SIZE])
         body = data[codec.PREFIX_SIZE : codec.PREFIX_SIZE + header_len]
@@ -302,25 +288,30 @@ class DiskTier:
         with self._open_entry(key, vetted=True) as (f, header):
             specs = header["arrays"]  # checked by `validate_header`
             digest = header.get("payload_sha256")
+            disk_fault("read")
             read_verified(f, targets(specs), header["payload_bytes"], digest)
         return header
 
-    def write_entry(self, key: str, head: bytes, arrays: tuple[HostArray, ...], job: Any) -> int:
+    def write_entry(
+        self, key: str, head: bytes, arrays: tuple[HostArray, ...], job: Cancellable
+    ) -> int:
         """Durably write one entry unless `job.cancelled` is set by the time it is complete.
 
-        Returns the file size, or 0 if the write was cancelled.
+        Returns the file size, or 0 if the write was cancelled. Raises OSError if any step
+        fails, leaving no file behind (or one marked evicted, see `delete`).
         """
         tmp = self.dir / f"{TMP_PREFIX}{key}.{os.getpid()}.{next(self._tmp_counter)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             try:
                 _write_all(fd, head)
-                _fault("disk_write_enospc")
+                disk_fault("write")
                 for i, arr in enumerate(arrays):
                     if i == len(arrays) // 2:
                         _fault("disk_write_kill")  # a crash with half the payload written
                     if arr.nbytes:
                         _write_all(fd, codec.byte_view(arr.data))
+                disk_fault("fsync")
                 fsync_fd(fd)
                 size = os.fstat(fd).st_size
             finally:
@@ -329,28 +320,91 @@ class DiskTier:
                 if job.cancelled:
                     tmp.unlink()
                     return 0
+                disk_fault("rename")
                 os.replace(tmp, self.path(key))
+                self.undeleted.pop(key, None)  # a new file replaced one marked evicted
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        fsync_path(self.dir)
+        try:
+            disk_fault("dirsync")
+            fsync_path(self.dir)
+        except OSError:
+            self.delete(key)  # the rename may not last: the entry counts as not written
+            raise
         return size
 
     def delete(self, key: str, *, durable: bool = False) -> bool:
-        """Remove an entry file (under fs_lock, so no in-flight rename can resurrect it)."""
+        """Remove an entry file (under fs_lock, so no in-flight rename can resurrect it).
+
+        Never raises for the disk's sake: the caller has already forgotten the entry. A file
+        that cannot be deleted (EACCES, EIO) is marked evicted in its slot, so that start-up
+        deletes it instead of indexing it, and deleting it is retried (`retry_deletions`)."""
         if self.read_only:
             return False
         self.headers.forget(key)
         with self.fs_lock:
             try:
-                self.path(key).unlink()
-            except FileNotFoundError:
+                if not self._unlink(key):
+                    return False
+            except OSError as exc:
+                self._keep_undeleted(key, exc)
                 return False
         if durable:
             with contextlib.suppress(OSError):
                 fsync_path(self.dir)
         return True
+
+    def retry_deletions(self) -> int:
+        """Delete again the files that `delete` could not; returns how many are still left."""
+        deleted = 0
+        with self.fs_lock:
+            keys = list(self.undeleted)
+        for key in keys:
+            with self.fs_lock:
+                if key not in self.undeleted:
+                    continue  # replaced by a new write meanwhile
+                try:
+                    deleted += self._unlink(key)
+                except OSError:
+                    continue
+        left = len(self.undeleted)
+        if deleted:
+            self.sync_directory()
+            if not left:
+                self.log.info("prompt-cache deleted the files it could not delete before")
+        return left
+
+    def _unlink(self, key: str) -> bool:
+        """Delete `key`'s file (caller holds fs_lock); False if it was not there. Raises any
+        other OSError, keeping `key` in `undeleted` if it was."""
+        try:
+            disk_fault("unlink")
+            self.path(key).unlink()
+            found = True
+        except FileNotFoundError:
+            found = False
+        self.undeleted.pop(key, None)
+        return found
+
+    def _keep_undeleted(self, key: str, exc: OSError) -> None:
+        """`key`'s file could not be deleted: mark it evicted (caller holds fs_lock) and keep it
+        for `retry_deletions`. Logged when the first such file appears, not for every one."""
+        if not self.undeleted:
+            self.log.warning(
+                "prompt-cache could not delete %s (%s); it is not used again and deletion "
+                "is retried",
+                key[:16],
+                exc.strerror or exc,
+            )
+        else:
+            self.log.debug("prompt-cache could not delete %s: %s", key[:16], exc)
+        self.undeleted[key] = exc.strerror or str(exc)
+        try:
+            self._write_slot(key, Slot(flags=codec.FLAG_EVICTED), durable=True)
+        except OSError as mark_exc:  # then only this run knows: see docs/crash-safety.md
+            self.log.debug("prompt-cache could not mark %s evicted: %s", key[:16], mark_exc)
 
     def sync_directory(self) -> None:
         """fsync the directory (e.g. once after a batch of non-durable deletions)."""
@@ -359,9 +413,16 @@ class DiskTier:
                 fsync_path(self.dir)
 
     def write_slot(self, key: str, slot: Slot, *, durable: bool = False) -> None:
-        """Rewrite an entry's mutable slot in place (never creates the file)."""
+        """Rewrite an entry's mutable slot in place (never creates the file); not the slot of
+        a file marked evicted (see `delete`)."""
         if self.read_only:
             return
+        with self.fs_lock:
+            if key in self.undeleted:
+                return
+            self._write_slot(key, slot, durable=durable)
+
+    def _write_slot(self, key: str, slot: Slot, *, durable: bool) -> None:
         try:
             fd = os.open(self.path(key), os.O_WRONLY)
         except FileNotFoundError:
@@ -373,37 +434,15 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def free_bytes(self) -> int:
+    def usage(self) -> tuple[int, int] | None:
+        """(total, free) bytes of the cache's file system (statvfs, on macOS too), or None if
+        it cannot be asked."""
         try:
-            return shutil.disk_usage(self.dir if self.dir.exists() else self.root).free
+            found = shutil.disk_usage(self.dir if self.dir.exists() else self.root)
         except OSError:
-            return 0
+            return None
+        return found.total, found.free
 
-
-def model_directories(root: Path) -> list[dict[str, Any]]:
-    """Per-fingerprint sub-directories of a cache root with their size (for `cache ls`).
-
-    Directories of other fingerprints (an older model, mlx version or cache format) are never
-    read by a running server and never counted against its budget: offer them for deletion.
-    """
-    out: list[dict[str, Any]] = []
-    root = Path(root)
-    if not root.is_dir():
-        return out
-    for d in sorted(root.iterdir()):
-        if not d.is_dir() or d.name == NAMESPACES_DIR:
-            continue
-        files = [p for p in d.iterdir() if p.name.endswith(SUFFIX)]
-        size = 0
-        for p in files:
-            with contextlib.suppress(OSError):
-                size += p.stat().st_size
-        out.append(
-            {
-                "fingerprint": d.name,
-                "entries": len(files),
-                "bytes": size,
-                "run_marker": (d / MARKER_NAME).exists(),  # running now, or died
-            }
-        )
-    return out
+    def free_bytes(self) -> int:
+        usage = self.usage()
+        return usage[1] if usage else 0

@@ -14,9 +14,9 @@ import os
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from mlx_kvserve.cache.codec import FORMAT_VERSION
+from mlx_kvserve.json_value import JSON
 
 
 def _version(dist: str) -> str:
@@ -61,7 +61,8 @@ def hash_files(paths: Iterable[Path], *, full: bool = True) -> str:
     return h.hexdigest()
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: object) -> JSON:
+    """`value` as JSON with sorted keys; what JSON cannot hold, as its repr."""
     if isinstance(value, Mapping):
         return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):
@@ -74,9 +75,9 @@ def _canonical(value: Any) -> Any:
 def model_fingerprint(
     *,
     weights: str,
-    config: Mapping[str, Any],
+    config: Mapping[str, JSON],
     tokenizer: str,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, JSON] | None = None,
     name: str | None = None,
 ) -> str:
     """Fingerprint string such as `smollm2-135m-instruct-3f2a9c0d1e4b5a6c`.

@@ -10,7 +10,7 @@ import numpy as np
 
 from mlx_kvserve.cache import codec, plan
 from mlx_kvserve.cache.entry import DELTA, SNAPSHOT, entry_key
-from mlx_kvserve.cache.errors import EntryFormatError
+from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.plan import PlanError
 
 

@@ -26,14 +26,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 TOKENS, WINDOW, STATE = "tokens", "window", "state"
+
+# A cache's `state`: arrays, nested in lists, tuples or dicts (a CacheList's, an SSM's).
+ArrayTree: TypeAlias = (
+    "mx.array | list[ArrayTree] | tuple[ArrayTree, ...] | dict[str, ArrayTree] | None"
+)
+
+
+class LayerCache(Protocol):
+    """One layer's cache object as mlx-lm makes it (`make_prompt_cache`: its `_BaseCache`
+    subclasses). A class mlx-lm does not define may lack part of this: the functions here ask
+    such a one carefully."""
+
+    state: ArrayTree
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...
+
+    def size(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
 
 # Classes whose `state` is (keys, values, offset) with positions [0, offset) on axis 2: live
 # caches of these can be cut to any prefix of what they hold.
@@ -67,7 +91,7 @@ class LayerKind:
         return self.fixed_bytes
 
 
-def describe(cache: Any) -> LayerKind:
+def describe(cache: LayerCache) -> LayerKind:
     """The description of one layer's cache object, after at least one token went through it."""
     parts = getattr(cache, "caches", None)
     if isinstance(parts, (list, tuple)) and parts:
@@ -95,12 +119,12 @@ def describe(cache: Any) -> LayerKind:
     )
 
 
-def is_sliceable(caches: Sequence[Any]) -> bool:
+def is_sliceable(caches: Sequence[LayerCache]) -> bool:
     """Whether every layer holds plain position-indexed KV (cut to any prefix)."""
     return bool(caches) and all(type(c) in _POSITION_SLICEABLE for c in caches)
 
 
-def can_cut_back(caches: Sequence[Any], keep: int) -> bool:
+def can_cut_back(caches: Sequence[LayerCache], keep: int) -> bool:
     """Whether every layer can be trimmed back to its first `keep` positions and still hold
     exactly their state. `is_trimmable()` says whether a layer can be trimmed at all; a
     `ChunkedKVCache` says True even after it dropped its oldest positions (`start_position`),
@@ -113,7 +137,7 @@ def can_cut_back(caches: Sequence[Any], keep: int) -> bool:
     return keep >= 0
 
 
-def can_merge(caches: Sequence[Any]) -> bool:
+def can_merge(caches: Sequence[LayerCache]) -> bool:
     """Whether rows with these per-layer caches can decode together as mlx-lm batches them."""
     return bool(caches) and all(_mergeable(c) for c in caches)
 
@@ -123,8 +147,8 @@ class KVLayout:
     """The model's layers, described from a one-token pass; see `describe_model`."""
 
     layers: tuple[LayerKind, ...]
-    activation_dtype: Any  # of the pass's logits
-    kv_dtype: Any  # of what the caches hold (see `kv_dtype`)
+    activation_dtype: mx.Dtype  # of the pass's logits
+    kv_dtype: mx.Dtype | None  # of what the caches hold (see `kv_dtype`)
 
     @property
     def bytes_per_token(self) -> int:
@@ -167,7 +191,7 @@ class KVLayout:
         return " + ".join(f"{n} {label}" for label, n in counts.items())
 
 
-def describe_model(model: Any) -> KVLayout:
+def describe_model(model: nn.Module) -> KVLayout:
     """Run one token through fresh caches and describe every layer."""
     caches = make_prompt_cache(model)
     logits = model(mx.array([[0]]), cache=caches)
@@ -176,7 +200,7 @@ def describe_model(model: Any) -> KVLayout:
     return KVLayout(layers, logits.dtype, kv_dtype(caches))
 
 
-def kv_dtype(caches: Sequence[Any]) -> Any:
+def kv_dtype(caches: Sequence[LayerCache]) -> mx.Dtype | None:
     """The dtype of the first layer that holds positions (keys), else of the first floating
     array of any state (an SSM model's); None if nothing holds an array yet.
 
@@ -196,7 +220,7 @@ def kv_dtype(caches: Sequence[Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-def _combine(cache: Any, parts: list[LayerKind]) -> LayerKind:
+def _combine(cache: LayerCache, parts: list[LayerKind]) -> LayerKind:
     main = max(parts, key=lambda p: (p.kind == TOKENS, p.kind == WINDOW, p.fixed_bytes))
     windows = [p.window for p in parts if p.window is not None]
     return LayerKind(
@@ -212,7 +236,7 @@ def _combine(cache: Any, parts: list[LayerKind]) -> LayerKind:
     )
 
 
-def _mergeable(cache: Any) -> bool:
+def _mergeable(cache: LayerCache) -> bool:
     """`merge` is what mlx-lm batches with; an unknown class is not trusted with it."""
     if not callable(getattr(cache, "merge", None)):
         return False
@@ -222,20 +246,20 @@ def _mergeable(cache: Any) -> bool:
     return _is_mlx_lm_class(cache)
 
 
-def _state_settable(cache: Any) -> bool:
+def _state_settable(cache: LayerCache) -> bool:
     """Whether `cache.state = ...` can work: a read-only `state` property (DeepSeek-V4's
     `LayerCache` in mlx-lm 0.32) cannot take a restored state back."""
     prop = getattr(type(cache), "state", None)
     return not isinstance(prop, property) or prop.fset is not None
 
 
-def _is_mlx_lm_class(cache: Any) -> bool:
+def _is_mlx_lm_class(cache: LayerCache) -> bool:
     """mlx-lm's own cache classes (their `state` layouts are what cache/layers.py stores)."""
     cls = type(cache)
     return getattr(mlx_cache, cls.__name__, None) is cls
 
 
-def _holds_positions(cache: Any) -> bool:
+def _holds_positions(cache: LayerCache) -> bool:
     """Whether the layer keeps entries per position (KV) rather than a state: it reports a
     `size()` or, after a token went through it, can be trimmed back (not every KV class
     implements `size()`; no recurrent state can be trimmed)."""
@@ -245,7 +269,7 @@ def _holds_positions(cache: Any) -> bool:
         return False
 
 
-def _bytes_per_position(cache: Any) -> int:
+def _bytes_per_position(cache: LayerCache) -> int:
     """Bytes one position takes: each KV array of the state is (batch, heads, positions, dim)
     and may be allocated ahead (KVCache grows in steps of 256)."""
     total = 0
@@ -255,14 +279,14 @@ def _bytes_per_position(cache: Any) -> int:
     return total
 
 
-def _nbytes(cache: Any) -> int:
+def _nbytes(cache: LayerCache) -> int:
     try:
         return int(cache.nbytes)
     except Exception:  # mlx-lm's base class raises NotImplementedError
         return sum(a.nbytes for a in _arrays(cache.state))
 
 
-def _arrays(tree: Any) -> list[mx.array]:
+def _arrays(tree: ArrayTree) -> list[mx.array]:
     if isinstance(tree, mx.array):
         return [tree]
     if isinstance(tree, (list, tuple, dict)):
@@ -270,8 +294,8 @@ def _arrays(tree: Any) -> list[mx.array]:
     return []
 
 
-def _leaves(caches: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
+def _leaves(caches: Sequence[LayerCache]) -> list[LayerCache]:
+    out: list[LayerCache] = []
     for c in caches:
         parts = getattr(c, "caches", None)
         out.extend(_leaves(parts) if isinstance(parts, (list, tuple)) else [c])

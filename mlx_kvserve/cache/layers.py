@@ -17,59 +17,70 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.codec import HostArray
+from mlx_kvserve.cache.kinds import ArrayTree, LayerCache
 from mlx_kvserve.cache.state import StateError, decode_tree, dtype_name, encode_tree, to_host
+
+C = TypeVar("C")  # one of mlx-lm's position-indexed cache classes
 
 
 @dataclass(frozen=True)
-class _Positional:
-    arrays: Callable[[Any], list[mx.array]]  # positions [held_from, offset) in order, axis 2
-    lo: Callable[[Any, int], int]  # first position still needed once the layer holds n
-    params: Callable[[Any], dict[str, Any]]
-    build: Callable[[Any, list[mx.array], int, int, Mapping[str, Any]], None]
+class _Positional(Generic[C]):
+    arrays: Callable[[C], list[mx.array]]  # positions [held_from, offset) in order, axis 2
+    lo: Callable[[C, int], int]  # first position still needed once the layer holds n
+    params: Callable[[C], dict[str, Any]]  # JSON, stored in the layer's doc
+    build: Callable[[C, list[mx.array], int, int, Mapping[str, Any]], None]
     padded: bool = False  # restored with free room after the positions (KVCache's growth step)
 
 
-def _kv_arrays(c: Any) -> list[mx.array]:
+def _kv_arrays(c: mlx_cache.KVCache) -> list[mx.array]:
     return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
 
 
-def _kv_build(c: Any, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]) -> None:
+def _kv_build(
+    c: mlx_cache.KVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+) -> None:
     c.state = (a[0], a[1], n)
 
 
-def _quantized_arrays(c: Any) -> list[mx.array]:
+def _quantized_arrays(c: mlx_cache.QuantizedKVCache) -> list[mx.array]:
     return [x[..., : c.offset, :] for x in (*c.keys, *c.values)]
 
 
-def _quantized_build(c: Any, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]) -> None:
+def _quantized_build(
+    c: mlx_cache.QuantizedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+) -> None:
     c.state = (tuple(a[:3]), tuple(a[3:]), n, int(p["group_size"]), int(p["bits"]))
 
 
-def _rotating_arrays(c: Any) -> list[mx.array]:
+def _rotating_arrays(c: mlx_cache.RotatingKVCache) -> list[mx.array]:
     return [c._temporal_order(c.keys), c._temporal_order(c.values)]
 
 
-def _rotating_build(c: Any, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]) -> None:
+def _rotating_build(
+    c: mlx_cache.RotatingKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+) -> None:
     c.state = (a[0], a[1], n, 0, int(p["max_size"]), int(a[0].shape[2]))
 
 
-def _chunked_arrays(c: Any) -> list[mx.array]:
+def _chunked_arrays(c: mlx_cache.ChunkedKVCache) -> list[mx.array]:
     held = c.offset - c.start_position
     return [c.keys[..., :held, :], c.values[..., :held, :]]
 
 
-def _chunked_build(c: Any, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]) -> None:
+def _chunked_build(
+    c: mlx_cache.ChunkedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+) -> None:
     c.state = (a[0], a[1], n, int(p["chunk_size"]), lo)
 
 
-_POSITIONAL: dict[type, _Positional] = {
+_POSITIONAL: dict[type[LayerCache], _Positional] = {
     mlx_cache.KVCache: _Positional(
         _kv_arrays, lambda c, n: 0, lambda c: {}, _kv_build, padded=True
     ),
@@ -94,7 +105,7 @@ _POSITIONAL: dict[type, _Positional] = {
 }
 
 
-def _positional(c: Any) -> _Positional | None:
+def _positional(c: LayerCache) -> _Positional | None:
     adapter = _POSITIONAL.get(type(c))
     if adapter is None or getattr(c, "keys", None) is None:
         return None
@@ -110,7 +121,7 @@ def padded(class_name: str) -> bool:
 
 
 # -- describe and extract ----------------------------------------------------------------------
-def describe(caches: Sequence[Any], n: int) -> tuple[list[dict[str, Any]], plan.Layout]:
+def describe(caches: Sequence[LayerCache], n: int) -> tuple[list[dict[str, Any]], plan.Layout]:
     """Layer docs for a checkpoint of the first `n` positions (whole layers without their
     state yet) and the span arrays' layout (positions axis 0). Copies nothing."""
     layout: plan.Layout = {}
@@ -118,7 +129,7 @@ def describe(caches: Sequence[Any], n: int) -> tuple[list[dict[str, Any]], plan.
     return docs, layout
 
 
-def _describe(c: Any, path: str, n: int, layout: plan.Layout) -> dict[str, Any]:
+def _describe(c: LayerCache, path: str, n: int, layout: plan.Layout) -> dict[str, Any]:
     parts = getattr(c, "caches", None)
     if type(c) is mlx_cache.CacheList and isinstance(parts, (list, tuple)):
         subs = [_describe(sub, f"{path}.{j}", n, layout) for j, sub in enumerate(parts)]
@@ -142,7 +153,7 @@ def _describe(c: Any, path: str, n: int, layout: plan.Layout) -> dict[str, Any]:
 
 
 def extract(
-    caches: Sequence[Any], docs: list[dict[str, Any]], parent_len: int, n: int
+    caches: Sequence[LayerCache], docs: list[dict[str, Any]], parent_len: int, n: int
 ) -> list[HostArray]:
     """Host copies of what the entry stores: each span layer's positions
     [max(parent_len, lo), n), each whole layer's state (its tree is put into its doc)."""
@@ -153,7 +164,7 @@ def extract(
 
 
 def _extract(
-    c: Any, doc: dict[str, Any], parent_len: int, n: int, out: list[HostArray], path: str
+    c: LayerCache, doc: dict[str, Any], parent_len: int, n: int, out: list[HostArray], path: str
 ) -> None:
     if doc["mode"] == plan.LIST:
         for j, (sub, sub_doc) in enumerate(zip(c.caches, doc["parts"], strict=True)):
@@ -176,7 +187,7 @@ def _extract(
         out.append(to_host(name, a[..., start - held_from : n - held_from, :]))
 
 
-def _whole_state(c: Any) -> Any:
+def _whole_state(c: LayerCache) -> ArrayTree:
     """A whole layer's `state`, with the padding of a sink-keeping window cut off."""
     if type(c) is mlx_cache.RotatingKVCache and c.keys is not None and c.offset == c._idx:
         idx = c._idx
@@ -185,7 +196,7 @@ def _whole_state(c: Any) -> Any:
 
 
 # -- restore -----------------------------------------------------------------------------------
-def check_fits(caches: Sequence[Any], docs: list[dict[str, Any]]) -> None:
+def check_fits(caches: Sequence[LayerCache], docs: list[dict[str, Any]]) -> None:
     """The stored layers have the model's layer count and classes."""
     if len(docs) != len(caches):
         raise StateError(f"stores {len(docs)} layers, model has {len(caches)}")
@@ -193,7 +204,7 @@ def check_fits(caches: Sequence[Any], docs: list[dict[str, Any]]) -> None:
         _check_class(c, doc, str(i))
 
 
-def _check_class(c: Any, doc: dict[str, Any], path: str) -> None:
+def _check_class(c: LayerCache, doc: dict[str, Any], path: str) -> None:
     if doc.get("class") != type(c).__name__:
         raise StateError(f"layer {path}: stored {doc.get('class')}, model uses {type(c).__name__}")
     if doc.get("mode") == plan.LIST:
@@ -211,7 +222,7 @@ def _check_class(c: Any, doc: dict[str, Any], path: str) -> None:
 
 
 def assemble(
-    caches: Sequence[Any],
+    caches: Sequence[LayerCache],
     docs: list[dict[str, Any]],
     arrays: Mapping[str, mx.array],
     usable: int,
@@ -222,7 +233,7 @@ def assemble(
 
 
 def _assemble(
-    c: Any, doc: dict[str, Any], arrays: Mapping[str, mx.array], usable: int, path: str
+    c: LayerCache, doc: dict[str, Any], arrays: Mapping[str, mx.array], usable: int, path: str
 ) -> None:
     if doc["mode"] == plan.LIST:
         for j, (sub, sub_doc) in enumerate(zip(c.caches, doc["parts"], strict=True)):
@@ -239,7 +250,7 @@ def _assemble(
     )
 
 
-def _check_geometry(c: Any, state: Any, path: str) -> None:
+def _check_geometry(c: LayerCache, state: ArrayTree, path: str) -> None:
     """A whole state has the shape of its layer's class (and a window the model's window)."""
     if type(c) is mlx_cache.RotatingKVCache:
         if not isinstance(state, tuple) or len(state) != 6:

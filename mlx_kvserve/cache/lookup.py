@@ -13,8 +13,9 @@ from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.entry import DELTA, MISS, SNAPSHOT, Entry, Match, as_token_array
 
 
-def find_match(catalog: Catalog, tokens: Sequence[int]) -> Match:
-    """Best restorable prefix of `tokens`; `usable <= len(tokens) - 1` always."""
+def find_match(catalog: Catalog, tokens: Sequence[int], at_most: int | None = None) -> Match:
+    """Best restorable prefix of `tokens`; `usable <= len(tokens) - 1` always, and at most
+    `at_most` if given."""
     try:
         arr = as_token_array(tokens)
     except ValueError:
@@ -22,7 +23,7 @@ def find_match(catalog: Catalog, tokens: Sequence[int]) -> Match:
     counters = catalog.counters
     n = arr.shape[0]
     counters["lookup_tokens"] += n
-    limit = n - 1
+    limit = n - 1 if at_most is None else min(n - 1, at_most)
     best: tuple[int, str] | None = None
     if limit >= 1 and catalog.entries:
         walk = catalog.index.walk(arr, limit)

@@ -8,6 +8,7 @@ through `Catalog.pending` until then, so a restore can use it before it lands.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,9 @@ def apply_writer_results(catalog: Catalog, admit_to_ram: AdmitToRam) -> bool:
         wrote = True
         if catalog.pending.get(job.key) is job:
             del catalog.pending[job.key]
+        if not result.ok and not job.cancelled:
+            catalog.writer.forget(job.key)  # seen here: no job queued from now on chains to it
+            catalog.counters["disk_full"] += result.errno == errno.ENOSPC
         entry = catalog.entries.get(job.key)
         if entry is None or job.cancelled or entry.disk != DISK_PENDING:
             continue

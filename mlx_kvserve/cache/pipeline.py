@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
-from mlx_kvserve.cache.errors import EntryFormatError
+from mlx_kvserve.cache.exceptions import EntryFormatError
 
 CHUNK = 1 << 20  # bytes per read, check and hand-over: fits in L2/L3 while it is checked
 PIPELINE_FROM = 4 << 20  # smaller payloads are hashed in the reading thread

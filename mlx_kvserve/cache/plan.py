@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+
+from mlx_kvserve.json_value import JSON
 
 SPAN, WHOLE, LIST = "span", "whole", "list"
 
@@ -42,7 +43,7 @@ class PlanError(ValueError):
     """A header's per-layer description is malformed or does not match its arrays."""
 
 
-def leaves(docs: list[dict[str, Any]], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+def leaves(docs: list[dict[str, JSON]], path: str = "") -> Iterator[tuple[str, dict[str, JSON]]]:
     """(path, doc) of every span or whole layer, CacheList parts flattened ("3", "3.1")."""
     for i, doc in enumerate(docs):
         here = f"{path}.{i}" if path else str(i)
@@ -52,17 +53,17 @@ def leaves(docs: list[dict[str, Any]], path: str = "") -> Iterator[tuple[str, di
             yield here, doc
 
 
-def span_start(doc: Mapping[str, Any], parent_len: int) -> int:
+def span_start(doc: Mapping[str, JSON], parent_len: int) -> int:
     """First position a span layer's arrays hold in an entry with this parent length."""
     return max(int(parent_len), int(doc["lo"]))
 
 
-def trimmable(docs: list[dict[str, Any]]) -> bool:
+def trimmable(docs: list[dict[str, JSON]]) -> bool:
     """Every layer a span from position 0: any prefix of the entry can be restored."""
     return bool(docs) and all(d.get("mode") == SPAN and d.get("lo") == 0 for _, d in leaves(docs))
 
 
-def tree_refs(tree: Any) -> Iterator[str]:
+def tree_refs(tree: JSON) -> Iterator[str]:
     """Array names a whole layer's state tree refers to."""
     if isinstance(tree, dict):
         if "a" in tree:
@@ -72,12 +73,12 @@ def tree_refs(tree: Any) -> Iterator[str]:
                 yield from tree_refs(item)
 
 
-def signature(docs: list[dict[str, Any]], layout: Layout) -> str:
+def signature(docs: list[dict[str, JSON]], layout: Layout) -> str:
     """What two links of one chain must share: the layers' classes, modes and parameters, and
     the span arrays' names, dtypes and geometry (all axes but the positions)."""
     out = []
     for path, doc in leaves(docs):
-        item: list[Any] = [path, doc.get("class"), doc.get("mode")]
+        item: list[JSON] = [path, doc.get("class"), doc.get("mode")]
         if doc.get("mode") == SPAN:
             item.append(doc.get("params") or {})
             for name in doc.get("arrays") or []:
@@ -87,19 +88,19 @@ def signature(docs: list[dict[str, Any]], layout: Layout) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
-def span_starts(docs: list[dict[str, Any]]) -> dict[str, int]:
+def span_starts(docs: list[dict[str, JSON]]) -> dict[str, int]:
     """path -> lo of every span layer."""
     return {path: int(doc["lo"]) for path, doc in leaves(docs) if doc.get("mode") == SPAN}
 
 
-def parent_fits(parent_docs: list[dict[str, Any]], child_los: Mapping[str, int]) -> bool:
+def parent_fits(parent_docs: list[dict[str, JSON]], child_los: Mapping[str, int]) -> bool:
     """No span layer of the parent starts after the child's: the child's restore finds every
     position below the parent's length in the parent's chain."""
     parent_los = span_starts(parent_docs)
     return all(parent_los.get(path, 1 << 62) <= lo for path, lo in child_los.items())
 
 
-def check_meta(meta: Any, layout: Layout, n_tokens: int, parent_len: int) -> None:
+def check_meta(meta: JSON, layout: Layout, n_tokens: int, parent_len: int) -> None:
     """Raise PlanError unless the layer docs are well formed and the arrays are exactly the
     ones they name, each span holding positions [max(parent_len, lo), n_tokens)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list):
@@ -135,7 +136,7 @@ def check_meta(meta: Any, layout: Layout, n_tokens: int, parent_len: int) -> Non
         raise PlanError("stored arrays differ from the ones the layers name")
 
 
-def _checked_leaves(docs: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+def _checked_leaves(docs: JSON, path: str = "") -> Iterator[tuple[str, dict[str, JSON]]]:
     if not isinstance(docs, list) or not docs:
         raise PlanError(f"layer {path or 'list'}: no layers")
     for i, doc in enumerate(docs):

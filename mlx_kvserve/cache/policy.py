@@ -27,16 +27,18 @@ prefix (duplicating at most that span, typically a system prompt) so later branc
 Parents are never merged into children: a merge rewrites O(N) bytes per turn, exactly the O(N^2)
 write volume deltas exist to avoid. Chains shrink only from their leaves: budget eviction only
 picks leaves, a link becomes a leaf once its children are gone and is then scored like any other
-entry. A failure eviction removes an entry together with everything that depends on it.
+entry. A failure eviction removes an entry together with everything that depends on it
+(the engine blames the newest link of a chain first: engine/blame.py).
 
 Budgets
 -------
 Disk: byte budget per model fingerprint directory (default min(20 GiB, 25% of the free space
-plus what the cache already uses)).
+plus what the cache already uses)), lowered while the disk itself has less room (`space`).
 After each checkpoint, leaves are evicted lowest score first, score = (1 + hits) *
 2**(-age / 6 h) * own tokens / own bytes (see `entry.score`), until the budget holds. Never
 evicted: the entry just written, anything pinned, and (implicitly) every chain link of those. An
-entry whose chain alone exceeds the budget is refused. RAM: LRU over payload copies; with a disk
+entry whose chain alone exceeds the configured budget is refused; one that only exceeds the
+lowered budget is kept in RAM without a disk write. RAM: LRU over payload copies; with a disk
 the RAM tier is a cache (dropping a copy loses nothing), without one RAM is the storage and uses
 the disk rules above. Copies held by queued writes count against the RAM budget too, and the
 engine waits for the writer while they alone exceed it (backpressure).
@@ -70,7 +72,8 @@ class Policy:
     def __init__(self, catalog: Catalog, drain: Callable[[], None]) -> None:
         self.catalog = catalog
         self.drain = drain
-        self.disk_budget = 0
+        self.disk_budget = 0  # in force now (see `space.SpaceWatch`)
+        self.disk_limit = 0  # as configured: the bound of `fits`
         # in a job across machines: rank 0 records what its disk budget evicts, and the other
         # ranks (`follower`) evict only that (PromptCache.drop_alike)
         self.follower = False
@@ -79,16 +82,24 @@ class Policy:
         self._waiting = False  # in wait_for_writes
 
     # ------------------------------------------------------------------ admission ----------
-    def fits(self, nbytes: int, parent: Entry | None, n: int) -> bool:
-        """Refuse an entry whose chain alone would exceed the budget (warns once)."""
+    def _chain_bytes(self, nbytes: int, parent: Entry | None) -> int:
+        """The bytes a new entry of `nbytes` and its parent's chain take in their tier."""
         cat = self.catalog
         chain = cat.links(parent, parent.n_tokens) if parent else []
         if cat.disk is not None:
-            chain_bytes = nbytes + sum(link.file_bytes for link in chain)
-            budget = self.disk_budget
-        else:
-            chain_bytes = nbytes + sum(link.payload_bytes for link in chain)
-            budget = cat.ram.budget
+            return nbytes + sum(link.file_bytes for link in chain)
+        return nbytes + sum(link.payload_bytes for link in chain)
+
+    def fits_disk_now(self, nbytes: int, parent: Entry | None) -> bool:
+        """Does a new entry's chain fit the disk budget in force (lowered while the disk is
+        short of space)? If not, the entry is kept in RAM only."""
+        return self._chain_bytes(nbytes, parent) <= self.disk_budget
+
+    def fits(self, nbytes: int, parent: Entry | None, n: int) -> bool:
+        """Refuse an entry whose chain alone would exceed the configured budget (warns once)."""
+        cat = self.catalog
+        chain_bytes = self._chain_bytes(nbytes, parent)
+        budget = self.disk_limit if cat.disk is not None else cat.ram.budget
         if chain_bytes <= budget:
             return True
         cat.counters["refused"] += 1
@@ -210,19 +221,16 @@ class Policy:
         return waited
 
     # ------------------------------------------------------------------ failures -----------
-    def evict_failed(
-        self, key: str, reason: str, *, whole_chain: bool, first_suspect: bool
-    ) -> list[str]:
-        """Remove a failed entry and its dependents and bar it from this process (see
-        `PromptCache.evict` for which link `whole_chain` / `first_suspect` blame)."""
+    def evict_failed(self, key: str, reason: str, *, first_suspect: bool) -> list[str]:
+        """Remove a failed entry and its dependents (see `PromptCache.evict` for the link
+        `first_suspect` blames). Nothing is barred: a sound state for the same tokens, computed
+        again, is stored again."""
         cat = self.catalog
         target = key
         entry = cat.entries.get(key)
-        if entry is not None and (whole_chain or first_suspect):
-            chain = cat.links(entry, entry.n_tokens)
-            suspects = [link for link in chain if link.suspect] if first_suspect else []
-            target = (suspects or chain)[0].key
-        cat.failed.add(target)
+        if entry is not None and first_suspect:
+            suspects = [link for link in cat.links(entry, entry.n_tokens) if link.suspect]
+            target = suspects[0].key if suspects else key
         removed = cat.remove_tree(target)
         if not removed and cat.disk is not None and cat.disk.delete(target):
             removed = [target]

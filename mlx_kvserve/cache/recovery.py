@@ -21,7 +21,9 @@ from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.catalog import Catalog, slot_of
 from mlx_kvserve.cache.codec import FLAG_ANCHOR, FLAG_DEPARTURE, FLAG_SUSPECT
 from mlx_kvserve.cache.entry import DEPARTURE_REASONS, DISK_WRITTEN, Entry, Layout
-from mlx_kvserve.cache.policy import Policy, default_disk_budget
+from mlx_kvserve.cache.policy import Policy
+from mlx_kvserve.cache.scan import scan, sweep_temp
+from mlx_kvserve.cache.space import SpaceWatch
 from mlx_kvserve.cache.writer import Writer
 
 
@@ -32,17 +34,17 @@ class Recovered:
 
 
 def open_directory(
-    catalog: Catalog, policy: Policy, disk_budget: int | None, *, read_only: bool, run_id: str
+    catalog: Catalog, policy: Policy, space: SpaceWatch, *, read_only: bool, run_id: str
 ) -> Recovered:
-    """Index `catalog.disk`, set the disk budget, then (unless read-only) mark this run as
-    running, start the writer and bring the directory within its budget."""
+    """Index `catalog.disk`, set the disk budget (`space`), then (unless read-only) mark this
+    run as running, start the writer and bring the directory within its budget."""
     disk = catalog.disk
     assert disk is not None
     log = catalog.log
     started = time.perf_counter()
     marker = None if read_only else disk.read_marker()
-    swept = 0 if read_only else disk.sweep_temp()
-    scanned, bad = disk.scan()
+    swept = 0 if read_only else sweep_temp(disk)
+    scanned, bad = scan(disk)
     for key, problem in bad:
         log.warning("prompt-cache dropped damaged file %s: %s", key[:16], problem)
         if not read_only:
@@ -74,11 +76,7 @@ def open_directory(
             len(bad),
             len(scanned) - accepted,
         )
-    policy.disk_budget = (
-        int(disk_budget)
-        if disk_budget is not None
-        else default_disk_budget(disk.free_bytes(), catalog.disk_bytes)
-    )
+    space.refresh()
     log.info(
         "prompt-cache: %d entries (%.1f MiB) in %s, budget %.1f MiB, index rebuilt in %.3fs",
         len(catalog.entries),

@@ -1,9 +1,12 @@
 """Restore: fill a model's empty caches from a matched entry, checking everything it reads.
 
 Every problem, whatever its symptom (a missing payload, a changed file, a shape, dtype or class
-that does not fit, NaN or Inf), is raised as `CacheRestoreError` naming the entry to blame; the
-engine then evicts it and prefills cold, so a bad state cannot be served twice. The caches may
-be half filled by then: the caller discards them.
+that does not fit, NaN or Inf, or an error nobody expected from the disk tier), is raised as
+`CacheRestoreError` naming the entry to blame: the link whose data failed a check, else the
+newest link of the chain. The engine then evicts it and goes on from what is left (its parent),
+so a bad state cannot be served twice. Only running out of memory passes through as it is:
+it is nobody's state (`exceptions.out_of_memory`). The caches may be half filled by then: the
+caller discards them.
 """
 
 from __future__ import annotations
@@ -11,16 +14,19 @@ from __future__ import annotations
 import array
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_kvserve.cache import codec, state
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.chain import ChainBuilder
 from mlx_kvserve.cache.codec import HostArray
+from mlx_kvserve.cache.disk import _fault as fault_point
 from mlx_kvserve.cache.entry import DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
-from mlx_kvserve.cache.errors import CacheRestoreError, EntryFormatError
+from mlx_kvserve.cache.exceptions import CacheRestoreError, EntryFormatError, out_of_memory
+from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.persistence import request_readback
 
 # Links up to this size are read whole with one call and then copied into place: for a long
@@ -32,11 +38,11 @@ SMALL_LINK_BYTES = 256 * 1024
 def restore_match(
     catalog: Catalog,
     match: Match,
-    fresh_caches: list,
+    fresh_caches: list[LayerCache],
     *,
     tokens: Sequence[int] | None,
-    dtype: Any,
-) -> list:
+    dtype: mx.Dtype | str | None,
+) -> list[LayerCache]:
     """Fill `fresh_caches` with `match.usable` tokens of state (see `PromptCache.restore`)."""
     if not match.hit:
         return fresh_caches
@@ -62,8 +68,14 @@ def restore_match(
         stored = entry.meta.get("kv_dtype")
         if dtype_str is not None and stored is not None and stored != dtype_str:
             problem = f"stored KV is {stored}, the model uses {dtype_str}"
-            raise _restore_error(catalog, key, state.StateError(problem), key)
+            _fail(catalog, key, state.StateError(problem), key)
         from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key)
+    except CacheRestoreError:
+        raise
+    except Exception as exc:
+        # Unexpected (a call the platform lacks, a bug in a tier): blamed on the newest link,
+        # as a failure after a restore is (engine/blame.py), never on the request.
+        _fail(catalog, links[-1].key, exc, key)
     finally:
         for link in links:
             catalog.unpin(link.key)
@@ -105,7 +117,7 @@ def _check_prompt(entry: Entry, tokens: Sequence[int], usable: int) -> None:
 def _restore_chain(
     catalog: Catalog,
     links: list[Entry],
-    caches: list,
+    caches: list[LayerCache],
     usable: int,
     dtype: str | None,
     match_key: str,
@@ -122,8 +134,12 @@ def _restore_chain(
             raise state.StateError("layers, dtype or geometry differ from this model's live KV")
         builder = ChainBuilder(caches, links, usable, dtype)
     except Exception as exc:
-        raise _restore_error(catalog, links[0].key, exc, match_key) from None
+        # The leaf's layout is every link's (a parent stores its layers the same way): the
+        # whole chain does not fit, so its root is the link to blame.
+        _fail(catalog, links[0].key, exc, match_key)
     from_disk = []
+    fault_point("restore")  # test seams (engine.faults): an error nobody expected here,
+    fault_point("restore_oom")  # and memory running out
     if catalog.disk is not None:
         small = [
             link.key
@@ -150,23 +166,26 @@ def _restore_chain(
                 header = catalog.disk.read_entry_into(link.key, builder.read_targets(link))
                 check_header(link, header)
         except Exception as exc:  # a bad stored entry, whatever the symptom
-            raise _restore_error(catalog, link.key, exc, match_key) from None
+            _fail(catalog, link.key, exc, match_key)
         from_disk.append(link)
         catalog.counters["bytes_read"] += link.file_bytes
     try:
         builder.finish()
     except Exception as exc:
-        # Not attributable to one link: blame the chain root, so evicting it removes
-        # every entry that could reproduce the failure.
-        raise _restore_error(catalog, links[0].key, exc, match_key) from None
+        # Not attributable to one link: the newest is blamed first (DESIGN invariant 5).
+        _fail(catalog, links[-1].key, exc, match_key)
     catalog.counters["restores_from_disk"] += len(from_disk)
     return from_disk
 
 
-def _restore_error(catalog: Catalog, key: str, exc: Exception, match_key: str) -> CacheRestoreError:
+def _fail(catalog: Catalog, key: str, exc: Exception, match_key: str) -> NoReturn:
+    """Raise what `exc` means for a restore: a `CacheRestoreError` blaming `key`, or `exc`
+    itself when memory ran out (nobody's state: nothing is to be evicted for it)."""
+    if out_of_memory(exc):
+        raise exc
     catalog.counters["restore_errors"] += 1
     problem = str(exc) if isinstance(exc, (EntryFormatError, state.StateError)) else repr(exc)
-    return CacheRestoreError(key, problem, match_key=match_key)
+    raise CacheRestoreError(key, problem, match_key=match_key) from None
 
 
 def check_loaded(entry: Entry, header: dict[str, Any], arrays: Sequence[HostArray]) -> None:

@@ -9,17 +9,17 @@ re-checks a restored state's behaviour after an unclean shutdown.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_kvserve.cache.codec import DTYPES, HostArray
-from mlx_kvserve.cache.kinds import is_sliceable
+from mlx_kvserve.cache.kinds import ArrayTree, LayerCache, is_sliceable
+from mlx_kvserve.json_value import JSON
 
 __all__ = ["is_sliceable"]  # re-exported: the engine and admission ask it here
 
-_MX_DTYPES: dict[str, Any] = {
+_MX_DTYPES: dict[str, mx.Dtype] = {
     name: (mx.bool_ if name == "bool" else getattr(mx, name)) for name in DTYPES
 }
 _MX_NAMES = {v: k for k, v in _MX_DTYPES.items()}
@@ -29,7 +29,7 @@ class StateError(ValueError):
     """Stored state does not fit the caches it is being restored into."""
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: mx.Dtype) -> str:
     try:
         return _MX_NAMES[dtype]
     except KeyError:
@@ -56,7 +56,7 @@ def to_mx(h: HostArray) -> mx.array:
     return arr
 
 
-def cache_offsets(caches: Sequence[Any]) -> list[int]:
+def cache_offsets(caches: Sequence[LayerCache]) -> list[int]:
     """Integer `offset`s the layers report (sub-caches of CacheList included)."""
     out: list[int] = []
     for c in caches:
@@ -71,8 +71,9 @@ def cache_offsets(caches: Sequence[Any]) -> list[int]:
 
 
 # -- state trees ---------------------------------------------------------------------------
-def encode_tree(obj: Any, refs: dict[str, mx.array], prefix: str) -> Any:
-    """A `state` tree as JSON, each array replaced by {"a": name}, collected in `refs`."""
+def encode_tree(obj: ArrayTree, refs: dict[str, mx.array], prefix: str) -> JSON:
+    """A `state` tree as JSON (the result), each array replaced by {"a": name}, collected in
+    `refs`."""
     if isinstance(obj, mx.array):
         name = f"{prefix}.{len(refs)}"
         refs[name] = obj
@@ -86,8 +87,8 @@ def encode_tree(obj: Any, refs: dict[str, mx.array], prefix: str) -> Any:
     raise StateError(f"cannot serialise cache state element of type {type(obj).__name__}")
 
 
-def decode_tree(obj: Any, arrays: Mapping[str, mx.array]) -> Any:
-    """The inverse of `encode_tree`."""
+def decode_tree(obj: JSON, arrays: Mapping[str, mx.array]) -> ArrayTree:
+    """The inverse of `encode_tree` (`obj` is its JSON)."""
     if isinstance(obj, dict):
         if "a" in obj:
             name = obj["a"]
@@ -103,7 +104,7 @@ def decode_tree(obj: Any, arrays: Mapping[str, mx.array]) -> Any:
 
 
 # -- behaviour probe ------------------------------------------------------------------------
-def make_probe(logits: Any, position: int, k: int = 8) -> dict[str, Any]:
+def make_probe(logits: mx.array | np.ndarray, position: int, k: int = 8) -> dict[str, JSON]:
     """Top-k log-probabilities of one logits row, stored to re-check behaviour after restore."""
     row = mx.array(logits) if not isinstance(logits, mx.array) else logits
     row = row.reshape(-1, row.shape[-1])[-1].astype(mx.float32)
@@ -116,7 +117,9 @@ def make_probe(logits: Any, position: int, k: int = 8) -> dict[str, Any]:
     return {"position": int(position), "ids": ids.tolist(), "logprobs": vals.tolist()}
 
 
-def probe_matches(probe: dict[str, Any], logits: Any, *, atol: float = 0.5) -> bool:
+def probe_matches(
+    probe: dict[str, JSON], logits: mx.array | np.ndarray, *, atol: float = 0.5
+) -> bool:
     """True if `logits` (the row for probe["position"]) behaves like the stored probe.
 
     Cache-on and cache-off prefills chunk differently, so bit equality is not expected: the

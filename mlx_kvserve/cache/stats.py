@@ -11,12 +11,19 @@ from typing import Any
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.entry import EntryInfo
+from mlx_kvserve.cache.policy import Policy
+from mlx_kvserve.cache.space import SpaceWatch
 
 __all__ = ["counters_report", "entry_infos", "new_counters", "stats_report"]
 
 
 def stats_report(
-    catalog: Catalog, *, disk_budget: int, unclean_start: bool, rebuild_seconds: float
+    catalog: Catalog,
+    policy: Policy,
+    space: SpaceWatch | None,
+    *,
+    unclean_start: bool,
+    rebuild_seconds: float,
 ) -> dict[str, Any]:
     """The full report of `PromptCache.stats()` (call after applying the writer's results)."""
     c = catalog.counters
@@ -32,11 +39,15 @@ def stats_report(
         "anchors": sum(e.anchor for e in entries),
         "suspect": sum(e.suspect for e in entries),
         "disk_bytes": catalog.disk_bytes,
-        "disk_budget": disk_budget,
+        "disk_budget": policy.disk_budget,
+        "disk_budget_configured": policy.disk_limit,
+        "disk_free": space.free if space else None,
+        "disk_short": space.short if space else False,  # the free space lowered the budget
         "ram_bytes": catalog.ram.nbytes,
         "ram_budget": catalog.ram.budget,
         "ram_entries": len(catalog.ram),
         "pending_writes": len(catalog.pending),
+        "pinned": len(catalog.pins),  # entries an in-flight restore is reading
         "pending_bytes": catalog.pending_only_bytes(),
         "write_waits": c["write_waits"],
         "hits": c["hits"],
@@ -62,7 +73,12 @@ def stats_report(
         "bytes_written": w.bytes_written if w else 0,
         "files_written": w.files_written if w else 0,
         "write_errors": w.write_errors if w else 0,
+        "write_skips": w.write_skips if w else 0,
+        "disk_full": c["disk_full"],
+        "disk_skipped": c["disk_skipped"],
         "disk_writes_failing": w.failing if w else False,
+        "last_write_error": w.last_error if w and w.failing else None,
+        "undeleted_files": len(catalog.disk.undeleted) if catalog.disk else 0,
         "unclean_start": unclean_start,
         "rebuild_seconds": rebuild_seconds,
     }
@@ -80,6 +96,7 @@ def counters_report(catalog: Catalog, *, disk_budget: int) -> dict[str, int]:
         "ram_budget": catalog.ram.budget,
         "bytes_written": w.bytes_written if w else 0,
         "write_errors": w.write_errors if w else 0,
+        "disk_writes_failing": int(w.failing) if w else 0,
     }
 
 

@@ -23,7 +23,7 @@ Usage (engine thread)
             cache.restore(m, caches, tokens=prompt, dtype=kv_dtype)
         except CacheRestoreError as err:           # discard `caches`: may be half filled
             cache.evict(err.key, err.problem)      # removes it and its dependents, logs once
-            caches, m = make_prompt_cache(model), MISS
+            caches, m = make_prompt_cache(model), cache.lookup(prompt)  # what is left
     ... prefill prompt[m.usable:], calling cache.checkpoint(prompt[:k], caches, reason) whenever
     the live caches hold exactly k tokens at a boundary worth keeping ...
 
@@ -42,9 +42,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_kvserve.cache import state
-from mlx_kvserve.cache.admission import admit_checkpoint
 from mlx_kvserve.cache.catalog import Catalog
+from mlx_kvserve.cache.checkpointing import admit_checkpoint
 from mlx_kvserve.cache.disk import DiskTier
 from mlx_kvserve.cache.entry import (
     DISK_WRITTEN,
@@ -53,12 +55,14 @@ from mlx_kvserve.cache.entry import (
     check_fingerprint,
     entry_key,
 )
-from mlx_kvserve.cache.errors import CacheError, EntryFormatError
+from mlx_kvserve.cache.exceptions import CacheError, EntryFormatError
+from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.lookup import find_match
 from mlx_kvserve.cache.persistence import apply_writer_results
 from mlx_kvserve.cache.policy import Policy, default_disk_budget
 from mlx_kvserve.cache.recovery import open_directory
 from mlx_kvserve.cache.restore import check_loaded, restore_match
+from mlx_kvserve.cache.space import SpaceWatch
 from mlx_kvserve.cache.stats import counters_report, entry_infos, stats_report
 from mlx_kvserve.cache.writer import Writer
 
@@ -89,13 +93,15 @@ class PromptCache:
         self.unclean_start = False
         self.rebuild_seconds = 0.0
         self.disk: DiskTier | None = None
+        self._space: SpaceWatch | None = None
         if directory is None:
             return
         self.disk = DiskTier(Path(directory), self.fingerprint, self.log, read_only=read_only)
         self._catalog.disk = self.disk
+        self._space = SpaceWatch(self._catalog, self._policy, disk_budget)
         try:
             recovered = open_directory(
-                self._catalog, self._policy, disk_budget, read_only=read_only, run_id=self.run_id
+                self._catalog, self._policy, self._space, read_only=read_only, run_id=self.run_id
             )
         except BaseException:
             self.disk.release_lock()
@@ -105,12 +111,17 @@ class PromptCache:
 
     @property
     def disk_budget(self) -> int:
-        """Byte budget of the disk tier (0 without a directory)."""
+        """Byte budget of the disk tier in force (0 without a directory): the configured one,
+        lowered while the disk has less room (see `space`)."""
         return self._policy.disk_budget
 
-    @disk_budget.setter
-    def disk_budget(self, value: int) -> None:
-        self._policy.disk_budget = value
+    def refresh_disk_space(self) -> None:
+        """Read the free space of the cache's disk now and adapt the budget to it (this also
+        happens by itself: after a write fails for want of space, and periodically)."""
+        with self._lock:
+            self._drain()
+            if self._space is not None:
+                self._space.refresh()
 
     # -- a job across machines: every rank's cache holds the same entries (engine/job_states.py)
     def follow_evictions(self) -> None:
@@ -152,20 +163,31 @@ class PromptCache:
         return self._catalog.writer
 
     # ================================================================= public API ==============
-    def lookup(self, tokens: Sequence[int]) -> Match:
-        """Best restorable prefix of `tokens`; `usable <= len(tokens) - 1` always."""
+    def lookup(self, tokens: Sequence[int], *, at_most: int | None = None) -> Match:
+        """Best restorable prefix of `tokens`; `usable <= len(tokens) - 1` always, and
+        `usable <= at_most` if given (a retry that must stay below a link that failed)."""
         with self._lock:
             self._drain()
-            return find_match(self._catalog, tokens)
+            return find_match(self._catalog, tokens, at_most)
+
+    def links(self, key: str, usable: int) -> list[tuple[str, int]]:
+        """(key, first position) of each link a restore of `usable` tokens of `key` reads,
+        root first; [] if `key` is gone. The last is the newest: the first blamed when what
+        was restored fails (engine/blame.py)."""
+        with self._lock:
+            entry = self._catalog.entries.get(key)
+            if entry is None:
+                return []
+            return [(link.key, link.parent_len) for link in self._catalog.links(entry, usable)]
 
     def restore(
         self,
         match: Match,
-        fresh_caches: list,
+        fresh_caches: list[LayerCache],
         *,
         tokens: Sequence[int] | None = None,
-        dtype: Any = None,
-    ) -> list:
+        dtype: mx.Dtype | None = None,
+    ) -> list[LayerCache]:
         """Fill the model's empty caches with `match.usable` tokens of state; return them.
 
         `tokens` (the prompt) re-checks the entry's ids; `dtype` (e.g. mx.float16) requires the
@@ -179,25 +201,27 @@ class PromptCache:
     def checkpoint(
         self,
         tokens: Sequence[int],
-        caches: list,
+        caches: list[LayerCache],
         reason: str,
         *,
         anchor: bool = False,
-        probe: Any = None,
+        probe: mx.array | None = None,
     ) -> str | None:
         """Store the live caches' state for `tokens`; returns the new key or None.
 
         The caches hold exactly `tokens`, or (plain KVCache layers only) more positions of which
         `tokens` are the first.
 
-        None means refused (length mismatch, oversize, a key that failed before, read-only)
-        or duplicate (already stored; an `anchor` flag is still applied). `probe` is the
-        logits row at the last position, kept to re-check behaviour after an unclean shutdown.
+        None means refused (length mismatch, oversize, read-only) or duplicate (already stored;
+        an `anchor` flag is still applied). `probe` is the logits row at the last position,
+        kept to re-check behaviour after an unclean shutdown.
         """
         with self._lock:
             self._drain()
             if self.read_only or self._closed:
                 return None
+            if self._space is not None:
+                self._space.check()  # the disk's free space, when due: the budget follows it
             return admit_checkpoint(
                 self._catalog,
                 self._policy,
@@ -209,24 +233,19 @@ class PromptCache:
                 run_id=self.run_id,
             )
 
-    def evict(
-        self, key: str, reason: str, *, whole_chain: bool = False, first_suspect: bool = False
-    ) -> list[str]:
+    def evict(self, key: str, reason: str, *, first_suspect: bool = False) -> list[str]:
         """Remove `key` and every entry depending on it, from RAM and disk; one log line.
 
-        Meant for failures: the key is also barred from being stored again by this process, so
-        a state that failed cannot be served twice. `whole_chain=True` evicts from the root of
-        `key`'s chain instead: use it when a failure shows up only after restoring (e.g. NaN
-        logits during prefill), since any restored link may be the bad one.
-        `first_suspect=True` evicts from the shallowest suspect link of the chain: a failed
-        behaviour check after an unclean shutdown can only blame what the dead run wrote, and
-        the verified links before it (a shared system prompt) stay for other conversations.
+        Meant for failures; nothing is barred: the same tokens' state, computed afresh, may be
+        stored again. Which link to blame is the caller's choice (the newest restored link
+        first: engine/blame.py). `first_suspect=True` evicts from the shallowest suspect link of
+        `key`'s chain instead: a failed behaviour check after an unclean shutdown can only blame
+        what the dead run wrote, and the verified links before it (a shared system prompt) stay
+        for other conversations.
         """
         with self._lock:
             self._drain()
-            return self._policy.evict_failed(
-                key, reason, whole_chain=whole_chain, first_suspect=first_suspect
-            )
+            return self._policy.evict_failed(key, reason, first_suspect=first_suspect)
 
     def mark_verified(self, key: str) -> None:
         """The engine checked the behaviour of `key` after restoring it: clear suspicion."""
@@ -260,7 +279,8 @@ class PromptCache:
             self._drain()
             return stats_report(
                 self._catalog,
-                disk_budget=self.disk_budget,
+                self._policy,
+                self._space,
                 unclean_start=self.unclean_start,
                 rebuild_seconds=self.rebuild_seconds,
             )
@@ -286,6 +306,20 @@ class PromptCache:
             finally:
                 ram.budget = budget
             return before - ram.nbytes
+
+    def disk_state(self) -> dict[str, Any] | None:
+        """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
+        /health while the engine thread waits for the disk); None without a writable disk."""
+        writer, space = self._writer, self._space
+        if self.disk is None or writer is None or space is None:
+            return None
+        failing = writer.stats.failing
+        return {
+            "writes_failing": failing,
+            "error": writer.stats.last_error if failing else None,
+            "budget_lowered": space.short,
+            "undeleted_files": len(self.disk.undeleted),
+        }
 
     def counters(self) -> dict[str, int]:
         """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
@@ -328,7 +362,6 @@ class PromptCache:
                 for path in self.disk.entry_files():
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
-            cat.failed.clear()
             self.log.info("prompt-cache cleared %d entries", removed)
             return removed
 

@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_kvserve.cache import codec, kinds, layers, plan, state
@@ -35,6 +36,7 @@ from mlx_kvserve.cache.entry import (
     entry_key,
 )
 from mlx_kvserve.cache.fingerprint import layout_versions
+from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.persistence import queue_write
 from mlx_kvserve.cache.policy import Policy
 
@@ -54,11 +56,11 @@ def admit_checkpoint(
     catalog: Catalog,
     policy: Policy,
     tokens: Sequence[int],
-    caches: list,
+    caches: list[LayerCache],
     reason: str,
     *,
     anchor: bool,
-    probe: Any,
+    probe: mx.array | None,
     run_id: str,
 ) -> str | None:
     """Store the live caches' state for `tokens` (see `PromptCache.checkpoint`)."""
@@ -84,9 +86,6 @@ def admit_checkpoint(
         )
         return None
     key = entry_key(catalog.fingerprint, arr)
-    if key in catalog.failed:
-        counters["refused"] += 1
-        return None
     departure = reason in DEPARTURE_REASONS
     existing = catalog.entries.get(key)
     if existing is None and reason == "message" and not prefix_ok:
@@ -127,10 +126,10 @@ def _store(
     policy: Policy,
     arr: np.ndarray,
     key: str,
-    caches: list,
+    caches: list[LayerCache],
     reason: str,
     anchor: bool,
-    probe: Any,
+    probe: mx.array | None,
     run_id: str,
 ) -> str | None:
     """Build the entry (cut against the longest fitting stored prefix), queue its write, then
@@ -180,6 +179,11 @@ def _store(
     file_bytes = head_bytes + payload_bytes
     if not policy.fits(file_bytes if catalog.disk else payload_bytes, parent, n):
         return None
+    to_disk = catalog.disk is not None and policy.fits_disk_now(file_bytes, parent)
+    if catalog.disk is not None and not to_disk:
+        catalog.counters["disk_skipped"] += 1  # the disk is short of space: RAM only, if it fits
+        if payload_bytes > catalog.ram.budget:
+            return None
     entry = Entry(
         key=key,
         tokens=arr,
@@ -201,7 +205,7 @@ def _store(
     catalog.add(entry)
     if payload_bytes <= catalog.ram.budget:
         catalog.ram.put(key, arrays)
-    if catalog.disk is not None:
+    if to_disk:
         queue_write(catalog, entry, header, arrays, file_bytes)
     catalog.counters["checkpoints"] += 1
     policy.prune_dominated(entry)
