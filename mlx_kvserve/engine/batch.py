@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from mlx_kvserve.cache.kinds import KVLayout
-from mlx_kvserve.engine import sampling
+from mlx_kvserve.cache.kinds import KVLayout, LayerCache
+from mlx_kvserve.engine import faults, sampling
+from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 
@@ -48,8 +49,9 @@ def can_batch(layout: KVLayout) -> bool:
     return layout.mergeable
 
 
-def _merge(caches: list) -> Any:
-    """One layer's caches (a row each) as the batch cache of that layer's class."""
+def _merge(caches: list[LayerCache]) -> LayerCache:
+    """One layer's caches (a row each) as the batch cache of that layer's class (e.g. a
+    `BatchKVCache`, which also has `extend`, `extract` and `filter`)."""
     return type(caches[0]).merge(caches)
 
 
@@ -57,14 +59,14 @@ class DecodeBatch:
     """The sequences decoding now, and the caches their next pass runs on."""
 
     def __init__(
-        self, model: Any, on_end: Callable[[Sequence], None], *, mergeable: bool = True
+        self, model: nn.Module, on_end: Callable[[Sequence], None], *, mergeable: bool = True
     ) -> None:
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
         self.seqs: list[Sequence] = []
         self.waiting: list[Sequence] = []  # prefilled, for a model that decodes one at a time
-        self._merged: list[Any] | None = None  # merged mode's caches, row i = seqs[i]
+        self._merged: list[LayerCache] | None = None  # merged mode's caches, row i = seqs[i]
         self.steps = 0  # decode steps run
         self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
 
@@ -72,7 +74,7 @@ class DecodeBatch:
         return len(self.seqs) + len(self.waiting)
 
     @property
-    def requests(self) -> list[Any]:
+    def requests(self) -> list[GenerationRequest]:
         return [seq.req for seq in self.seqs + self.waiting]
 
     def kv_tokens(self) -> int:
@@ -140,6 +142,7 @@ class DecodeBatch:
     # ------------------------------------------------------------------------------------
     def _forward(self) -> None:
         """One pass for every row, then one sampling call for the rows that sample."""
+        faults.maybe_fail("decode_stall")  # a rank stuck inside a pass (tests)
         if self._merged is None:
             (seq,) = self.seqs
             tokens = seq.inputs(one=False)[None]

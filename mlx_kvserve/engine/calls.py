@@ -10,18 +10,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class CallQueue:
     """Calls waiting for the engine thread, run in order by `run()` on that thread."""
 
     def __init__(self) -> None:
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
 
-    def put(self, fn: Callable[[], Any], refuse: Exception | None = None) -> Future:
+    def put(self, fn: Callable[[], T], refuse: Exception | None = None) -> Future[T]:
         """Queue `fn`; with `refuse` (the engine is not running) the future fails at once."""
-        future: Future = Future()
+        future: Future[T] = Future()
         if refuse is not None:
             future.set_exception(refuse)
         else:

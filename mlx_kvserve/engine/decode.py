@@ -21,12 +21,14 @@ global). The global state is then reseeded from the OS, so unseeded requests sta
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    StreamingDetokenizer,
+)
 
 from mlx_kvserve.engine.requests import GenerationRequest, TokenLogprob
 from mlx_kvserve.engine.sampling import Step
@@ -109,7 +111,7 @@ class Decoder:
         without a grammar), or a lazy grammar's free text."""
         return real is None or self._same_as_free(real)
 
-    def _same_as_free(self, real: Any) -> bool:
+    def _same_as_free(self, real: np.ndarray | None) -> bool:
         return real is not None and self._free is not None and np.array_equal(real, self._free)
 
     def accept(self, step: Step, token: int) -> TokenLogprob | None:
@@ -144,7 +146,7 @@ class Decoder:
         return TokenLogprob(name(token), float(logprobs[token].item()), top)
 
 
-def keep_leading_space(detok: Any) -> None:
+def keep_leading_space(detok: StreamingDetokenizer) -> None:
     """mlx-lm's streaming detokenizers drop the first token's leading space, which suits a chat
     answer but not a text completion ("The capital is" + " Paris")."""
     if isinstance(detok, SPMStreamingDetokenizer):

@@ -5,13 +5,41 @@
 * `point:N` fails the first N times the point is reached (0 = never; `point` alone = `point:1`);
 * `point@K` fails only the K-th time (1-based), e.g. to crash in the middle of a workload.
 
-What "fails" means depends on the point's name: `*_enospc` raises OSError(ENOSPC) as a full disk
-would, `*_kill` logs one line and SIGKILLs the whole process on the spot (a crash at an exact
-instant, e.g. halfway through writing a cache file), anything else raises `InjectedFault`.
+What "fails" means depends on the point's name: `*_enospc`, `*_eio` and `*_eacces` raise the
+OSError a full disk, a failing device or a permission problem would (see `OS_ERRORS`), `*_oom`
+raises the RuntimeError Metal raises when memory runs out, `*_kill` logs one line and SIGKILLs
+the whole process on the spot (a crash at an exact instant, e.g. halfway through writing a cache
+file), `*_stall` sleeps for an hour (a process stuck where it stands, as a Mac gone to sleep),
+anything else raises `InjectedFault`.
 
-Points: `prefill`, `prefill_after_restore` (engine.generate); `disk_write_enospc`,
-`disk_write_kill` (cache.disk, while an entry's temporary file is being written). Production
-code only ever calls `maybe_fail`, which does nothing when the variable is unset.
+Points, on the engine thread:
+
+* `turn`: the start of every turn of the engine loop, before it touches any request (a fault
+  there fails nothing; three in a row stop the engine: engine/failures.py);
+* `admission`: a request at the head of the queue is checked for room (engine/intake.py);
+* `resume`: the oldest paused request is about to resume (engine/worker.py);
+* `before_step`: the memory plan before a decode step, for every row of the batch;
+* `pause`: a row is about to pause for memory (engine/room.py);
+* `decode`: inside a decode step's forward pass (`decode_stall`: the pass never ends);
+* `prefill`, `prefill_oom`: before a prefill's last pass; `prefill_after_restore`: before the
+  first chunk of a prefill that starts from reused state (engine/generate.py);
+* `restore`, `restore_oom`: inside a restore (cache/restore.py): an error nobody expected,
+  memory running out.
+
+A failure after a restore (`prefill_after_restore`, `restore`) is blamed on the newest restored
+link and the request tried again from its parent (engine/blame.py); memory running out evicts
+nothing and is tried again; every other point fails the requests it touched with a clean error,
+releases their KV holds, and the engine serves the next request (engine/failures.py). On the
+disk tier: `disk_write_kill` (cache/disk.py, halfway through an entry's temporary file) and the
+`disk_<op>_<errno>` points (see "Disk-tier points" below). Across the ranks of a job:
+`request_decode` (distributed.request_wire: a request from rank 0 that this rank cannot
+rebuild), and two points that `fires` instead of failing, where the fault is another value:
+`draw_otherwise` (engine.sampling: the step's tokens become other ones), `join_other_versions`
+(distributed.join: this rank reports other versions); a job's tests give the variable to one
+rank only, to make that rank differ from the others.
+
+Production code only ever calls `maybe_fail` (or `maybe_fail_disk`, or `fires`), which does
+nothing when the variable is unset; `reset()` makes it read the variable again (tests).
 """
 
 from __future__ import annotations
@@ -21,8 +49,15 @@ import logging
 import os
 import signal
 import threading
+import time
 
 ENV = "MLX_KVSERVE_FAULTS"
+STALL_SECONDS = 3600.0
+
+METAL_OUT_OF_MEMORY = (
+    "[METAL] Command buffer execution failed: Insufficient Memory "
+    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
+)
 
 _lock = threading.Lock()
 _rules: dict[str, tuple[str, int]] | None = None
@@ -46,22 +81,80 @@ def _load() -> dict[str, tuple[str, int]]:
     return out
 
 
-def maybe_fail(point: str) -> None:
+def fires(point: str) -> bool:
+    """Whether this reach of `point` is one its rule chose (each call counts as a reach)."""
     global _rules
+    if _rules is not None and point not in _rules:
+        return False  # the usual case, without the lock: no rule for this point
     with _lock:
         if _rules is None:
             _rules = _load()
         rule = _rules.get(point)
         if rule is None:
-            return
+            return False
         n = _calls[point] = _calls.get(point, 0) + 1
         kind, value = rule
-        if not (n <= value if kind == ":" else n == value):
-            return
-    if point.endswith("_enospc"):
-        raise OSError(errno.ENOSPC, f"No space left on device (injected fault at {point})")
+        return n <= value if kind == ":" else n == value
+
+
+def maybe_fail(point: str) -> None:
+    if not fires(point):
+        return
+    if point.endswith("_stall"):
+        logging.getLogger("mlx_kvserve").warning("injected fault at %s: stalled", point)
+        time.sleep(STALL_SECONDS)
+        return
+    if (error := os_error(point)) is not None:
+        raise error
+    if point.endswith("_oom"):
+        raise RuntimeError(f"{METAL_OUT_OF_MEMORY} (injected fault at {point})")
     if point.endswith("_kill"):
         logging.getLogger("mlx_kvserve").warning("injected fault at %s: SIGKILL", point)
         os.kill(os.getpid(), signal.SIGKILL)
         os._exit(128 + signal.SIGKILL)  # not reached: SIGKILL to oneself lands at once
     raise InjectedFault(f"injected fault at {point}")
+
+
+def reset() -> None:
+    """Read `MLX_KVSERVE_FAULTS` again at the next point, with every count back at zero."""
+    global _rules
+    with _lock:
+        _rules = None
+        _calls.clear()
+
+
+# -- Disk-tier points (cache/disk.py) -------------------------------------------------------
+# `disk_<op>_<errno>`, e.g. `disk_fsync_eio@3` (the third entry fsync fails with EIO) or
+# `disk_unlink_eacces:2`. Each (op, errno) pair counts its own occurrences. The ops:
+#   write     an entry's temporary file, after its header is written
+#   fsync     that file's fsync, before the rename
+#   rename    the rename of the temporary file to the entry's name
+#   dirsync   the directory fsync after the rename
+#   header    reading an entry's header (start-up scan; a restore reading into the caches)
+#   read      reading an entry's payload (a restore; the writer's read-back into RAM)
+#   prefetch  the read-ahead hint before a restore of several small links
+#   unlink    deleting an entry's file (eviction)
+DISK_OPS = ("write", "fsync", "rename", "dirsync", "header", "read", "prefetch", "unlink")
+OS_ERRORS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "eacces": errno.EACCES}
+
+
+def os_error(point: str) -> OSError | None:
+    """The OSError a point named `*_<errno>` raises (None for other points)."""
+    name = point.rpartition("_")[2]
+    code = OS_ERRORS.get(name)
+    if code is None:
+        return None
+    return OSError(code, os.strerror(code), f"(injected fault at {point})")
+
+
+def maybe_fail_disk(op: str) -> None:
+    """The disk tier's point `op` (one of DISK_OPS), under each errno of OS_ERRORS."""
+    for name in OS_ERRORS:
+        maybe_fail(f"disk_{op}_{name}")
+
+
+def reached(point: str) -> int:
+    """How many times `point` was reached since the rules were read (for tests; only points
+    that have a rule are counted)."""
+    with _lock:
+        return _calls.get(point, 0)

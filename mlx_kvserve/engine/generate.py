@@ -25,25 +25,25 @@ With delta storage each checkpoint writes only the tokens it adds beyond its par
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Generator as Generator_
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.state import is_sliceable
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.live import Live, Timings
-from mlx_kvserve.engine.namespaces import states_for
-from mlx_kvserve.engine.prompt_state import PromptStates, RestoredStateFailed, Start
+from mlx_kvserve.engine.namespaces import States
+from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
-
-log = logging.getLogger("mlx_kvserve.engine")
 
 Result = tuple[Timings, "Sequence | None"]  # a prefill's end: its timings, the sequence or None
 
@@ -118,7 +118,7 @@ def plan_chunks(
 
 
 def prefill_steps(
-    model,
+    model: nn.Module,
     live: Live,
     prompt: list[int],
     step: int,
@@ -149,6 +149,7 @@ def prefill_steps(
     yield end - last_from
     check()
     faults.maybe_fail("prefill")
+    faults.maybe_fail("prefill_oom")
     out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
     mx.eval(out)
     live.tokens.extend(prompt[last_from:end])
@@ -198,31 +199,43 @@ class PrefillTask:
                 self.result[0].prefill_seconds = self.seconds
 
 
+def _nothing(*_args: object) -> None:
+    return None
+
+
 class Generator:
-    """Runs requests on the engine thread with the model, tokenizer and prompt states."""
+    """Runs requests on the engine thread with the model, tokenizer and prompt states.
+
+    `after_prefill(prefilled, restored)` runs once a prompt is in the KV cache (the engine's
+    memory policy); `before_done(request, timings)` sees a finished request just before its
+    Done event, so a client that has its answer also sees it in the metrics. `between_steps`
+    runs between the prefill chunks and decode steps of `run()` and `start()` (scripts and
+    tests; the engine schedules those itself). `sliceable` False: some rank of the job cannot
+    cut its caches, so every rank plans its chunks as if its own could not (`Checkpoints`).
+    """
 
     def __init__(
         self,
-        model,
-        tokenizer,
-        states: PromptStates,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        states: States,
         *,
         prefill_step: int = 512,
         checkpoint_interval: int = 2048,
+        sliceable: bool = True,
+        after_prefill: Callable[[int, bool], None] = _nothing,
+        before_done: Callable[[GenerationRequest, Timings | None], None] = _nothing,
+        between_steps: Callable[[], None] = _nothing,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.states = states
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
-        # Run between prefill chunks and decode steps by `run()` (the engine schedules those
-        # itself); set by the engine: its memory policy.
-        self.between_steps: Callable[[], None] = lambda: None
-        self.sliceable = True  # False: some rank of the job cannot cut its caches (Checkpoints)
-        self.after_prefill: Callable[[int, bool], None] = lambda prefilled, restored: None
-        # Set by the engine: sees the finished request's timings just before its Done event,
-        # so a client that has its answer also sees it in the metrics.
-        self.before_done: Callable[[GenerationRequest, Timings], None] = lambda req, t: None
+        self.sliceable = sliceable
+        self.after_prefill = after_prefill
+        self.before_done = before_done
+        self.between_steps = between_steps
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req` alone (scripts, tests): prefill it, decode it in a batch of one."""
@@ -252,32 +265,22 @@ class Generator:
         return PrefillTask(req, self._prefill(req))
 
     def _prefill(self, req: GenerationRequest) -> Generator_[int, None, Result]:
-        """Prefill `req` (reused state first, one cold retry if it fails) and sample its first
-        token; returns the sequence to decode, or None if it ended here (its Done is sent)."""
-        states = states_for(self.states, req.namespace)
+        """Prefill `req` (from reused state first, tried again as engine/blame.py decides if
+        that fails) and sample its first token; returns the sequence to decode, or None if it
+        ended here (its Done is sent)."""
+        states = self.states.select(req.namespace)
         timings = Timings(prompt_tokens=len(req.prompt_tokens))
         try:
             if req.cancelled.is_set():  # gone before its turn came: no lookup, no restore
                 raise Cancelled
-            try:
-                start = states.acquire(req.prompt_tokens)
-                seq = yield from self._attempt(req, timings, states, start)
-                return timings, seq
-            except RestoredStateFailed as failure:
-                states.evict(failure.start, failure.problem)
-                log.warning(
-                    "request %s: reused KV state (%s) failed: %s; retrying from a cold prefill",
-                    req.request_id,
-                    failure.start.source,
-                    failure.problem,
-                )
-                timings = Timings(
-                    prompt_tokens=len(req.prompt_tokens),
-                    retried=True,
-                    failed_source=failure.start.source,
-                )
-                seq = yield from self._attempt(req, timings, states, states.cold())
-                return timings, seq
+            seq = yield from recover(
+                states,
+                req.prompt_tokens,
+                f"request {req.request_id}",
+                lambda start: self._attempt(req, timings, states, start),
+                timings,
+            )
+            return timings, seq
         except Cancelled:
             timings.finish_reason = "cancelled"
             self._done(req, timings)
@@ -328,20 +331,12 @@ class Generator:
             keep_end=req.kind == "chat",
             sliceable=self.sliceable,
         )
-        try:
-            if start.usable:
-                faults.maybe_fail("prefill_after_restore")
-            logits = yield from prefill_steps(
-                self.model, live, prompt, self.prefill_step, checkpoints, check
-            )
-            if start.usable and not bool(mx.all(mx.isfinite(logits)).item()):
-                raise RestoredStateFailed(start, "non-finite logits after restoring")
-        except (Cancelled, RestoredStateFailed):
-            raise
-        except Exception as exc:
-            if start.usable:
-                raise RestoredStateFailed(start, f"prefill failed: {exc!r}") from exc
-            raise
+        if start.usable:
+            faults.maybe_fail("prefill_after_restore")
+        logits = yield from prefill_steps(
+            self.model, live, prompt, self.prefill_step, checkpoints, check
+        )
+        check_logits(logits)
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
         return Sequence(req, self.tokenizer, live, logits, timings, states)

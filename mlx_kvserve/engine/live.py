@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.engine.requests import GenerationRequest
 
 
@@ -24,7 +25,7 @@ class Timings:
     ttft_seconds: float = 0.0
     finish_reason: str = ""
     stop_sequence: str | None = None
-    retried: bool = False
+    retried: bool = False  # a try from reused state failed (engine/blame.py)
     restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
     failed_source: str | None = None  # where the state that failed and forced a retry came from
     batch_peak: int = 1  # the most sequences it decoded beside (itself included)
@@ -43,7 +44,7 @@ class Timings:
             f"completion_tokens={self.completion_tokens} ttft={self.ttft_seconds:.3f}s "
             f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
             f"batch={self.batch_peak} finish={self.finish_reason}"
-            + (" retried=cold" if self.retried else "")
+            + (f" retried={self.failed_source}" if self.retried else "")
         )
 
 
@@ -51,5 +52,5 @@ class Timings:
 class Live:
     """The KV caches being filled and the exact tokens they hold."""
 
-    caches: list
+    caches: list[LayerCache]
     tokens: list[int] = field(default_factory=list)

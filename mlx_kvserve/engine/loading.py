@@ -1,23 +1,42 @@
 """What the engine learns about a model once it is loaded, and what it says about it. ENGINE THREAD.
 
-The context window (models/context.py), the per-layer cache description (cache/kinds.py) and
-the warnings a user needs when either is incomplete, then the one line that says the model is
-ready and how much KV memory it may use.
+What a loader gives the engine (`Loaded`), the context window (models/context.py), the
+per-layer cache description (cache/kinds.py) and the warnings a user needs when either is
+incomplete, then the one line that says the model is ready and how much KV memory it may use.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.kinds import KVLayout, describe_model
-from mlx_kvserve.engine.admission import KVCost
+from mlx_kvserve.engine.ledger import KVCost
+from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.models.context import context_from_model
 
 log = logging.getLogger("mlx_kvserve.engine")
 
 
-def describe_loaded(model: Any, context_length: int | None) -> tuple[int | None, KVLayout]:
+class Loaded(NamedTuple):
+    """What an engine's loader returns: the model and its tokenizer, as `mlx_lm.load` does,
+    and the prompt cache to use instead of the one the engine was made with when the dtype
+    the model is served in names another (`--kv-dtype auto`; the loader closed the other)."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    prompt_cache: Caches = None
+
+
+# Runs on the engine thread: `Loaded`, or mlx_lm.load's (model, tokenizer) pair.
+Loader = Callable[[], Loaded | tuple[nn.Module, TokenizerWrapper]]
+
+
+def describe_loaded(model: nn.Module, context_length: int | None) -> tuple[int | None, KVLayout]:
     """(the context window, the model's cache layout), with a warning for each gap."""
     if context_length is None:
         context_length = context_from_model(model)

@@ -5,14 +5,15 @@
   wired limit to the device's `max_recommended_working_set_size`
   (`mlx_lm/utils.py: maybe_set_recommended_wired_limit`), so the weights and KV stay resident
   instead of being paged out between requests, and warns, as `mlx_lm.generate.wired_limit` does,
-  when the model alone is close to that size. On the CPU `device_info()` has no such key and
-  nothing is set. The previous limit is put back when the engine stops, after synchronizing, since
-  the limit must not change under an async eval (`wired_limit`'s docstring).
+  when the model alone is close to that size (`macos.metal_working_set`, the seam a test fakes
+  to run this on Linux). Off Metal there is no such size and nothing is set. The previous
+  limit is put back when the engine stops, after synchronizing, since the limit must not
+  change under an async eval (`wired_limit`'s docstring).
 * **Buffer cache.** MLX keeps freed buffers for reuse; a long prefill or a restore leaves GBs of
   them. `mx.set_cache_limit(limit)` bounds what is kept, and after a prefill of more than one
   chunk or a restore the cache is released (`mx.clear_cache()`, as `generate_step` does after
   each prefill chunk) when it holds more than the limit.
-* **KV budget.** What requests hold (prompt and a growth reserve each, engine/admission.py),
+* **KV budget.** What requests hold (prompt and a growth reserve each, engine/ledger.py),
   resident sessions, the RAM tier and queued host copies together stay within a budget; by
   default half of what is left beside the weights: of the working set on Metal, of physical
   memory on the CPU.
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_reduce
 
-from mlx_kvserve.engine.admission import default_budget
+from mlx_kvserve import macos
+from mlx_kvserve.engine.ledger import default_budget
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -42,11 +44,11 @@ class MemoryPolicy:
         self._old_wired: int | None = None
         self.releases = 0
 
-    def start(self, model: Any) -> None:
+    def start(self, model: nn.Module) -> None:
         """After the model is loaded: wired limit (Metal) and the buffer-cache bound."""
         mx.set_cache_limit(self.cache_limit)
-        limit = mx.device_info().get("max_recommended_working_set_size")
-        if not isinstance(limit, int) or limit <= 0:
+        limit = macos.metal_working_set()
+        if limit is None:
             return
         try:
             self._old_wired = mx.set_wired_limit(limit)
@@ -63,10 +65,10 @@ class MemoryPolicy:
                 limit // 2**20,
             )
 
-    def default_kv_budget(self, model: Any) -> int:
-        """Half of the memory left beside the weights (engine/admission.py: `default_budget`)."""
-        total = mx.device_info().get("max_recommended_working_set_size")
-        if not isinstance(total, int) or total <= 0:
+    def default_kv_budget(self, model: nn.Module) -> int:
+        """Half of the memory left beside the weights (engine/ledger.py: `default_budget`)."""
+        total = macos.metal_working_set()
+        if total is None:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return default_budget(total, _model_bytes(model))
 
@@ -101,5 +103,5 @@ class MemoryPolicy:
         }
 
 
-def _model_bytes(model: Any) -> int:
+def _model_bytes(model: nn.Module) -> int:
     return tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)

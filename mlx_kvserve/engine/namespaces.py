@@ -18,7 +18,14 @@ from __future__ import annotations
 import contextvars
 import hashlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, TypeAlias
+
+import mlx.nn as nn
+
+from mlx_kvserve.cache.entry import EntryInfo
+from mlx_kvserve.engine.job_states import JobStates, Votes
+from mlx_kvserve.engine.prompt_state import PromptStates, Start
+from mlx_kvserve.engine.protocols import PromptCacheView
 
 current_namespace: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mlx_kvserve_namespace", default=None
@@ -33,13 +40,13 @@ def namespace_of(key: str) -> str:
 class CacheSet:
     """One PromptCache per namespace; looks like one cache to code that only reports on it."""
 
-    def __init__(self, caches: dict[str, Any]) -> None:
+    def __init__(self, caches: dict[str, PromptCacheView]) -> None:
         self.caches = caches
 
-    def get(self, namespace: str | None) -> Any:
+    def get(self, namespace: str | None) -> PromptCacheView | None:
         return self.caches.get(namespace) if namespace is not None else None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[PromptCacheView]:
         return iter(self.caches.values())
 
     def stats(self) -> dict[str, Any]:
@@ -51,7 +58,7 @@ class CacheSet:
                     total[name] = total.get(name, 0) + value
         return total
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[EntryInfo]:
         return [entry for cache in self.caches.values() for entry in cache.entries()]
 
     def close(self) -> None:
@@ -59,41 +66,62 @@ class CacheSet:
             cache.close()
 
 
-def caches_of(prompt_cache: Any) -> list[Any]:
+# What an engine checkpoints to: one prompt cache, one per API key, or none (--no-cache).
+Caches: TypeAlias = "PromptCacheView | CacheSet | None"
+
+
+def caches_of(prompt_cache: Caches) -> list[PromptCacheView]:
     """Every PromptCache behind an engine's `prompt_cache` (none, one, or one per key)."""
     if prompt_cache is None:
         return []
     return list(prompt_cache) if isinstance(prompt_cache, CacheSet) else [prompt_cache]
 
 
-def cache_for(prompt_cache: Any, namespace: str | None) -> Any:
+def cache_for(prompt_cache: Caches, namespace: str | None) -> PromptCacheView | None:
     """The cache a request in `namespace` may see: the namespace's own, or the shared one."""
     return prompt_cache.get(namespace) if isinstance(prompt_cache, CacheSet) else prompt_cache
+
+
+class States(Protocol):
+    """The prompt states an engine holds (engine/prompt_state.py): one `PromptStates` for a
+    shared cache, `NamespacedStates` for per-key caches, a job's `JobStates`."""
+
+    def select(self, namespace: str | None) -> PromptStates:
+        """The PromptStates a request in `namespace` acquires from and saves to (it keeps that
+        object for its whole life, even while requests of other namespaces run beside it)."""
+        ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None: ...
+
+    def drop_residents(self, keep: Start | None = None) -> int: ...
+
+    def limit_live(self, share: float, *, keep_newest: bool = True) -> None: ...
 
 
 class NamespacedStates:
     """PromptStates per namespace behind one object; the engine selects one per request.
 
-    Engine thread only, like PromptStates. Attribute access goes to the selected namespace's
-    PromptStates, so the generator needs no change.
+    Engine thread only, like PromptStates. Only the selected namespace keeps resident
+    sessions: selecting another drops them.
     """
 
     def __init__(
-        self, model: Any, caches: CacheSet, *, enabled: bool = True, live_budget: int = 0
+        self, model: nn.Module, caches: CacheSet, *, enabled: bool = True, live_budget: int = 0
     ) -> None:
-        from mlx_kvserve.engine.prompt_state import PromptStates
-
         self._make = lambda cache: PromptStates(
             model, cache, enabled=enabled and cache is not None, live_budget=live_budget
         )
         self._caches = caches
-        self._states: dict[str, Any] = {}
+        self._states: dict[str, PromptStates] = {}
         self._share = 1.0  # of the live budget, while the system is short of memory
         self._none = self._make(None)  # no cache and no live reuse
         self._active = self._none
         self._active_namespace: str | None = None
 
-    def select(self, namespace: str | None) -> Any:
+    def select(self, namespace: str | None) -> PromptStates:
         """Point at `namespace`'s PromptStates and return it."""
         if namespace == self._active_namespace and self._active is not self._none:
             return self._active
@@ -109,33 +137,39 @@ class NamespacedStates:
         self._active, self._active_namespace = self._states[namespace], namespace
         return self._active
 
+    @property
+    def resident_bytes(self) -> int:
+        return self._active.resident_bytes
+
+    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None:
+        """Only the selected namespace has residents (selecting another drops them)."""
+        if namespace != self._active_namespace or self._active is self._none:
+            return None
+        return self._active.reusable(prompt)
+
+    def drop_residents(self, keep: Start | None = None) -> int:
+        return self._active.drop_residents(keep)
+
     def limit_live(self, share: float, *, keep_newest: bool = True) -> None:
         """`PromptStates.limit_live` for every namespace (and those made later)."""
         self._share = share
         for states in (self._none, *self._states.values()):
             states.limit_live(share, keep_newest=keep_newest)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._active, name)
-
 
 def make_states(
-    model: Any, prompt_cache: Any, *, enabled: bool, live_budget: int = 0, job: Any = None
-) -> Any:
+    model: nn.Module,
+    prompt_cache: Caches,
+    *,
+    enabled: bool,
+    live_budget: int = 0,
+    job: Votes | None = None,
+) -> States:
     """PromptStates for one shared cache, or NamespacedStates for per-key caches; JobStates
     when the model is split across the ranks of a job (`job`, engine/lockstep.py)."""
     if job is not None:
-        from mlx_kvserve.engine.job_states import JobStates
-
+        assert not isinstance(prompt_cache, CacheSet), "a job has no per-key caches"
         return JobStates(model, prompt_cache, job, enabled=enabled, live_budget=live_budget)
     if isinstance(prompt_cache, CacheSet):
         return NamespacedStates(model, prompt_cache, enabled=enabled, live_budget=live_budget)
-    from mlx_kvserve.engine.prompt_state import PromptStates
-
     return PromptStates(model, prompt_cache, enabled=enabled, live_budget=live_budget)
-
-
-def states_for(states: Any, namespace: str | None) -> Any:
-    """The PromptStates a request in `namespace` acquires from and saves to (it keeps that
-    object for its whole life, even while requests of other namespaces run beside it)."""
-    return states.select(namespace) if isinstance(states, NamespacedStates) else states

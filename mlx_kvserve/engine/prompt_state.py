@@ -8,11 +8,11 @@ prompt cache
 new prompt (trimmable caches) or used only as an exact prefix (rotating / SSM caches), and both
 always leave at least one prompt token to prefill, because the last token's logits are needed.
 
-A checkpoint that fails to restore is evicted here and the request continues from the longest
-prefix the cache still holds (typically the shared system prompt), or cold; one that
-restores but fails later (prefill error, non-finite logits) raises `RestoredStateFailed` to the
-caller, which evicts it and retries once from a cold prefill. No checkpoint can fail twice: the
-cache refuses to store or serve an evicted key again.
+A checkpoint that fails to restore is evicted here (the link the cache names) and the request
+continues from the longest prefix the cache still holds (typically the shared system prompt),
+or cold. A failure after the restore (a prefill error, non-finite logits) is the caller's to
+blame (engine/blame.py): it asks for the newest link of what was restored (`newest_link`), tries
+again from below it (`acquire(..., at_most=)`) and evicts it once that worked (`evict_link`).
 
 Entries written by a run that died are suspect until a restore re-prefills their last position
 and the logits match the probe stored with them. A use that stops short of a suspect entry's
@@ -24,33 +24,23 @@ used.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_kvserve.cache import MISS, CacheRestoreError, Match, PromptCache, probe_matches
-from mlx_kvserve.cache.kinds import can_cut_back, describe_model
-
-log = logging.getLogger("mlx_kvserve.engine")
-
-
-class RestoredStateFailed(Exception):
-    """Prefill from reused state failed; the state must be dropped and the request retried."""
-
-    def __init__(self, start: Start, problem: str) -> None:
-        super().__init__(problem)
-        self.start = start
-        self.problem = problem
+from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
+from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
+from mlx_kvserve.engine.protocols import PromptCacheView
 
 
 @dataclass
 class Start:
     """KV caches holding the first `usable` prompt tokens, and where they came from."""
 
-    caches: list
+    caches: list[LayerCache]
     tokens: list[int]
     source: str  # "cold", "live", "ram" or "disk"
     match: Match = MISS
@@ -59,6 +49,10 @@ class Start:
     @property
     def usable(self) -> int:
         return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.caches)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -73,7 +67,12 @@ class PromptStates:
     """Owns the live KV state and the prompt cache; engine thread only."""
 
     def __init__(
-        self, model, cache: PromptCache | None, *, enabled: bool = True, live_budget: int = 0
+        self,
+        model: nn.Module,
+        cache: PromptCacheView | None,
+        *,
+        enabled: bool = True,
+        live_budget: int = 0,
     ) -> None:
         self.model = model
         self.cache = cache if enabled else None
@@ -87,25 +86,26 @@ class PromptStates:
     def residents(self) -> int:
         return len(self._residents)
 
-    def fresh(self) -> list:
+    def fresh(self) -> list[LayerCache]:
         return make_prompt_cache(self.model)
 
     def cold(self) -> Start:
         return Start(self.fresh(), [], "cold")
 
-    def acquire(self, prompt: list[int]) -> Start:
-        """Best starting state for `prompt`. The caller owns the returned caches."""
-        if not self.enabled:
+    def acquire(self, prompt: list[int], *, at_most: int | None = None) -> Start:
+        """Best starting state for `prompt`, holding at most `at_most` tokens if given (a try
+        again below a link that failed; 0: cold). The caller owns the returned caches."""
+        if not self.enabled or at_most == 0:
             return self.cold()
-        match = self.cache.lookup(prompt) if self.cache is not None else MISS
-        live = self._take_live(prompt, match)
+        match = self._lookup(prompt, at_most)
+        live = self._take_live(prompt, match, at_most)
         if live is not None and live.usable >= match.usable:
             return live
         if not match.hit:
             return self.cold()
-        return self._restore(prompt, match)
+        return self._restore(prompt, match, at_most)
 
-    def keep(self, tokens: list[int], caches: list) -> None:
+    def keep(self, tokens: list[int], caches: list[LayerCache]) -> None:
         """Make `caches` (holding exactly `tokens`) the newest resident session; the oldest
         ones leave while the others exceed the live budget (their KV is in the prompt cache)."""
         if not (self.enabled and tokens):
@@ -118,6 +118,25 @@ class PromptStates:
 
     def reset(self) -> None:
         self._residents = []
+
+    def select(self, namespace: str | None) -> PromptStates:
+        """The states a request in `namespace` uses: these (one shared cache)."""
+        return self
+
+    def reusable(self, prompt: list[int], namespace: str | None = None) -> Start | None:
+        """The resident session `acquire(prompt)` would take now, if any: under contention
+        admission counts it once (it becomes the request's own KV) and does not shed it."""
+        if not self.enabled or not self._residents:
+            return None
+        match = self.cache.lookup(prompt) if self.cache is not None else MISS
+        return self._best_live(prompt, match)[0]
+
+    def drop_residents(self, keep: Start | None = None) -> int:
+        """Drop the resident sessions but `keep` (their KV is in the prompt cache, which serves
+        their conversations' next turns); the bytes freed."""
+        before = self.resident_bytes
+        self._residents = [r for r in self._residents if r is keep]
+        return before - self.resident_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -137,19 +156,36 @@ class PromptStates:
             older.pop()
         self._residents[1:] = older
 
-    def evict(self, start: Start, problem: str) -> None:
-        """Drop whatever `start` came from, after it failed during prefill."""
+    def newest_link(self, start: Start) -> tuple[str, int] | None:
+        """(key, first position) of the newest cache link `start` was restored from: the
+        first to blame when it fails; None for a resident session or a cold start."""
+        if self.cache is None or start.source == "live" or not start.match.hit:
+            return None
+        assert start.match.key is not None
+        links = self.cache.links(start.match.key, start.usable)
+        return links[-1] if links else None
+
+    def evict_link(self, key: str, why: str) -> None:
+        """Evict a link that was blamed for a failure, with everything depending on it."""
+        if self.cache is not None:
+            self.cache.evict(key, why)
+
+    def free_memory(self) -> None:
+        """After running out of memory: drop what goes without losing a state (resident
+        sessions, RAM-tier copies that are also on disk, MLX's buffer cache)."""
         self.reset()
-        if start.match.hit and self.cache is not None:
-            self.cache.evict(start.match.key, problem, whole_chain=True)
-        else:
-            log.warning("dropped the live KV state after a failure: %s", problem)
+        if self.cache is not None and self.cache.disk is not None:
+            self.cache.release_ram(self.cache.memory()["ram_tier"])
+        mx.clear_cache()
 
     # ----------------------------------------------------------------------------------------
-    def _take_live(self, prompt: list[int], match: Match) -> Start | None:
+    def _lookup(self, prompt: list[int], at_most: int | None) -> Match:
+        return self.cache.lookup(prompt, at_most=at_most) if self.cache is not None else MISS
+
+    def _take_live(self, prompt: list[int], match: Match, at_most: int | None) -> Start | None:
         """The resident that covers most of `prompt`, taken out of the residents (the caller
         owns it)."""
-        best, best_usable = self._best_live(prompt, match)
+        best, best_usable = self._best_live(prompt, match, at_most)
         return None if best is None else self._take_resident(best, best_usable, prompt)
 
     def _take_resident(self, resident: Start, usable: int, prompt: list[int]) -> Start:
@@ -159,15 +195,18 @@ class PromptStates:
             trim_prompt_cache(resident.caches, resident.usable - usable)
         return Start(resident.caches, prompt[:usable], "live")
 
-    def _best_live(self, prompt: list[int], match: Match) -> tuple[Start | None, int]:
+    def _best_live(
+        self, prompt: list[int], match: Match, at_most: int | None = None
+    ) -> tuple[Start | None, int]:
         """The resident `_take_live` takes and the prompt tokens it covers. A resident cut back
         to less than half of itself is most likely another conversation that shares a prefix (a
         system prompt) with this one: it is taken only if it beats the prompt cache; else it
         stays for its own conversation and the cache's copy serves this prompt. A retry or an
         edited last message keeps most of its resident."""
         best, best_usable = None, 0
+        most = len(prompt) - 1 if at_most is None else min(len(prompt) - 1, at_most)
         for resident in self._residents:
-            usable = min(common_prefix(resident.tokens, prompt), len(prompt) - 1)
+            usable = min(common_prefix(resident.tokens, prompt), most)
             if usable < resident.usable and not can_cut_back(resident.caches, usable):
                 continue  # a full window, an SSM state: only an exact prefix is reusable
             if 2 * usable < resident.usable and usable <= match.usable:
@@ -176,7 +215,9 @@ class PromptStates:
                 best, best_usable = resident, usable
         return best, best_usable
 
-    def _restore(self, prompt: list[int], match: Match, *, again: bool = True) -> Start:
+    def _restore(
+        self, prompt: list[int], match: Match, at_most: int | None, *, again: bool = True
+    ) -> Start:
         assert self.cache is not None and match.key is not None
         suspect = match.suspect
         target = match.for_probe() if suspect else match
@@ -186,7 +227,7 @@ class PromptStates:
             self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
         except CacheRestoreError as err:
             self.cache.evict(err.key, err.problem)
-            return self._after_eviction(prompt, again)
+            return self._after_eviction(prompt, at_most, again)
         source = match.source or "disk"
         start = Start(caches, prompt[: target.usable], source, match)
         start.restore_seconds = time.perf_counter() - started
@@ -197,18 +238,18 @@ class PromptStates:
                     "behaviour check failed after an unclean shutdown",
                     first_suspect=True,
                 )
-                return self._after_eviction(prompt, again)
+                return self._after_eviction(prompt, at_most, again)
             self.cache.mark_verified(match.key)
         return start
 
-    def _after_eviction(self, prompt: list[int], again: bool) -> Start:
+    def _after_eviction(self, prompt: list[int], at_most: int | None, again: bool) -> Start:
         """The longest prefix the cache still has once the failed part is gone (one more try:
         e.g. the shared system prompt before a damaged conversation), else a cold start."""
         assert self.cache is not None
         if again:
-            match = self.cache.lookup(prompt)
+            match = self.cache.lookup(prompt, at_most=at_most)
             if match.hit:
-                return self._restore(prompt, match, again=False)
+                return self._restore(prompt, match, at_most, again=False)
         return self.cold()
 
     def _behaves(self, prompt: list[int], start: Start, target: Match) -> bool:
@@ -222,11 +263,11 @@ class PromptStates:
         return bool(probe_matches(target.probe, row))
 
 
-def _nbytes(caches: list) -> int:
+def _nbytes(caches: list[LayerCache]) -> int:
     return sum(int(getattr(c, "nbytes", 0) or 0) for c in caches)
 
 
-def _kv_dtype(model) -> mx.Dtype:
+def _kv_dtype(model: nn.Module) -> mx.Dtype | None:
     """The dtype the model's KV cache holds, asked of its caches after a one-token pass (the
     rule checkpoints record theirs by, see `cache.kinds.kv_dtype`)."""
     return describe_model(model).kv_dtype

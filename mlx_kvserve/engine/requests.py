@@ -12,7 +12,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
+
+import numpy as np
 
 from mlx_kvserve.engine.namespaces import current_namespace
 
@@ -67,7 +69,7 @@ class SamplingParams:
 class TokenConstraint(Protocol):
     """A grammar that decides which tokens may come next (see chat.grammar.Constraint)."""
 
-    def allowed(self, n_logits: int) -> Any: ...  # boolean NumPy mask over the logits, or None
+    def allowed(self, n_logits: int) -> np.ndarray | None: ...  # boolean mask over the logits
     def advance(self, token: int) -> None: ...
     def forced(self, limit: int) -> list[int]: ...  # next tokens with no alternative (consumed)
     @property
@@ -138,7 +140,8 @@ class GenerationRequest:
     cancelled: threading.Event | CancelLatch = field(default_factory=threading.Event)
     namespace: str | None = field(default_factory=current_namespace.get)  # per-key cache
     # The token ids sampled so far, end-of-sequence token excluded (written by the engine thread;
-    # read once Done arrives): what a tool loop's next prompt splices back (chat.sampled_turns).
+    # read once Done arrives): what a tool loop's next prompt splices back
+    # (chat.reasoning.sampled_turns).
     sampled: list[int] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
@@ -172,3 +175,16 @@ class GenerationRequest:
         """Cancelled at this point of the engine's loop, on every rank of a job alike."""
         flag = self.cancelled
         (flag.set_now if isinstance(flag, CancelLatch) else flag.set)()
+
+
+class Stop:
+    """The queue item that stops the engine thread (`STOP`, the only one)."""
+
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = Stop()
+
+# What the engine takes from its queue at a turn's start: a request, the order to stop, nothing.
+Item: TypeAlias = "GenerationRequest | Stop | None"

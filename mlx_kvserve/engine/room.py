@@ -1,4 +1,4 @@
-"""The engine's side of admission: the ledger of engine/admission.py applied to live requests.
+"""The engine's side of admission: the ledger of engine/ledger.py applied to live requests.
 
 ENGINE THREAD. The arithmetic (what a request holds, when it may grow, whom to pause) is the
 pure `Ledger`; this module feeds it what the engine sees (prompt lengths, the batch's rows and
@@ -6,30 +6,41 @@ their lengths, the resident sessions, the prompt cache's host copies) and carrie
 decisions: drop resident sessions and RAM-tier copies before pausing anyone, pause a decoding
 sequence (checkpoint its KV, free it) and resume it later (restore from the checkpoint, prefill
 what the cache did not keep, rejoin the batch where it left off: its sampled token, grammar,
-detokenizer and stop matcher were never touched).
+detokenizer and stop matcher were never touched). Holds are keyed by request id.
+
+Under contention the resident session a request is about to take (its conversation's previous
+turn, kept in place) is counted once, as the request's own KV, and is not shed: the others go
+first, then the RAM tier.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Generator as Generator_
-from typing import Any
+from typing import TypeVar
 
-from mlx_kvserve.engine.admission import KVCost, Ledger
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.generate import Checkpoints, Live, PrefillTask, Timings, prefill_steps
-from mlx_kvserve.engine.namespaces import CacheSet
+from mlx_kvserve.engine.ledger import KVCost, LayerLike, Ledger
+from mlx_kvserve.engine.namespaces import Caches, States, caches_of
+from mlx_kvserve.engine.prompt_state import Start
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-Decide = Callable[..., Any]  # engine/lockstep.py's `decide`: rank 0's choice on every rank
+T = TypeVar("T")
+Decide = Callable[[Callable[[], T]], T]  # a turn's `decide` (engine/lockstep.py): rank 0's
 
 
-def _own(decide: Callable[[], Any]) -> Any:
+def _own(decide: Callable[[], T]) -> T:
     return decide()
 
 
@@ -38,10 +49,10 @@ class Room:
 
     def __init__(
         self,
-        layers: Any,
+        layers: Iterable[LayerLike],
         budget: int,
-        states: Any,
-        prompt_cache: Any,
+        states: States,
+        prompt_cache: Caches,
         reserve: int,
         batched: bool,
     ) -> None:
@@ -52,14 +63,17 @@ class Room:
         self.pauses = 0  # counters for /metrics
         self.resumes = 0
         self.last: dict[str, int] = self.ledger.report()  # for other threads (/health)
+        self._fixed = 0  # the copies no one can drop, as last counted (for other threads)
 
     # -- admission ------------------------------------------------------------------------------
     def fits_alone(self, req: GenerationRequest) -> bool:
-        return self.ledger.fits_alone(len(req.prompt_tokens))
+        """Whether `req` could ever run here (any thread: reads the last count of the copies
+        that cannot be dropped, not the engine's ledger)."""
+        return self.ledger.fits_alone(len(req.prompt_tokens), self._fixed)
 
     def too_large(self, req: GenerationRequest) -> str:
         """Worded as a context overflow (Claude Code reads "prompt is too long" and compacts)."""
-        most = self.ledger.most_tokens()
+        most = self.ledger.most_tokens(self._fixed)
         return (
             f"prompt is too long: {len(req.prompt_tokens)} tokens > {max(0, most - 1)} maximum "
             f"(the KV memory this server may use, --kv-budget, holds {most} tokens and the "
@@ -72,8 +86,12 @@ class Room:
         if self.paused:
             return False  # they resume first (even when nothing runs: see `next_resume`)
         shortfall = self._shortfall(req)
-        if shortfall and busy and self._shed(shortfall):
-            shortfall = self._shortfall(req)
+        if shortfall and busy:
+            reused = self.states.reusable(req.prompt_tokens, req.namespace)
+            if reused is not None:  # it moves into the request: counted once, as its prompt
+                shortfall = self._shortfall(req, reused)
+            if shortfall and self._shed(shortfall, keep=reused):
+                shortfall = self._shortfall(req, reused)
         if shortfall and busy:
             return False
         self.take(req)
@@ -82,16 +100,26 @@ class Room:
     def take(self, req: GenerationRequest) -> None:
         """Charge `req` its prompt and first reserve: once admitted here, or, on the other
         ranks of a job, once rank 0 admitted it (they follow its decisions)."""
-        self.ledger.admit(id(req), len(req.prompt_tokens), req.params.max_tokens)
+        self.ledger.admit(req.request_id, len(req.prompt_tokens), req.params.max_tokens)
 
-    def _shortfall(self, req: GenerationRequest) -> int:
-        self.refresh()
+    def _shortfall(self, req: GenerationRequest, reused: Start | None = None) -> int:
+        self.refresh(reused)
         return self.ledger.shortfall(len(req.prompt_tokens), req.params.max_tokens)
 
     def release(self, req: GenerationRequest) -> None:
         """`req` holds nothing any more (ended, failed, or its prefill was cancelled)."""
-        self.ledger.finish(id(req))
+        self.ledger.finish(req.request_id)
         self.last = self.ledger.report()
+
+    def forget(self, request_ids: set[str]) -> list[Sequence]:
+        """After a failure: these requests leave the paused list and the ledger; their paused
+        sequences."""
+        gone = [seq for seq, _ in self.paused if seq.req.request_id in request_ids]
+        self.paused = [(s, o) for s, o in self.paused if s.req.request_id not in request_ids]
+        for request_id in request_ids:
+            self.ledger.finish(request_id)
+        self.last = self.ledger.report()
+        return gone
 
     # -- growth ---------------------------------------------------------------------------------
     def before_step(self, batch: DecodeBatch, decide: Decide = _own) -> None:
@@ -111,7 +139,7 @@ class Room:
         holds = self.ledger.holds
         needs = {}
         for seq in batch.seqs:
-            rid = id(seq.req)
+            rid = seq.req.request_id
             if rid in holds and not seq.req.cancelled.is_set():  # a cancelled one ends now
                 needs[rid] = len(seq.live.tokens) + max(1, len(seq.feed)) + 1
         if all(n <= holds[rid].reserved for rid, n in needs.items()):
@@ -126,20 +154,21 @@ class Room:
         if self.ledger.total() + growth > self.ledger.budget:
             self._shed(self.ledger.total() + growth - self.ledger.budget)
         limits = {
-            id(s.req): len(s.req.prompt_tokens) + s.req.params.max_tokens + 1 for s in batch.seqs
+            s.req.request_id: len(s.req.prompt_tokens) + s.req.params.max_tokens + 1
+            for s in batch.seqs
         }
         orders = {rid: hold.order for rid, hold in holds.items()}
         paused, full = self.ledger.plan_step(needs, needs.keys(), limits)
-        by_id = {id(seq.req): seq.req.request_id for seq in batch.seqs}
         ends = []
         for rid in full:
             if self._drain_copies() and self.ledger.grow(rid, needs[rid], limits.get(rid)):
                 continue  # the copies beside it were in the way, not its own KV
-            ends.append(by_id[rid])
-        return ends, [(by_id[rid], orders[rid]) for rid in paused]
+            ends.append(str(rid))
+        return ends, [(str(rid), orders[rid]) for rid in paused]
 
     def _pause(self, seq: Sequence, batch: DecodeBatch, order: int) -> None:
         """Take `seq` out of the batch, checkpoint its KV and free it."""
+        faults.maybe_fail("pause")
         batch.take(seq)
         cache = seq.states.cache
         if cache is not None and seq.live.tokens:
@@ -155,8 +184,12 @@ class Room:
         )
 
     # -- resuming -------------------------------------------------------------------------------
+    def next_paused(self) -> Sequence | None:
+        """The paused sequence that resumes first (the oldest), if any."""
+        return min(self.paused, key=lambda p: p[1])[0] if self.paused else None
+
     def next_resume(
-        self, model: Any, prefill_step: int, busy: bool, decide: Decide = _own
+        self, model: nn.Module, prefill_step: int, busy: bool, decide: Decide = _own
     ) -> PrefillTask | None:
         """The oldest paused sequence's resumption, if it fits now (or nothing else runs)."""
         if not self.paused:
@@ -174,7 +207,7 @@ class Room:
         if not decide(fits):
             return None
         self.paused.pop(0)
-        self.ledger.admit(id(seq.req), len(seq.live.tokens), left, order=order)
+        self.ledger.admit(seq.req.request_id, len(seq.live.tokens), left, order=order)
         self.resumes += 1
         return PrefillTask(seq.req, _resume(model, seq, prefill_step))
 
@@ -185,28 +218,29 @@ class Room:
         return gone
 
     # -- the other copies -----------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Read the copies that share the memory: resident sessions, RAM tier, queued writes."""
-        self.ledger.set_extra("resident_sessions", getattr(self.states, "resident_bytes", 0))
+    def refresh(self, reused: Start | None = None) -> None:
+        """Read the copies that share the memory: resident sessions (but `reused`, which a
+        request being admitted is about to take), RAM tier, queued writes."""
+        residents = self.states.resident_bytes - (reused.nbytes if reused is not None else 0)
+        self.ledger.set_extra("resident_sessions", residents)
         ram = pending = 0
-        for cache in _caches(self.prompt_cache):
+        for cache in caches_of(self.prompt_cache):
             parts = cache.memory()
             ram += parts["ram_tier"]
             pending += parts["pending_writes"]
         self.ledger.set_extra("ram_tier", ram)
         self.ledger.set_extra("pending_writes", pending)
+        self._fixed = self.ledger.fixed_extras()
         self.last = self.ledger.report()
 
-    def _shed(self, nbytes: int) -> bool:
-        """Drop resident sessions, then RAM-tier copies, to free `nbytes`; whether any went."""
-        freed = 0
-        if getattr(self.states, "resident_bytes", 0):
-            freed += self.states.resident_bytes
-            self.states.reset()  # their KV is in the prompt cache
-        for cache in _caches(self.prompt_cache):
+    def _shed(self, nbytes: int, keep: Start | None = None) -> bool:
+        """Drop resident sessions (all but `keep`), then RAM-tier copies, to free `nbytes`;
+        whether any went."""
+        freed = self.states.drop_residents(keep)  # their KV is in the prompt cache
+        for cache in caches_of(self.prompt_cache):
             if freed < nbytes:
                 freed += cache.release_ram(nbytes - freed)
-        self.refresh()
+        self.refresh(keep)
         return freed > 0
 
     def _drain_copies(self) -> bool:
@@ -214,7 +248,7 @@ class Room:
         copies to reach the disk (pauses queue them); whether anything was freed."""
         before = self.ledger.total()
         self._shed(before)
-        for cache in _caches(self.prompt_cache):
+        for cache in caches_of(self.prompt_cache):
             cache.flush()
             cache.release_ram(cache.memory()["ram_tier"])
         self.refresh()
@@ -226,43 +260,39 @@ class Room:
         return {**self.last, "paused": len(self.paused)}
 
 
-def _caches(prompt_cache: Any) -> list[Any]:
-    if prompt_cache is None:
-        return []
-    return list(prompt_cache) if isinstance(prompt_cache, CacheSet) else [prompt_cache]
-
-
-def _resume(model: Any, seq: Sequence, step: int) -> Generator_[int, None, Any]:
+def _resume(
+    model: nn.Module, seq: Sequence, step: int
+) -> Generator_[int, None, tuple[Timings, Sequence]]:
     """Rebuild the caches of a paused sequence (its checkpoint, else cold) for exactly its
-    `live.tokens`; the logits of that prefill are not used: the sequence kept its next token."""
+    `live.tokens`; the logits of that prefill are only checked (the sequence kept its next
+    token). A failure is blamed and tried again as a request's prefill is (engine/blame.py)."""
     states, tokens = seq.states, list(seq.live.tokens)
     timings = Timings(prompt_tokens=len(tokens))  # the resumption's own: not the request's
-    start = states.acquire(tokens) if tokens else states.cold()
-    for attempt in (start, None):
-        start = attempt or states.cold()
+
+    def attempt(start: Start) -> Generator_[int, None, Live]:
         live = Live(start.caches, list(start.tokens))
 
-        def check(live: Live = live) -> None:
+        def check() -> None:
             if seq.req.cancelled.is_set():
                 raise Cancelled
 
         try:
             if len(live.tokens) < len(tokens):
-                yield from prefill_steps(
+                logits = yield from prefill_steps(
                     model, live, tokens, step, Checkpoints({}, 0, _no_store), check
                 )
-            break
+                check_logits(logits)
         except Cancelled:
             seq.cancel()
-            break
-        except Exception as exc:
-            if attempt is None or not start.usable:
-                raise
-            # as a failed restore at a request's start: evict what failed, retry cold once
-            states.evict(start, f"resuming a paused request failed: {exc!r}")
-    seq.live = live
+        return live
+
+    if not tokens:
+        seq.live = Live(states.fresh(), [])
+        return timings, seq
+    who = f"request {seq.req.request_id} (resuming)"
+    seq.live = yield from recover(states, tokens, who, attempt, timings)
     return timings, seq
 
 
-def _no_store(*_args: Any, **_kwargs: Any) -> None:
+def _no_store(live: Live, last_logits: mx.array | None, **_kwargs: object) -> None:
     """A resumption stores no checkpoints: its tokens were checkpointed when it paused."""

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from mlx_kvserve.engine import faults
+
 _MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indexes over the seed space
 
 
@@ -90,6 +92,8 @@ def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]
     if order != list(range(n)):
         inverse = sorted(range(n), key=order.__getitem__)
         tokens = tokens[mx.array(inverse)]
+    if faults.fires("draw_otherwise"):  # a rank that draws otherwise than the others (tests)
+        tokens = (tokens + 1) % vocab
     mx.async_eval(tokens, logprobs)
     if n == 1:
         return [Step(tokens, logprobs, logits, rows[0][1])]

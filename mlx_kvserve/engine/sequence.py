@@ -25,13 +25,14 @@ for all its rows (engine/sampling.py). The sequence says what it needs (`sample_
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.engine import sampling
 from mlx_kvserve.engine.decode import Decoder, keep_leading_space
 from mlx_kvserve.engine.live import Live, Timings
+from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.requests import GenerationRequest, TextChunk, TokenLogprob
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.stops import StopMatcher
@@ -43,11 +44,11 @@ class Sequence:
     def __init__(
         self,
         req: GenerationRequest,
-        tokenizer: Any,
+        tokenizer: TokenizerWrapper,
         live: Live,
         logits: mx.array,
         timings: Timings,
-        states: Any,
+        states: PromptStates,
     ) -> None:
         self.req = req
         self.live = live
@@ -135,7 +136,7 @@ class Sequence:
 
     def out_of_memory(self) -> None:
         """Alone in the server, it has filled the KV budget: it ends as at the end of the
-        context window (engine/admission.py)."""
+        context window (engine/ledger.py)."""
         self._end("length")
 
     def cancel(self) -> None:

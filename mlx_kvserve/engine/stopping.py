@@ -11,25 +11,43 @@ import asyncio
 import contextlib
 import queue
 import threading
-from typing import Any
+from collections.abc import Callable
 
-from mlx_kvserve.engine.requests import EngineError, GenerationRequest
-
-STOP = object()  # the queue item that stops the engine thread
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.generate import PrefillTask
+from mlx_kvserve.engine.lockstep import Turn
+from mlx_kvserve.engine.namespaces import Caches
+from mlx_kvserve.engine.requests import STOP, EngineError, GenerationRequest
+from mlx_kvserve.engine.room import Room
+from mlx_kvserve.engine.schedule import Scheduler
+from mlx_kvserve.engine.waitlist import WaitQueue
 
 
 class Stopping:
     """`drain`, `stop` and `stop_async` for `Engine` (which defines the attributes used)."""
 
-    _queue: Any
+    _queue: WaitQueue
     _thread: threading.Thread
     _draining: threading.Event
     _stopping: threading.Event
-    _held: Any
-    batch: Any
-    schedule: Any
-    prompt_cache: Any
-    lockstep: Any
+    _held: GenerationRequest | None
+    batch: DecodeBatch | None
+    room: Room | None
+    schedule: Scheduler
+    prompt_cache: Caches
+    _start_turn: Callable[[], Turn]
+    _step: Callable[[Turn], None]
+    _advance: Callable[[PrefillTask, Turn], None]
+    _end_paused: Callable[[], None]
+    _end_unstarted: Callable[[GenerationRequest], None]
+
+    def _active(self) -> list[GenerationRequest]:
+        """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
+        batch = self.batch
+        active = list(batch.requests) if batch is not None else []
+        active += [task.req for task in self.schedule]
+        active += [seq.req for seq, _ in (self.room.paused if self.room is not None else ())]
+        return active + ([self._held] if isinstance(self._held, GenerationRequest) else [])
 
     def drain(self, grace: float) -> None:
         """Graceful shutdown: refuse new work now; after `grace` seconds cancel what remains.
@@ -43,13 +61,8 @@ class Stopping:
         timer.start()
 
     def _cancel_all(self) -> None:
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(pending, GenerationRequest):
-                pending.emit(EngineError("the server is shutting down"))
+        for pending in self._queue.drain():
+            pending.emit(EngineError("the server is shutting down"))
         for req in self._active():
             req.cancel()
 
@@ -88,18 +101,11 @@ class Stopping:
             self._end_unstarted(self._held)
             self._held = None
         while self.batch:  # every rank of a job ends them alike, turn by turn
-            self._start_turn()
-            self._step()
-            self.lockstep.flush()
+            with self._start_turn() as turn:
+                self._step(turn)
         for task in self.schedule:  # each ends at its next check, cancelled
             while task in self.schedule.tasks:
-                self._start_turn()
-                self._advance(task)
-                self.lockstep.flush()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, GenerationRequest):
-                item.emit(EngineError("the server is shutting down"))
+                with self._start_turn() as turn:
+                    self._advance(task, turn)
+        for item in self._queue.drain():
+            item.emit(EngineError("the server is shutting down"))

@@ -9,15 +9,15 @@ count towards the size limit (or `qsize()`, which /health reports) and are skipp
 from __future__ import annotations
 
 import queue
-from typing import Any
+
+from mlx_kvserve.engine.requests import GenerationRequest, Item
 
 
-def _cancelled(item: Any) -> bool:
-    flag = getattr(item, "cancelled", None)
-    return flag is not None and flag.is_set()
+def _cancelled(item: Item) -> bool:
+    return isinstance(item, GenerationRequest) and item.cancelled.is_set()
 
 
-class WaitQueue(queue.Queue):
+class WaitQueue(queue.Queue[Item]):
     """A FIFO `queue.Queue` whose size counts only requests that are still wanted."""
 
     def _prune(self) -> None:
@@ -30,6 +30,17 @@ class WaitQueue(queue.Queue):
         self._prune()
         return len(self.queue)
 
-    def _get(self) -> Any:
+    def _get(self) -> Item:
         self._prune()
         return self.queue.popleft()
+
+    def drain(self) -> list[GenerationRequest]:
+        """Take every queued request out (the engine stops or failed: each gets its error)."""
+        taken = []
+        while True:
+            try:
+                item = self.get_nowait()
+            except queue.Empty:
+                return taken
+            if isinstance(item, GenerationRequest):
+                taken.append(item)

@@ -1,7 +1,7 @@
 """The engine thread: loads the model, then serves queued requests in a continuous batch.
 
 The loop admits a waiting request when there is room (a count, `max_concurrency`, and the
-KV bytes it holds, its prompt and a growth reserve, within `kv_budget`: engine/admission.py,
+KV bytes it holds, its prompt and a growth reserve, within `kv_budget`: engine/ledger.py,
 engine/room.py, which also pause the youngest request when memory runs out mid-decode and
 resume it later) and starts its prefill through the prompt cache. Each turn of the loop then
 runs one piece of work, chosen by engine/schedule.py: a chunk of one request's prefill, or one
@@ -14,6 +14,12 @@ default stream is per thread (`mlx/stream.h`: "the default stream of current thr
 thread's default stream already is a stream of its own for generation, which is what
 mlx_lm.server's generation thread uses too (`mlx_lm/server.py`, `_generate`).
 
+Each turn is one `Turn` of the engine's `Agreement` (engine/lockstep.py): alone, a turn decides
+everything on the spot; in a job across machines, rank 0's turn decides and the other ranks'
+turns replay its decisions. Every turn runs under one guard (engine/failures.py): a failure
+fails the requests the turn touched and the engine goes on, or, when it cannot, it stops and
+says why instead of dying silently.
+
 Anything else that needs the cache or MLX (the /v1/cache figures) is a `call()`: run on this
 thread between requests, or between two decode steps or prefill chunks of a running one.
 """
@@ -21,55 +27,54 @@ thread between requests, or between two decode steps or prefill chunks of a runn
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeVar
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.kinds import KVLayout
-from mlx_kvserve.engine.admission import RESERVE_TOKENS
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
+from mlx_kvserve.engine.failures import Failures
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
-from mlx_kvserve.engine.loading import describe_loaded, log_ready
-from mlx_kvserve.engine.lockstep import Agreement, Solo
+from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
+from mlx_kvserve.engine.ledger import RESERVE_TOKENS
+from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_ready
+from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
-from mlx_kvserve.engine.namespaces import make_states
-from mlx_kvserve.engine.requests import CancelLatch, Done, EngineError, GenerationRequest
+from mlx_kvserve.engine.namespaces import Caches, CacheSet, make_states
+from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
-from mlx_kvserve.engine.stopping import STOP, Stopping
+from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
+from mlx_kvserve.json_value import JSON
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-IDLE_POLL = 0.05  # seconds: how soon an idle engine runs a call()
-
 DEFAULT_MLX_CACHE_LIMIT = 512 << 20
 
+T = TypeVar("T")
 
-class EngineNotReady(Exception):
-    """The model is still loading (or failed to load)."""
-
-
-class EngineBusy(Exception):
-    """The request queue is full."""
+# Makes the agreement of the job an engine steps with across machines, once its model is
+# loaded, from the prompt cache it checkpoints to (engine/lockstep.py: `Lockstep`).
+MakeAgreement = Callable[[PromptCacheView | None], Agreement]
 
 
-class RequestTooLarge(Exception):
-    """The request's prompt could never fit in the KV budget, even alone; the message says why."""
-
-
-class Engine(Stopping):
+class Engine(Intake, Stopping, Failures):
     def __init__(
         self,
-        loader: Callable[[], tuple[Any, Any]],
+        loader: Loader,
         *,
-        prompt_cache: Any = None,
+        prompt_cache: Caches = None,
         cache_enabled: bool = True,
         prefill_step: int = 512,
         checkpoint_interval: int = 2048,
@@ -80,17 +85,18 @@ class Engine(Stopping):
         live_budget: int = 1 << 30,
         kv_reserve: int = RESERVE_TOKENS,
         context_length: int | None = None,
-        lockstep: Agreement | None = None,
+        job: MakeAgreement | None = None,
     ) -> None:
-        """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does.
+        """`loader` runs on the engine thread and returns (model, tokenizer) as mlx_lm.load does
+        (or a `Loaded`, which may replace the prompt cache).
 
-        `prompt_cache` (a PromptCache or None) is used from the engine thread only and closed
-        (pending writes flushed) when the engine stops; `cache_enabled=False` also disables
-        reuse of the previous request's live KV state, for cache-off comparisons.
+        `prompt_cache` (a PromptCache, one per API key, or None) is used from the engine thread
+        only and closed (pending writes flushed) when the engine stops; `cache_enabled=False`
+        also disables reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
         `context_length` is the window the model's config states (models/context.py); None
-        falls back to the model object's args. `lockstep` is the job this engine steps with
-        across machines (engine/lockstep.py); None: this process alone.
+        falls back to the model object's args. `job` makes the agreement of the job this engine
+        steps with across machines (engine/lockstep.py); None: this process alone (`Solo`).
         """
         self._loader = loader
         self.prompt_cache = prompt_cache
@@ -98,7 +104,7 @@ class Engine(Stopping):
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
         self.generator: Generator | None = None
-        self._queue: queue.Queue[Any] = WaitQueue(maxsize=max_queue)
+        self._queue = WaitQueue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self.max_concurrency = max(1, max_concurrency)
         self.kv_budget = kv_budget
@@ -109,21 +115,34 @@ class Engine(Stopping):
         self.batch: DecodeBatch | None = None
         self.schedule = Scheduler(prefill_step)  # the prefills in flight
         self._held: GenerationRequest | None = None  # next in line, waiting for room
+        self._inflight: dict[str, GenerationRequest] = {}  # taken from the queue, not ended
+        self._touched: list[GenerationRequest] = []  # by the current turn (engine/failures.py)
         self._can_batch = False
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        self._intake = threading.Lock()  # a request is queued, or the engine has failed
         self.ready = threading.Event()
         self.load_error: str | None = None
-        self.model: Any = None
-        self.tokenizer: Any = None
+        self.model: nn.Module | None = None
+        self.tokenizer: TokenizerWrapper | None = None
         self.context_length: int | None = context_length
         self.memory = MemoryPolicy(mlx_cache_limit, prefill_step)
         self._calls = CallQueue()
         self.busy_seconds = 0.0  # time spent serving requests, for metrics
         self._observers: list[Callable[[GenerationRequest, Timings | None], None]] = []
-        self.lockstep: Agreement = lockstep or Solo()
-        self.cluster: dict[str, Any] | None = None  # the job's ranks, for /health
-        self.unloadable = True  # False in a job across machines: every rank stops with it
+        self._job = job
+        self.lockstep: Agreement = Solo()  # the job's once the model is loaded (`job`)
+        self._draws = Draws()  # each row's tokens, for the turn's digest across ranks
+
+    @property
+    def unloadable(self) -> bool:
+        """False in a job across machines: every rank stops with it (cli/serve_job.py)."""
+        return self._job is None
+
+    @property
+    def cluster(self) -> dict[str, JSON] | None:
+        """The job's ranks, for /health (None: this process alone)."""
+        return self.lockstep.cluster
 
     def add_observer(self, observer: Callable[[GenerationRequest, Timings | None], None]) -> None:
         """Call `observer(request, timings or None if it failed)` on the engine thread once per
@@ -140,10 +159,6 @@ class Engine(Stopping):
         self._thread.join(timeout)
 
     @property
-    def queued(self) -> int:
-        return self._queue.qsize() + isinstance(self._held, GenerationRequest)
-
-    @property
     def running(self) -> int:
         """Requests prefilling or decoding."""
         return len(self.schedule) + (len(self.batch) if self.batch is not None else 0)
@@ -153,134 +168,128 @@ class Engine(Stopping):
         """Requests paused mid-decode for memory, waiting to resume."""
         return len(self.room.paused) if self.room is not None else 0
 
-    def submit(self, req: GenerationRequest) -> None:
-        """Queue a request for the engine thread; raises instead of waiting when it cannot."""
-        if self._draining.is_set() or self._stopping.is_set():
-            raise EngineNotReady("the server is shutting down")
-        if not self.ready.is_set():
-            raise EngineNotReady(self.load_error or "the model is still loading")
-        if self.room is not None and not self.room.fits_alone(req):
-            raise RequestTooLarge(self.room.too_large(req))
-        if self.queued >= self._queue.maxsize:  # the request held for room counts too
-            raise EngineBusy
-        if self.lockstep.distributed:  # a client's cancel takes effect at a turn's start
-            latch = CancelLatch()
-            if req.cancelled.is_set():
-                latch.set()
-            req.cancelled = latch
-        try:
-            self._queue.put_nowait(req)
-        except queue.Full:
-            raise EngineBusy from None
-
-    def _active(self) -> list[GenerationRequest]:
-        """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
-        batch = self.batch
-        active = list(batch.requests) if batch is not None else []
-        active += [task.req for task in self.schedule]
-        active += [seq.req for seq, _ in (self.room.paused if self.room is not None else ())]
-        return active + ([self._held] if isinstance(self._held, GenerationRequest) else [])
-
-    def call(self, fn: Callable[[], Any]) -> Future:
+    def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` on the engine thread (between requests, decode steps or prefill chunks)."""
         down = self._stopping.is_set() or not self.ready.is_set() or not self._thread.is_alive()
-        refuse = EngineNotReady(self.load_error or "the engine is not running") if down else None
-        return self._calls.put(fn, refuse)
+        problem = self.load_error or self.failure or "the engine is not running"
+        return self._calls.put(fn, EngineNotReady(problem) if down else None)
 
     def _run(self) -> None:
         try:
-            self.model, self.tokenizer = self._loader()
-            self.context_length, self.layout = describe_loaded(self.model, self.context_length)
-            # A model whose caches cannot take a state back keeps its resident sessions but
-            # stores no checkpoint (see `describe_loaded`).
-            checkpoints_to = None if self.layout.unrestorable else self.prompt_cache
-            states = make_states(
-                self.model,
-                checkpoints_to,
-                enabled=self.cache_enabled,
-                live_budget=self.live_budget,
-                job=self.lockstep if self.lockstep.distributed else None,
-            )
-            if self.lockstep.distributed:
-                self.lockstep.attach_cache(checkpoints_to)
-            self.generator = Generator(
-                self.model,
-                self.tokenizer,
-                states,
-                prefill_step=self.prefill_step,
-                checkpoint_interval=self.checkpoint_interval,
-            )
-            self.generator.after_prefill = self.memory.after_prefill
-            self.generator.before_done = self._observe
-            self.memory.start(self.model)
-            # Across machines a rank holds some layers only (a pipeline): what its caches can
-            # do is agreed, so that every rank batches and chunks alike.
-            self._can_batch = self.lockstep.all_true(can_batch(self.layout), "batching")
-            self.generator.sliceable = self.lockstep.all_true(self.layout.sliceable, "slicing")
-            if self.kv_budget is None:
-                self.kv_budget = self.memory.default_kv_budget(self.model)
-            self.room = Room(
-                self.layout.layers,
-                self.kv_budget,
-                states,
-                checkpoints_to,
-                self.kv_reserve,
-                batched=self._can_batch,
-            )
-            self.batch = DecodeBatch(self.model, self._ended, mergeable=self._can_batch)
+            self._load()
         except Exception as exc:  # a broken model must not kill the server silently
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
             return
+        assert self.kv_budget is not None and self.layout is not None
         self.ready.set()
         log_ready(
             self.context_length, self.layout, self.max_concurrency, self._can_batch, self.kv_budget
         )
         try:
             self._loop()
+        except BaseException as exc:  # not an Exception of a turn (those are guarded)
+            self._die(f"the engine thread ended: {exc!r}")
+            raise
         finally:
-            self._calls.fail_all(EngineNotReady("the engine stopped"))
+            self._calls.fail_all(EngineNotReady(self.failure or "the engine stopped"))
             self.memory.stop()
 
+    def _load(self) -> None:
+        """Load the model and make what serves it: its prompt states, generator, KV ledger and
+        decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
+        of the model can do)."""
+        model, tokenizer, prompt_cache = Loaded(*self._loader())
+        if prompt_cache is not None:
+            self.prompt_cache = prompt_cache
+        self.model, self.tokenizer = model, tokenizer
+        self.context_length, self.layout = describe_loaded(model, self.context_length)
+        # A model whose caches cannot take a state back keeps its resident sessions but
+        # stores no checkpoint (see `describe_loaded`).
+        checkpoints_to = None if self.layout.unrestorable else self.prompt_cache
+        if self._job is not None:
+            assert not isinstance(checkpoints_to, CacheSet), "no per-key caches across ranks"
+            self.lockstep = self._job(checkpoints_to)
+        job = self.lockstep if self.lockstep.distributed else None
+        states = make_states(
+            model, checkpoints_to, enabled=self.cache_enabled, live_budget=self.live_budget, job=job
+        )
+        self._can_batch = self.lockstep.all_true(can_batch(self.layout), "batching")
+        self.generator = Generator(
+            model,
+            tokenizer,
+            states,
+            prefill_step=self.prefill_step,
+            checkpoint_interval=self.checkpoint_interval,
+            sliceable=self.lockstep.all_true(self.layout.sliceable, "slicing"),
+            after_prefill=self.memory.after_prefill,
+            before_done=self._observe,
+        )
+        self.memory.start(model)
+        if self.kv_budget is None:
+            self.kv_budget = self.memory.default_kv_budget(model)
+        self.room = Room(
+            self.layout.layers,
+            self.kv_budget,
+            states,
+            checkpoints_to,
+            self.kv_reserve,
+            batched=self._can_batch,
+        )
+        self.batch = DecodeBatch(model, self._ended, mergeable=self._can_batch)
+
     def _loop(self) -> None:
-        assert self.batch is not None and self.room is not None
+        """Turn after turn, each under the guard (engine/failures.py), until the engine stops."""
         while True:
             self._calls.run()
-            self._start_turn()
-            item = self.lockstep.next_item(self._take)
+            self._touched = []
+            try:
+                with self._start_turn() as turn:
+                    item = self._turn(turn)
+            except Exception as error:
+                if self._recover(error):
+                    continue
+                return
+            self._blameless = 0
             if item is STOP:
-                self.lockstep.flush()
                 self._shut_down()
                 return
-            started = time.perf_counter()
-            if isinstance(item, GenerationRequest):
-                if not self.lockstep.leader:
-                    self.room.take(item)  # rank 0 admitted it
-                self._begin(item)
-            self._resume()
-            task = self._choose()
-            if task is not None:
-                self._advance(task)
-            elif self.batch:
-                self._step()
-            elif not isinstance(item, GenerationRequest):
-                self.lockstep.flush()
-                continue
-            self.lockstep.flush()
-            self.busy_seconds += time.perf_counter() - started
 
-    def _start_turn(self) -> None:
+    def _turn(self, turn: Turn) -> Item:
+        """One turn: take the next request if it has room, resume a paused one if it fits,
+        then run one piece of work: a prefill chunk, or a decode step of the batch."""
+        assert self.batch is not None
+        faults.maybe_fail("turn")
+        item = turn.next_item(self._take)
+        if item is STOP:
+            return item
+        started = time.perf_counter()
+        if isinstance(item, GenerationRequest):
+            self._begin(item)
+        self._resume(turn)
+        task = self._choose(turn)
+        if task is not None:
+            self._advance(task, turn)
+        elif self.batch:
+            self._step(turn)
+        elif item is None:
+            return None  # idle
+        self.busy_seconds += time.perf_counter() - started
+        return item
+
+    def _start_turn(self) -> Turn:
         """A turn of the loop begins: across machines, where every rank checks it is in step."""
+        return self.lockstep.turn(self._active(), self._digest())
+
+    def _digest(self) -> list[JSON]:
+        """What this engine's batch looks like, for the ranks of a job to compare."""
         assert self.batch is not None and self.room is not None
-        digest = [len(self.batch), len(self.schedule), len(self.room.paused)]
-        digest.append(sum(len(req.sampled) for req in self.batch.requests))
-        self.lockstep.tick(self._active(), digest)
+        digest: list[JSON] = [len(self.batch), len(self.schedule), len(self.room.paused)]
+        if self.lockstep.distributed:
+            digest.append(self._draws.of(self.batch.requests))
+        return digest
 
-    def _take(self) -> Any:
-        """Rank 0's (or a lone engine's) next item: STOP, a request that has room, or None."""
-        return STOP if self._stopping.is_set() else self._next()
-
-    def _choose(self) -> PrefillTask | None:
+    def _choose(self, turn: Turn) -> PrefillTask | None:
         """The prefill chunk to run next, or None for a decode step (engine/schedule.py)."""
         tasks = self.schedule.tasks
 
@@ -288,86 +297,55 @@ class Engine(Stopping):
             task = self.schedule.choose(decoding=bool(self.batch))
             return -1 if task is None else tasks.index(task)
 
-        index = self.lockstep.decide(choose)
+        index = turn.decide(choose)
         return None if index < 0 else tasks[index]
 
     def _busy(self) -> bool:
         assert self.batch is not None
         return bool(self.batch) or bool(self.schedule)
 
-    def _resume(self) -> None:
+    def _resume(self, turn: Turn) -> None:
         """A paused request rejoins (a prefill from its checkpoint) when it fits again."""
         assert self.room is not None and self.generator is not None
         self._end_paused()
-        if not self.room.paused or (self._busy() and not self._can_join()):
+        oldest = self.room.next_paused()
+        if oldest is None or (self._busy() and not self._can_join()):
             return
-        task = self.room.next_resume(
-            self.model, self.prefill_step, self._busy(), self.lockstep.decide
-        )
+        self._touched.append(oldest.req)
+        faults.maybe_fail("resume")
+        task = self.room.next_resume(self.model, self.prefill_step, self._busy(), turn.decide)
         if task is not None:
             self.schedule.add(task)
-
-    def _next(self) -> Any:
-        """The next request if there is room for it, STOP, or None (run work / idle)."""
-        if self._held is None:
-            if self._busy() and not self._can_join():
-                return None  # full by count: leave the queue as it is
-            try:
-                if self._busy():
-                    self._held = self._queue.get_nowait()
-                else:
-                    self._held = self._queue.get(timeout=IDLE_POLL)
-            except queue.Empty:
-                return None
-        item = self._held
-        if not isinstance(item, GenerationRequest) or self._has_room(item):
-            self._held = None
-            return item
-        if item.cancelled.is_set():  # gave up while waiting for room
-            self._held = None
-            self._end_unstarted(item)
-        return None
-
-    def _can_join(self) -> bool:
-        """Room by count. A model that decodes one at a time takes requests all the same: their
-        lookups, restores and prefills run beside the one decoding (the batch holds them)."""
-        return self.running < self.max_concurrency
 
     def _end_paused(self) -> None:
         """Paused requests whose client went away end now (their KV was stored at the pause)."""
         assert self.room is not None
         for seq in self.room.cancel_paused():
+            self._touched.append(seq.req)
             seq.cancel()
             seq.live.tokens = []  # no caches: nothing to store or keep resident
             self._ended(seq)
 
-    def _has_room(self, req: GenerationRequest) -> bool:
-        assert self.room is not None
-        if self._busy() and not self._can_join():
-            return False
-        return self.room.admit(req, self._busy())
-
-    def _end_unstarted(self, req: GenerationRequest) -> None:
-        """End a request that never reached the generator (cancelled while queued)."""
-        self._observe(req, None)
-        req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
-
     def _begin(self, req: GenerationRequest) -> None:
         """Start `req`'s prefill; the scheduler runs it chunk by chunk beside the batch."""
-        assert self.generator is not None
+        assert self.generator is not None and self.room is not None
+        self._touched.append(req)
+        self._inflight[req.request_id] = req
+        if not self.lockstep.leader:
+            self.room.take(req)  # rank 0 admitted it
         if req.cancelled.is_set():
             self._end_unstarted(req)
         else:
             self.schedule.add(self.generator.begin(req))
 
-    def _advance(self, task: PrefillTask) -> None:
+    def _advance(self, task: PrefillTask, turn: Turn) -> None:
         """One chunk of `task`'s prefill; when it is done the request joins the batch."""
         assert self.batch is not None
+        self._touched.append(task.req)
         before = task.remaining if task.started else 0
-        self.lockstep.flush()
-        started = time.perf_counter()
         try:
-            with self.lockstep.working("a prefill chunk"):
+            with turn.working("a prefill chunk", min(task.remaining, self.prefill_step)):
+                started = time.perf_counter()
                 finished = task.advance()
         except Exception:
             self.schedule.remove(task)
@@ -383,23 +361,26 @@ class Engine(Stopping):
             log.info(timings.log_line(task.req))
             self._release(task.req)
         else:
+            self._touched += self.batch.requests  # a join merges its caches into theirs
             self.batch.add(seq)
 
     def _release(self, req: GenerationRequest) -> None:
         """`req` holds no KV any more (ended, failed, cancelled in its prefill)."""
-        assert self.room is not None
-        self.room.release(req)
+        if self.room is not None:
+            self.room.release(req)
 
-    def _step(self) -> None:
+    def _step(self, turn: Turn) -> None:
         assert self.batch is not None and self.room is not None
+        self._touched += self.batch.requests
+        faults.maybe_fail("before_step")
         # may pause the youngest, or end one alone and full
-        self.room.before_step(self.batch, self.lockstep.decide)
-        self.lockstep.flush()
+        self.room.before_step(self.batch, turn.decide)
         if not self.batch:
             return
-        started = time.perf_counter()
         try:
-            with self.lockstep.working("a decode step"):
+            with turn.working("a decode step", len(self.batch)):
+                started = time.perf_counter()
+                faults.maybe_fail("decode")
                 self.batch.step()
             self.schedule.decoded(time.perf_counter() - started)
         except Exception:
@@ -415,19 +396,9 @@ class Engine(Stopping):
         except Exception:  # after its Done: only the checkpoint is lost
             log.exception("request %s: saving its KV failed", seq.req.request_id)
 
-    def _failed(self, reqs: list[GenerationRequest]) -> None:
-        log.error(
-            "request %s failed:\n%s",
-            ", ".join(r.request_id for r in reqs),
-            traceback.format_exc(),
-        )
-        for req in reqs:
-            if self.room is not None:
-                self._release(req)
-            self._observe(req, None)
-            req.emit(EngineError("internal error while generating; see the server log"))
-
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
+        """`req` has ended (its final event follows): it leaves the engine; observers see it."""
+        self._inflight.pop(req.request_id, None)
         for observer in self._observers:
             try:
                 observer(req, timings)

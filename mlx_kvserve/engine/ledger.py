@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 TOKENS, WINDOW, STATE = "tokens", "window", "state"  # as cache/kinds.py names them
 RESERVE_TOKENS = 256  # growth reserve: mlx-lm's KVCache allocates in steps of 256 positions
@@ -159,15 +159,16 @@ class Ledger:
     def first_reserve(self, prompt_tokens: int, max_tokens: int) -> int:
         return int(prompt_tokens) + max(1, min(self.reserve, int(max_tokens)))
 
-    def fits_alone(self, prompt_tokens: int) -> bool:
+    def fits_alone(self, prompt_tokens: int, fixed: int | None = None) -> bool:
         """Whether a prompt could ever run here: it and one generated token, alone, beside the
-        copies that cannot be dropped."""
-        need = self.cost.bytes_for(int(prompt_tokens) + 1)
-        return need + self.fixed_extras() <= self.budget
+        copies that cannot be dropped (`fixed`: as counted earlier; default: now)."""
+        fixed = self.fixed_extras() if fixed is None else fixed
+        return self.cost.bytes_for(int(prompt_tokens) + 1) + fixed <= self.budget
 
-    def most_tokens(self) -> int:
-        """The longest sequence one request alone may hold."""
-        return self.cost.tokens_within(self.budget - self.fixed_extras())
+    def most_tokens(self, fixed: int | None = None) -> int:
+        """The longest sequence one request alone may hold (`fixed` as in `fits_alone`)."""
+        fixed = self.fixed_extras() if fixed is None else fixed
+        return self.cost.tokens_within(self.budget - fixed)
 
     def shortfall(self, prompt_tokens: int, max_tokens: int) -> int:
         """Bytes missing to admit a request now (0: it fits)."""
@@ -249,7 +250,7 @@ def default_budget(memory: int, weights: int) -> int:
     return max((memory - weights) // 2, MIN_BUDGET)
 
 
-def describe(layers: Iterable[Any]) -> dict[str, int]:
+def describe(layers: Iterable[LayerLike]) -> dict[str, int]:
     """Bytes per token of each layer kind, e.g. for the start-up log and the docs table."""
     out = {TOKENS: 0, WINDOW: 0, STATE: 0}
     for layer in layers:
