@@ -5,7 +5,7 @@ body into one `ChatRequest` and the engine's output back from one stream of `Out
 templating, tool calls, constrained decoding and usage accounting live here, once.
 """
 
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import (
     ChatRequest,
     InputGrammar,

@@ -16,20 +16,40 @@ A block may hold several calls (Kimi's section, MiniMax's `<invoke>`s, a pythoni
 syntax sets `calls_per_block` and its `call_body` allows up to `most` calls; the stream numbers
 the calls of its block from 0 in the order the parser returns them.
 
-The registry (`chat.syntaxes.SYNTAXES`) maps mlx-lm's parser module name to its syntax.
+Each format module (chat.formats) names its syntax; the format the registry picks for a model
+(`chat.formats.tool_format_for`) carries it, and is what chat.grammar and chat.output are given
+(`CallFormat`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.invalid_request import InvalidRequest
+from mlx_kvserve.chat.request import ChatRequest, Tool
+from mlx_kvserve.json_value import JSON
 
 Marker = Callable[[str], str]  # a tag as a Lark item: its own token, or the literal text
-Parameters = Callable[[Tool], dict[str, Any]]  # a tool's JSON Schema for its arguments
+Parameters = Callable[[Tool], dict[str, JSON]]  # a tool's JSON Schema for its arguments
+# mlx-lm's `parse_tool_call(text, tools)`: the text of one block (after its opening marker) and
+# the request's tools in OpenAI's shape, to the JSON of one call {"name", "arguments"} or a list
+ParseToolCall = Callable[[str, list[dict[str, JSON]] | None], JSON]
+# the rules of a whole answer (gpt-oss's): request, marker, literal (fixed text as its tokens),
+# parameters, the tools' JSON style, the output schema (response_format) and its JSON style
+AnswerRules = Callable[
+    [
+        ChatRequest,
+        Marker,
+        Marker,
+        Parameters,
+        dict[str, JSON],
+        dict[str, JSON] | None,
+        dict[str, JSON],
+    ],
+    list[str],
+]
 
 
 @dataclass(frozen=True)
@@ -49,7 +69,7 @@ class CallStream(Protocol):
         """New pieces, given the whole block text so far (after the opening marker)."""
         ...
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         """(the last fragment, the call's whole arguments text) for call `slot`, given the
         arguments the format's parser read (None: it did not parse; what was streamed)."""
         ...
@@ -75,7 +95,7 @@ class CallSyntax(Protocol):
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int,
@@ -84,8 +104,60 @@ class CallSyntax(Protocol):
         called in this format."""
         ...
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> CallStream:
-        """A stream for one block; `parse` is mlx-lm's `parse_tool_call(text, tools)`."""
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> CallStream:
+        """A stream for one block; `parse` is the format's parser."""
+        ...
+
+
+class CallFormat(Protocol):
+    """What chat.grammar and chat.output read of the model's tool format (the registry's
+    `chat.formats.tool_format.ToolFormat`)."""
+
+    @property
+    def start(self) -> str:
+        """The marker that opens a call (or a block of calls)."""
+        ...
+
+    @property
+    def end(self) -> str:
+        """The marker that closes it ("": the end of the answer does)."""
+        ...
+
+    @property
+    def parse(self) -> ParseToolCall: ...
+
+    @property
+    def syntax(self) -> CallSyntax | None:
+        """How calls are constrained and streamed; None for the JSON-body formats (which
+        chat.grammar and chat.output handle themselves) and for a format parsed only."""
+        ...
+
+    @property
+    def native(self) -> bool:
+        """The chat template renders the tools and calls itself (False: the Hermes fallback,
+        which also offers custom tools as a name line and raw input)."""
+        ...
+
+    @property
+    def json_body(self) -> bool:
+        """Calls are `{"name", "arguments"}` JSON after the opening marker."""
+        ...
+
+    @property
+    def at_start(self) -> bool:
+        """A call may only open the answer (Llama 3's), not follow text."""
+        ...
+
+    @property
+    def constrained(self) -> bool:
+        """Calls in this format get a grammar."""
+        ...
+
+    @property
+    def answer_rules(self) -> AnswerRules | None:
+        """The Lark rules of the whole answer, for a format that lays out the answer itself
+        (gpt-oss's channels); None: the answer is free text around the calls, and chat.grammar
+        builds it from `syntax` or the JSON body."""
         ...
 
 

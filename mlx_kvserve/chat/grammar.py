@@ -26,14 +26,18 @@ import json
 import threading
 import unicodedata
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.harmony_grammar import harmony_rules
+from mlx_kvserve.chat.call_syntax import CallFormat
+from mlx_kvserve.chat.freeform import freeform_head
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
-from mlx_kvserve.chat.tool_format import ToolFormat, freeform_head
+from mlx_kvserve.chat.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where used: the package loads without it until a grammar is needed
+    from llguidance import LLMatcher, LLTokenizer
 
 MAX_PARALLEL_CALLS = 4
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -47,7 +51,7 @@ TOOL_STYLE = {**JSON_STYLE, "lenient": True}
 class Constraint:
     """One request's grammar state, used on the engine thread only."""
 
-    def __init__(self, matcher: Any, vocab_size: int, *, lazy: bool = False) -> None:
+    def __init__(self, matcher: LLMatcher, vocab_size: int, *, lazy: bool = False) -> None:
         import llguidance.numpy as lln
 
         # Free text until a trigger (tool_choice "auto"): the engine keeps such a request
@@ -91,13 +95,13 @@ class Constraint:
 class GrammarCompiler:
     """Compiles requests' grammars against one tokenizer (its llguidance twin is built once)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
-        self._lltok: Any = None
+        self._lltok: LLTokenizer | None = None
 
-    def _llg_tokenizer(self) -> Any:
+    def _llg_tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._lltok is None:
                 import llguidance.hf
@@ -114,7 +118,7 @@ class GrammarCompiler:
         """The exact bytes of one token (for logprobs' `bytes`)."""
         return self._llg_tokenizer().decode_bytes([token])
 
-    def constraint_for(self, req: ChatRequest, fmt: ToolFormat | None) -> Constraint | None:
+    def constraint_for(self, req: ChatRequest, fmt: CallFormat | None) -> Constraint | None:
         """The request's constraint, or None when decoding is free. 400 on a bad schema."""
         grammar = self.grammar_for(req, fmt)
         if grammar is None:
@@ -127,7 +131,7 @@ class GrammarCompiler:
     def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
         return self._compile(_json_grammar(schema, param=param), param)
 
-    def grammar_for(self, req: ChatRequest, fmt: ToolFormat | None) -> str | None:
+    def grammar_for(self, req: ChatRequest, fmt: CallFormat | None) -> str | None:
         """The Lark grammar text for a request (None: unconstrained)."""
         output = _output_schema(req)
         calls = None
@@ -137,9 +141,9 @@ class GrammarCompiler:
         mode = req.tool_choice.mode
         if output is not None:
             self._compile(_json_grammar(output, param=_output_param(req)), _output_param(req))
-        harmony = fmt is not None and fmt.harmony
-        if harmony and (calls is not None or output is not None):  # gpt-oss: its own layout
-            rules = harmony_rules(
+        answer = fmt.answer_rules if fmt is not None else None  # gpt-oss's: its own layout
+        if answer is not None and (calls is not None or output is not None):
+            rules = answer(
                 req, self._marker, self._tokens, _parameters, TOOL_STYLE, output, JSON_STYLE
             )
             return _lark(*rules)
@@ -278,17 +282,17 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": TOOL_STYLE}
 
 
-def _calls_rule(req: ChatRequest, fmt: ToolFormat, marker: Callable[[str], str]) -> str:
+def _calls_rule(req: ChatRequest, fmt: CallFormat, marker: Callable[[str], str]) -> str:
     """Lark rule `call_body`: what follows a call's opening tag (JSON body, closing tag), or,
     for a custom tool in the Hermes fallback, its name line and raw input."""
     tools = req.tools
     if req.tool_choice.mode == "function":
         tools = [t for t in tools if t.name == req.tool_choice.name]
-    if fmt.harmony:
-        return ""  # chat.harmony_grammar writes the whole answer's rules
     if fmt.syntax is not None:
         most = MAX_PARALLEL_CALLS if req.tool_choice.parallel else 1
         return fmt.syntax.calls_rule(tools, _parameters, TOOL_STYLE, marker, fmt.end, most)
+    if not fmt.json_body:
+        return ""  # the format's answer_rules lay out its calls (gpt-oss's channels)
     end = marker(fmt.end)
     freeform = [t for t in tools if t.is_custom and not fmt.native]
     functions = [t for t in tools if t not in freeform]

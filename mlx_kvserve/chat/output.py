@@ -10,8 +10,8 @@ any format with a `CallSyntax` (chat.call_syntax), whose stream may hold several
 block. Other formats' calls are parsed by their mlx-lm parser when the closing marker arrives
 and sent whole.
 
-A model with reasoning markers (chat.thinking) writes its reasoning between them; that text is
-`ReasoningDelta`s, never content and never a call, whatever it looks like. The parser starts
+A model with reasoning markers (chat.reasoning.thinking) writes its reasoning between them; that
+text is `ReasoningDelta`s, never content and never a call, whatever it looks like. The parser starts
 inside the reasoning when the prompt opened it (DeepSeek-R1 distills, Qwen3.5/3.6), and enters
 it when the model writes the opening marker (Qwen3). Whitespace around the reasoning (the
 "\n" after `<think>`, the "\n\n" after `</think>`) belongs to neither part, as the templates
@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
 
+from mlx_kvserve.chat.call_syntax import CallFormat
 from mlx_kvserve.chat.events import (
     ContentDelta,
     OutputEvent,
@@ -35,9 +35,9 @@ from mlx_kvserve.chat.events import (
 )
 from mlx_kvserve.chat.freeform import freeform_name, input_from_arguments, raw_input
 from mlx_kvserve.chat.open_call import OpenCall
+from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
-from mlx_kvserve.chat.thinking import ThinkMarkers
-from mlx_kvserve.chat.tool_format import ToolFormat
+from mlx_kvserve.json_value import JSON
 
 log = logging.getLogger("mlx_kvserve.chat")
 
@@ -49,7 +49,7 @@ class OutputParser:
 
     def __init__(
         self,
-        fmt: ToolFormat | None,
+        fmt: CallFormat | None,
         tools: list[Tool] | None = None,
         *,
         parse_calls: bool = True,
@@ -92,10 +92,14 @@ class OutputParser:
             self._reason(self._pending.rstrip(), events)
         elif self._call is not None:
             call, self._call = self._call, None
-            if not self._close(call, call.text + self._pending, events):
-                self._content(
-                    self.fmt.start + call.text + self._pending if self.fmt else "", events
-                )
+            rest = self._pending
+            if call.body_done and self.fmt is not None:
+                # text held back as a possible start of the end marker is that marker, cut short
+                # (at max_tokens): it is not the call's
+                end = self.fmt.end if call.freeform_from is None else "\n" + self.fmt.end
+                rest = rest[: len(rest) - _partial_suffix(rest, end)]
+            if not self._close(call, call.text + rest, events):
+                self._content(self.fmt.start + call.text + rest if self.fmt else "", events)
         elif self._pending and not (self.calls and not self._pending.strip()):
             self._content(self._pending, events)
         self._pending = ""
@@ -285,7 +289,7 @@ class OutputParser:
         if call.freeform_from is not None:
             return self._close_freeform(call, text, events)
         try:
-            parsed: Any = self.fmt.parse(text, self.tools or None)
+            parsed: JSON = self.fmt.parse(text, self.tools or None)
         except Exception as exc:  # parsers raise many kinds on malformed text
             log.warning("the model wrote a tool call that does not parse (%s): %.200r", exc, text)
             if call.name is None:
@@ -367,7 +371,7 @@ class OutputParser:
         return True
 
 
-def _is_call(item: Any) -> bool:
+def _is_call(item: JSON) -> bool:
     return isinstance(item, dict) and isinstance(item.get("name"), str)
 
 

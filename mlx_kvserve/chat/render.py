@@ -10,31 +10,32 @@ next turn's prompt will depart from this one when the generation prompt opens th
 without it (mlx-lm's server keeps the same segment). Elsewhere the engine marks the prompt's
 end itself where the cache cannot be trimmed (engine.generate).
 
-The template is also told what the client asked of the model's reasoning (chat.thinking), and
-each past assistant turn's reasoning is handed to it as `reasoning_content`, the key the Qwen,
-GLM and DeepSeek templates read (gpt-oss's reads `thinking`: chat.harmony). A past turn that
-made tool calls and is replayed unchanged is encoded as the tokens the model sampled for it
-(chat.sampled_turns), so a tool loop's next prompt extends the cached one through the answer.
+The template is also told what the client asked of the model's reasoning
+(chat.reasoning.thinking), and each past assistant turn's reasoning is handed to it as
+`reasoning_content`, the key the Qwen, GLM and DeepSeek templates read (gpt-oss's reads
+`thinking`: chat.formats.harmony). A past turn that made tool calls and is replayed unchanged is
+encoded as the tokens the model sampled for it (chat.reasoning.sampled_turns), so a tool loop's
+next prompt extends the cached one through the answer.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_kvserve.chat.errors import InvalidRequest
-from mlx_kvserve.chat.harmony import harmony_messages, harmony_tools
-from mlx_kvserve.chat.mistral_legacy_calls import fit_call_ids
-from mlx_kvserve.chat.request import ChatRequest, Message
-from mlx_kvserve.chat.sampled_turns import (
+from mlx_kvserve.chat.formats import tool_format_for
+from mlx_kvserve.chat.formats.tool_format import ToolFormat
+from mlx_kvserve.chat.invalid_request import InvalidRequest
+from mlx_kvserve.chat.reasoning.sampled_turns import (
     SampledTurn,
     SampledTurns,
     Splicer,
     text_hash,
     turn_end,
 )
-from mlx_kvserve.chat.thinking import (
+from mlx_kvserve.chat.reasoning.thinking import (
     ThinkMarkers,
     check_template_kwargs,
     markers_for,
@@ -42,14 +43,8 @@ from mlx_kvserve.chat.thinking import (
     template_kwargs,
     template_variables,
 )
-from mlx_kvserve.chat.tool_format import (
-    ToolFormat,
-    hermes_messages,
-    native_messages,
-    parse_arguments,
-    tool_format_for,
-    with_system_text,
-)
+from mlx_kvserve.chat.request import ChatRequest, Message, ToolCall
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 
 @dataclass
@@ -63,11 +58,6 @@ class Prompt:
     markers: ThinkMarkers | None = None
     reasoning: bool = False
     text: tuple[int, bytes] = (0, b"")  # the length and SHA-256 of the rendered text
-
-    @property
-    def harmony(self) -> bool:
-        """The model speaks gpt-oss's harmony (chat.harmony): its own parser and gate."""
-        return self.tool_format is not None and self.tool_format.harmony
 
 
 def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
@@ -93,8 +83,27 @@ def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
     return arguments
 
 
+def parse_arguments(call: ToolCall, where: str) -> dict[str, Any]:
+    """A history call's arguments as an object; a 400 naming the message when they are not.
+    A custom tool's raw input becomes `{"input": ...}`, the one parameter templates are shown."""
+    if call.kind == "custom":
+        return {"input": call.arguments}
+    try:
+        value = json.loads(call.arguments) if call.arguments.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"{where}: the arguments of tool call '{call.id}' are not valid JSON ({exc.msg}).",
+            param=where,
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"{where}: the arguments of tool call '{call.id}' must be a JSON object.", param=where
+        )
+    return value
+
+
 def render_chat(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     req: ChatRequest,
     defaults: dict[str, Any] | None = None,
     sampled: SampledTurns | None = None,
@@ -110,25 +119,9 @@ def render_chat(
     for i, turn in kept.items():  # a kept turn's arguments, in the order they were sampled
         arguments[i] = turn.template_arguments()
     fmt = tool_format_for(tokenizer)
-    tools = req.tools
-    if fmt.native:
-        messages: list[dict[str, Any]] = native_messages(
-            req.messages, arguments, as_text=fmt.string_arguments
-        )
-        width = getattr(fmt.syntax, "call_id_length", None)
-        if width:  # a template that refuses other call ids (Mistral's v7 and v11)
-            messages = fit_call_ids(messages, width)
-        kwargs: dict[str, Any] = {"tools": [t.as_openai() for t in tools]} if tools else {}
-        if fmt.harmony and tools:
-            kwargs["tools"] = harmony_tools(kwargs["tools"])
-        if tools and fmt.system_tools is not None:  # a template that does not list the tools
-            messages = with_system_text(messages, fmt.system_tools(kwargs["tools"]))
-    else:
-        messages = hermes_messages(req.messages, tools, arguments)
-        kwargs = {}
+    messages, kwargs = fmt.template_inputs(req.messages, req.tools, arguments)
     _add_reasoning(req.messages, messages)
-    if fmt.harmony:
-        messages = harmony_messages(messages)
+    messages = fmt.template_messages(messages)
     variables = template_variables(tokenizer)
     kwargs.update(template_kwargs(variables, req.thinking, req.template_kwargs, defaults or {}))
     try:
@@ -162,14 +155,14 @@ def _add_reasoning(source: list[Message], messages: list[dict[str, Any]]) -> Non
             item["reasoning_content"] = message.reasoning
 
 
-def render_text(tokenizer: Any, text: str) -> Prompt:
+def render_text(tokenizer: Tokenizer, text: str) -> Prompt:
     """A text completion's prompt; it has no message structure to checkpoint at."""
     if not text:
         raise InvalidRequest("Invalid value for 'prompt': it is empty.", param="prompt")
     return Prompt(list(tokenizer.encode(text)), {})
 
 
-def render_token_ids(tokenizer: Any, ids: list[int]) -> Prompt:
+def render_token_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
     """A text completion given as token ids (as evaluation harnesses send it): every id must be
     one the tokenizer knows, or the model would read past its embedding table."""
     size = len(getattr(tokenizer, "_tokenizer", tokenizer))
@@ -186,7 +179,7 @@ def render_token_ids(tokenizer: Any, ids: list[int]) -> Prompt:
 def _kept_turns(
     source: list[Message], sampled: SampledTurns | None, model: str
 ) -> dict[int, SampledTurn]:
-    """{index in `source`: the kept turn it replays unchanged} (chat.sampled_turns)."""
+    """{index in `source`: the kept turn it replays unchanged} (chat.reasoning.sampled_turns)."""
     if sampled is None or not len(sampled):
         return {}
     return {
@@ -197,14 +190,14 @@ def _kept_turns(
 
 
 def _splicer(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     source: list[Message],
     messages: list[dict[str, Any]],
-    kwargs: dict,
+    kwargs: dict[str, Any],
     kept: dict[int, SampledTurn],
 ) -> Callable[[str], list[int]]:
     """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns'
-    sampled tokens spliced in (chat.sampled_turns)."""
+    sampled tokens spliced in (chat.reasoning.sampled_turns)."""
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -224,7 +217,7 @@ def _splicer(
 
 
 def _render_folding_system(
-    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]
 ) -> tuple[str, list[dict[str, Any]]]:
     """The prompt, and the messages it was rendered from.
 
@@ -266,7 +259,13 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _render(tokenizer: Any, messages: list, kwargs: dict, *, generation: bool) -> str:
+def _render(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    *,
+    generation: bool,
+) -> str:
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **kwargs
     )
@@ -276,7 +275,11 @@ Encode = Callable[[str], list[int]]
 
 
 def _boundaries(
-    tokenizer: Any, messages: list, kwargs: dict, prompt: list[int], encode: Encode
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    prompt: list[int],
+    encode: Encode,
 ) -> dict[int, str]:
     boundaries: dict[int, str] = {}
     n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -292,7 +295,11 @@ def _boundaries(
 
 
 def _boundary(
-    tokenizer: Any, messages: list, kwargs: dict, prompt: list[int], encode: Encode
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    prompt: list[int],
+    encode: Encode,
 ) -> int | None:
     try:
         ids = encode(_render(tokenizer, messages, kwargs, generation=False))

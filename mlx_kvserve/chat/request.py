@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 
 Role = Literal["system", "user", "assistant", "tool"]
 

@@ -1,4 +1,5 @@
-"""The llguidance grammar of a gpt-oss answer with tools (chat.harmony; chat.grammar compiles it).
+"""The llguidance grammar of a gpt-oss answer with tools (chat.formats.harmony; chat.grammar
+compiles it).
 
 After the generation prompt's `<|start|>assistant`, gpt-oss writes messages: analysis (its
 reasoning) and commentary preambles, each ended by `<|end|><|start|>assistant`, then either a
@@ -17,7 +18,7 @@ next prompt then continues the tokens the model sampled, which gpt-oss's sliding
 
 * `tool_choice` "auto": any messages, then the answer or a call;
 * "required" and a named function: at most one analysis message, then the call in the
-  template's form (a thinking budget, chat.harmony_gate, ends an analysis that runs on);
+  template's form (a thinking budget, harmony.analysis_gate, ends an analysis that runs on);
 * `response_format`: the final answer is that JSON (without tools: after at most one analysis
   message).
 The template renders one call per assistant message, so parallel calls are not offered.
@@ -30,8 +31,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.chat import harmony
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.formats.harmony import channels
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import ChatRequest, Tool
 
 Marker = Callable[[str], str]  # text as Lark items: a control token's id, fixed text's tokens
@@ -49,8 +50,8 @@ def harmony_rules(
 ) -> list[str]:
     """The Lark rules (for chat.grammar's `_lark`) of an answer with tools or an output
     schema."""
-    ch, msg = marker(harmony.CHANNEL), marker(harmony.MESSAGE)
-    end, start, constrain = marker(harmony.END), marker(harmony.START), marker(harmony.CONSTRAIN)
+    ch, msg = marker(channels.CHANNEL), marker(channels.MESSAGE)
+    end, start, constrain = marker(channels.END), marker(channels.START), marker(channels.CONSTRAIN)
     forced = req.tools_active and req.tool_choice.mode in {"required", "function"}
     tools = req.tools if req.tools_active else []
     if req.tool_choice.mode == "function":
@@ -66,7 +67,7 @@ def harmony_rules(
         if not _NAME.fullmatch(tool.name):
             continue  # the header could not carry this name: the model cannot call it
         schema = json.dumps({**parameters(tool), "x-guidance": style})
-        to = harmony.FUNCTIONS + tool.name
+        to = channels.FUNCTIONS + tool.name
         names.append(f"fn_{k}")
         rule = (
             f"fn_{k}: {literal(' to=' + to)} {ch} {literal('commentary json')} {msg} %json {schema}"

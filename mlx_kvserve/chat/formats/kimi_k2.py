@@ -15,10 +15,20 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
+from mlx_lm.tool_parsers.kimi_k2 import parse_tool_call, tool_call_end, tool_call_start
+
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 BEGIN = "<|tool_call_begin|>"
 ARGUMENTS = "<|tool_call_argument_begin|>"
@@ -44,7 +54,7 @@ class KimiSyntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -66,11 +76,11 @@ class KimiSyntax:
             ]
         )
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> KimiStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> KimiStream:
         return KimiStream()
 
 
-KIMI_K2 = KimiSyntax()
+syntax = KimiSyntax()
 
 
 class KimiStream:
@@ -99,7 +109,7 @@ class KimiStream:
                 self._sent[slot] = body
         return out
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         """The arguments are the text streamed (what the parser read), or `{}` for a call whose
         arguments are not an object."""
         sent = self._sent[slot] if slot < len(self._sent) else ""
@@ -108,7 +118,7 @@ class KimiStream:
         return "", json.dumps(arguments if isinstance(arguments, dict) else {})
 
 
-def _reads_as(text: str, arguments: dict[str, Any]) -> bool:
+def _reads_as(text: str, arguments: dict[str, JSON]) -> bool:
     try:
         return json.loads(text) == arguments
     except ValueError:
@@ -121,3 +131,10 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+FORMAT = ToolFormat("kimi_k2", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "kimi_k2" else None

@@ -2,10 +2,11 @@
 
 `ReasoningGate` is a token constraint (the engine's `TokenConstraint`) that follows the model in
 and out of its reasoning by the marker token ids (the start state comes from the end of the
-prompt, see chat.thinking). While the model reasons, nothing is masked and the answer's grammar
-(tool calls, JSON output), if any, waits: text that looks like a call inside the reasoning is
-not a call. Once `budget` reasoning tokens are spent, the gate forces the end-of-thinking tokens
-(as llama.cpp and oMLX do) and the answer follows; from then on the grammar applies.
+prompt, see chat.reasoning.thinking). While the model reasons, nothing is masked and the
+answer's grammar (tool calls, JSON output), if any, waits: text that looks like a call inside
+the reasoning is not a call. Once `budget` reasoning tokens are spent, the gate forces the
+end-of-thinking tokens (as llama.cpp and oMLX do) and the answer follows; from then on the
+grammar applies.
 
 Forced tokens are handed to the engine through `forced()` (they share one forward pass); when
 the engine does not ask for them (a request with logprobs), `allowed()` masks all but the next
@@ -14,11 +15,10 @@ one, so the budget holds either way.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from mlx_kvserve.chat.thinking import ThinkMarkers
+from mlx_kvserve.chat.grammar import Constraint
+from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
 
 
 class ReasoningGate:
@@ -30,7 +30,7 @@ class ReasoningGate:
         *,
         reasoning: bool,
         budget: int | None = None,
-        inner: Any = None,
+        inner: Constraint | None = None,
     ) -> None:
         self.markers = markers
         self.reasoning = reasoning
@@ -76,7 +76,7 @@ class ReasoningGate:
     def lazy(self) -> bool:
         """The answer's grammar starts in free text (tool_choice "auto"), so the engine may keep
         it pipelined there, as it does through the reasoning, which masks nothing."""
-        return bool(getattr(self.inner, "lazy", False))
+        return self.inner is not None and self.inner.lazy
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ MiniMax-M2's template writes every call of a turn in one block:
 
 The parser reads each VALUE by the types the property's schema names (`type`, `enum`, `anyOf`
 ...): a string is the raw text (stripped, "null" read as None), other types JSON. The layout and
-value typing are `chat.xml_calls`'s (one tag per parameter); here they are laid out as the
+value typing are `chat.formats.xml_calls`'s (one tag per parameter); here they are laid out as the
 template writes them and repeated up to `most` `<invoke>`s per block.
 """
 
@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
-from mlx_lm.tool_parsers.minimax_m2 import _extract_types_from_schema
+from mlx_lm.tool_parsers.minimax_m2 import (
+    _extract_types_from_schema,
+    parse_tool_call,
+    tool_call_end,
+    tool_call_start,
+)
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.formats.xml_calls import _KEY, Layout, XmlCallStream, _Items, _params_rules
 from mlx_kvserve.chat.request import Tool
-from mlx_kvserve.chat.xml_calls import _KEY, Layout, XmlCallStream, _Items, _params_rules
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 _STRINGS = {"string", "str", "text"}
 _JSON = {"integer", "int", "number", "float", "object", "array"}
@@ -40,7 +53,7 @@ class MinimaxLayout(Layout):
 
     calls_per_block = True
 
-    def kind(self, prop: dict[str, Any]) -> str:
+    def kind(self, prop: dict[str, JSON]) -> str:
         """How the parser converts a value: by the one type the schema names (a property
         without one is a string to it); a mix of types is read by priority, so it is free."""
         types = {str(t).lower() for t in _extract_types_from_schema(prop)}
@@ -59,7 +72,7 @@ class MinimaxLayout(Layout):
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -88,11 +101,11 @@ class MinimaxLayout(Layout):
         """How this layout's fixed text and raw values become Lark items."""
         return _Items(self, marker)
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> InvokeStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> InvokeStream:
         return InvokeStream(self, parse, tools)
 
 
-MINIMAX_M2 = MinimaxLayout(
+syntax = MinimaxLayout(
     "minimax_m2",
     "\n",
     _INVOKE,
@@ -113,7 +126,9 @@ class InvokeStream:
     """Follows one block's `<invoke>`s (the layout's `head`, closed by its `tail`): each is a
     call (`XmlCallStream`), numbered in order."""
 
-    def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(
+        self, layout: Layout, parse: ParseToolCall, tools: list[dict[str, JSON]] | None
+    ) -> None:
         self._layout, self._parse, self._tools = layout, parse, tools
         self._calls: list[XmlCallStream] = []
 
@@ -131,5 +146,12 @@ class InvokeStream:
                 out.append(CallPiece(slot, piece.name, piece.fragment))
         return out
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         return self._calls[slot].finish(0, arguments)
+
+
+FORMAT = ToolFormat("minimax_m2", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "minimax_m2" else None

@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
-from mlx_kvserve.chat.call_syntax import Marker, Parameters, callable_tools
-from mlx_kvserve.chat.mistral_calls import NamedJsonStream
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, ParseToolCall, callable_tools
+from mlx_kvserve.chat.formats.named_json import NamedJsonStream
+from mlx_kvserve.chat.formats.tool_format import (
+    ToolFormat,
+    mlx_parser,
+    per_tokenizer,
+    rendered_call,
+    template_render,
+)
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 tool_call_start = '{"name": "'  # what opens a call, as the template writes it
 tool_call_end = ""  # nothing closes it: the call is the whole answer
@@ -37,7 +44,7 @@ _UNCALLABLE = (  # why a request none of whose tools this format can call is ref
 )
 
 
-def parse_tool_call(text: str, tools: Any = None) -> dict[str, Any]:
+def parse_tool_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The call whose text after `tool_call_start` is `text` (raises when it is not one)."""
     value = json.loads(tool_call_start + text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -72,27 +79,27 @@ class Llama3Syntax:
             rules.append(f'fn_{k}: {head} %json {json.dumps(schema)} "}}"')
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
         return NamedJsonStream(_HEADER)
 
 
-LLAMA3 = Llama3Syntax()
+syntax = Llama3Syntax()
+FORMAT = ToolFormat("llama3_json", tool_call_start, tool_call_end, parse_tool_call, syntax)
 
 
-def llama3_syntax(render: Callable[[list[dict[str, Any]]], str]) -> Llama3Syntax | None:
-    """The syntax when the model's template renders a call as Llama 3.x does, else None.
-    `render(messages)` is the template's text."""
-    call = {"name": "fn_probe", "arguments": {"k": 1}}
-    messages = [
-        {"role": "user", "content": "u"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"id": "call_probe", "type": "function", "function": call}],
-        },
-    ]
-    try:
-        text = render(messages)
-    except Exception:  # a template that cannot render the probe is not this one
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    """The model's template renders a call as Llama 3.x's do (mlx-lm has no parser for it)."""
+    if mlx_parser(tokenizer) is not None or not isinstance(
+        getattr(tokenizer, "chat_template", None), str
+    ):
         return None
-    return LLAMA3 if _PROBE in text else None
+    return FORMAT if _renders_llama3(tokenizer) else None
+
+
+@per_tokenizer
+def _renders_llama3(tokenizer: Tokenizer) -> bool:
+    render = template_render(tokenizer)
+    call = {"name": "fn_probe", "arguments": {"k": 1}}
+    probe = {"id": "call_probe", "type": "function", "function": call}
+    text = None if render is None else rendered_call(render, probe)
+    return text is not None and _PROBE in text

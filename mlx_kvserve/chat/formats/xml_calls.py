@@ -1,5 +1,5 @@
-"""Tool calls with one tag per parameter (mlx-lm's `qwen3_coder` and `glm47` parsers): their
-grammar and streaming.
+"""Tool calls with one tag per parameter: the grammar and streaming that the `Layout`s of
+chat.formats.qwen3_coder, glm47, minimax_m2, longcat and minicpm5 share.
 
 Qwen3-Coder and Qwen3.5/3.6 write a call as
 
@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.json_value import JSON
 
 _KEY = re.compile(r"[^\s<>]+")  # what the parsers read as a name
-_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _BOOL_TYPES = {"boolean", "bool", "binary"}
 _JSON_PREFIXES = ("int", "uint", "long", "short", "unsigned", "num", "float", "dict", "list")
 
@@ -68,7 +73,7 @@ class Layout:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -76,14 +81,14 @@ class Layout:
         """The `call_body` rule of this layout (a CallSyntax)."""
         return calls_rule(self, tools, parameters, style, marker, end)
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> XmlCallStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> XmlCallStream:
         return XmlCallStream(self, parse, tools)
 
     def wrap(self, name: str, params: str) -> str:
         """A whole call's text (without markers) for the format's parser."""
         return f"{self.head}{name}{self.head_end}{params}{self.tail}"
 
-    def kind(self, prop: dict[str, Any]) -> str:
+    def kind(self, prop: dict[str, JSON]) -> str:
         """How the parser converts a value of this property: "string" (raw text), "bool",
         "null", "json" (a JSON literal), or "free" (text it may reinterpret)."""
         if not prop or "type" not in prop:
@@ -102,83 +107,14 @@ class Layout:
         return "free"
 
 
-QWEN3_CODER = Layout(
-    "qwen3_coder",
-    "",
-    "\n<function=",
-    ">\n",
-    "<parameter=",
-    ">\n",
-    "\n</parameter>",
-    "\n",
-    "</function>\n",
-    strict_strings=True,
-    string_types=frozenset(_STRING_TYPES),
-)
-GLM47 = Layout(
-    "glm47",
-    "\n",
-    "",
-    "\n",
-    "<arg_key>",
-    "</arg_key>\n<arg_value>",
-    "</arg_value>",
-    "\n",
-    "",
-    strict_strings=False,
-    string_types=frozenset({"string"}),
-)
-LAYOUTS = {layout.format: layout for layout in (QWEN3_CODER, GLM47)}
-_GLM_PROBE = re.compile(
-    r"([ \t\n]*)<tool_call>([ \t\n]*)fn_probe([ \t\n]*)<arg_key>k1</arg_key>([ \t\n]*)"
-    r"<arg_value>v1</arg_value>([ \t\n]*)<arg_key>k2</arg_key>[ \t\n]*<arg_value>v2</arg_value>"
-    r"([ \t\n]*)</tool_call>"
-)
-
-
-def glm_layout(render: Callable[[list[dict[str, Any]]], str]) -> Layout:
-    """GLM's layout as the model's own template writes a call: GLM-4.5/4.6 put a newline after
-    the name and after each value, GLM-4.7 none. `render(messages)` is the template's text;
-    GLM-4.6's layout when the template does not render the probe call."""
-    call = {"name": "fn_probe", "arguments": {"k1": "v1", "k2": "v2"}}
-    messages = [
-        {"role": "user", "content": "u"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": call}],
-        },
-    ]
-    try:
-        match = _GLM_PROBE.search(render(messages))
-    except Exception:  # a template that cannot render the probe: keep the known layout
-        return GLM47
-    if match is None:
-        return GLM47
-    lead, head, head_end, key_gap, after, tail = match.groups()
-    return Layout(
-        GLM47.format,
-        lead[-1:] if lead.endswith("\n") else "",
-        head,
-        head_end,
-        GLM47.key_open,
-        f"</arg_key>{key_gap}<arg_value>",
-        GLM47.value_close,
-        after,
-        tail[len(after) :] if tail.startswith(after) else tail,
-        strict_strings=False,
-        string_types=GLM47.string_types,
-    )
-
-
 _TAG = re.compile(r"(</?[A-Za-z_]+>)")
 
 
 def calls_rule(
     layout: Layout,
     tools: list[Tool],
-    parameters: Any,
-    style: dict[str, Any],
+    parameters: Parameters,
+    style: dict[str, JSON],
     marker: Marker,
     end: str,
 ) -> str:
@@ -217,7 +153,7 @@ class _Items:
         tag = self.layout.value_close.strip()
         return self._marker(tag).startswith("<[")
 
-    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+    def text(self, rules: list[str], terminal: str, low: JSON, high: JSON) -> str:
         """Raw text and the closing tag. As text, they are one lexeme: the value cannot hold
         the tag, so the first one ends it (a greedy lexer needs no lookahead). A closing tag
         that is a token ends the text by itself."""
@@ -233,7 +169,7 @@ class _Items:
 
 
 def _params_rules(
-    g: _Items, prefix: str, schema: dict[str, Any], style: dict, rules: list[str]
+    g: _Items, prefix: str, schema: dict[str, JSON], style: dict, rules: list[str]
 ) -> str:
     """The parameters of one function as a Lark expression (rules appended to `rules`)."""
     layout = g.layout
@@ -262,7 +198,7 @@ def _params_rules(
     return " ".join(parts) or '""'
 
 
-def _value(g: _Items, terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) -> str:
+def _value(g: _Items, terminal: str, prop: dict[str, JSON], shared: dict, rules: list[str]) -> str:
     """A parameter's value and its closing tag, as a Lark expression (raw text becomes the
     terminal `terminal`, defined in `rules`)."""
     layout = g.layout
@@ -294,7 +230,7 @@ def _plain(layout: Layout, value: str) -> bool:
     return layout.strict_strings or value == value.strip()
 
 
-def _text(layout: Layout, low: Any, high: Any) -> str:
+def _text(layout: Layout, low: JSON, high: JSON) -> str:
     """Raw text and the closing tag as one lexeme."""
     low = low if isinstance(low, int) and low >= 0 else 0
     high = high if isinstance(high, int) and high >= low else None
@@ -320,7 +256,9 @@ class XmlCallStream:
     closes (converted by the format's own parser, from the parameter's own text). The
     fragments, plus the closing `}`, concatenate to `json.dumps` of the parsed arguments."""
 
-    def __init__(self, layout: Layout, parse: Any, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(
+        self, layout: Layout, parse: ParseToolCall, tools: list[dict[str, JSON]] | None
+    ) -> None:
         self._layout, self._parse, self._tools = layout, parse, tools
         # a name with nothing after it is complete only at the next tag
         ends = re.escape(layout.head_end) if layout.head_end else "(?=<)"
@@ -365,7 +303,7 @@ class XmlCallStream:
                 self._open, self._at = None, end + len(close)
             self.sent += out[-1]
 
-    def _convert(self, key: str, param: str) -> Any:
+    def _convert(self, key: str, param: str) -> JSON:
         assert self.name is not None
         try:
             parsed = self._parse(self._layout.wrap(self.name, param), self._tools)
@@ -373,7 +311,7 @@ class XmlCallStream:
         except Exception:  # a value the parser cannot convert (e.g. "1.5" for an integer)
             return param
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         """(the last fragment, the call's whole arguments text) for the parsed arguments (None:
         the call did not parse, e.g. cut short by max_tokens: it is what was streamed)."""
         if arguments is None:

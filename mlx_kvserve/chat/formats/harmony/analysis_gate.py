@@ -1,34 +1,41 @@
 """A thinking budget for gpt-oss: its analysis messages ended when the budget is spent.
 
-The harmony counterpart of chat.reasoning_gate (whose markers are a fixed start and end pair):
-a gpt-oss message opens with `<|channel|>NAME ...<|message|>` and ends with `<|end|>`, so the
-gate reads each header's channel from its tokens and counts the tokens of analysis messages.
+The harmony counterpart of chat.reasoning.reasoning_gate (whose markers are a fixed start and
+end pair): a gpt-oss message opens with `<|channel|>NAME ...<|message|>` and ends with `<|end|>`,
+so the gate reads each header's channel from its tokens and counts the tokens of analysis messages.
 Once `budget` are spent it forces `<|end|>`, as llama.cpp and oMLX force the end of thinking;
-the answer's grammar (chat.harmony_grammar), when there is one, sees every token and goes on
+the answer's grammar (harmony.answer_grammar), when there is one, sees every token and goes on
 from there (its analysis rule ends at that same token).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from mlx_kvserve.chat import harmony
+from mlx_kvserve.chat.formats.harmony import channels
+from mlx_kvserve.chat.grammar import Constraint
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 
 class HarmonyGate:
     """One request's analysis budget (the engine's token constraint), on the engine thread."""
 
     def __init__(
-        self, tokenizer: Any, budget: int, inner: Any = None, decode: Callable | None = None
+        self,
+        tokenizer: Tokenizer,
+        budget: int,
+        inner: Constraint | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         vocab = tokenizer.get_vocab()
-        self.channel = vocab[harmony.CHANNEL]
-        self.message = vocab[harmony.MESSAGE]
-        self.end = vocab[harmony.END]
-        self.stops = {vocab[t] for t in (harmony.START, harmony.CALL, harmony.RETURN) if t in vocab}
+        self.channel = vocab[channels.CHANNEL]
+        self.message = vocab[channels.MESSAGE]
+        self.end = vocab[channels.END]
+        self.stops = {
+            vocab[t] for t in (channels.START, channels.CALL, channels.RETURN) if t in vocab
+        }
         self.decode = decode or tokenizer.decode
         self.budget = budget
         self.inner = inner  # the answer's grammar (chat.grammar.Constraint), or None

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+
+from mlx_lm.tool_parsers.muse_spark import parse_tool_call, tool_call_end, tool_call_start
 
 from mlx_kvserve.chat.call_syntax import Marker
-from mlx_kvserve.chat.minimax_calls import MinimaxLayout
-from mlx_kvserve.chat.xml_calls import _Items
+from mlx_kvserve.chat.formats.minimax_m2 import MinimaxLayout
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.formats.xml_calls import _Items
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 # raw text that `json.loads` reads as something else (a whole JSON value: the text has no
 # whitespace at its ends)
@@ -34,7 +38,7 @@ _JSON_STRING = '/"([^"\\\\\\x00-\\x1f]|\\\\(["\\\\\\/bfnrt]|u[0-9a-fA-F]{4}))*"/
 class MuseLayout(MinimaxLayout):
     """MiniMax's `<invoke>` layout with Muse's tags and JSON-first values."""
 
-    def kind(self, prop: dict[str, Any]) -> str:
+    def kind(self, prop: dict[str, JSON]) -> str:
         """A string property is text (raw or a JSON string; its enum values raw, as the
         template writes them, when the parser reads each back as written); anything else is
         JSON, which the parser reads back exactly."""
@@ -54,7 +58,7 @@ class MuseLayout(MinimaxLayout):
 class _MuseItems(_Items):
     """A string value: raw text the parser cannot read as JSON, or a JSON string."""
 
-    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+    def text(self, rules: list[str], terminal: str, low: JSON, high: JSON) -> str:
         low = low if isinstance(low, int) and low >= 0 else 0
         high = high if isinstance(high, int) and high >= low else None
         span = f"{{{low},{'' if high is None else high}}}"
@@ -68,7 +72,7 @@ class _MuseItems(_Items):
         return f"({terminal} | {terminal}_JSON)"
 
 
-def _raw(value: Any) -> bool:
+def _raw(value: JSON) -> bool:
     """The parser reads this string back unchanged from raw text."""
     if not isinstance(value, str) or not value or value != value.strip() or "</" in value:
         return False
@@ -79,7 +83,7 @@ def _raw(value: Any) -> bool:
     return False
 
 
-MUSE_SPARK = MuseLayout(
+syntax = MuseLayout(
     "muse_spark",
     "",
     '<atem:invoke name="',
@@ -93,3 +97,8 @@ MUSE_SPARK = MuseLayout(
     string_types=frozenset({"string"}),
     stops=("</atem:invoke>", "</atem:function_calls>"),
 )
+FORMAT = ToolFormat("muse_spark", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "muse_spark" else None

@@ -17,10 +17,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 tool_call_start = "<｜tool▁calls▁begin｜>"
 tool_call_end = "<｜tool▁calls▁end｜>"
@@ -41,7 +49,7 @@ _UNCALLABLE = (
 )
 
 
-def is_deepseek_v31(template: Any) -> bool:
+def is_deepseek_v31(template: object) -> bool:
     """The chat template renders DeepSeek-V3.1's calls (V3.1 and V3.1-Terminus). R1, its
     distills and V3-0324 use the same markers in another layout (`function<｜tool▁sep｜>NAME`
     and a fenced JSON block), which this format does not write: they keep the fallback."""
@@ -50,7 +58,9 @@ def is_deepseek_v31(template: Any) -> bool:
     return all(m in template for m in (tool_call_start, SEP))
 
 
-def parse_tool_call(text: str, tools: Any | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+def parse_tool_call(
+    text: str, tools: list[dict[str, JSON]] | None = None
+) -> dict[str, JSON] | list[dict[str, JSON]]:
     """The calls of one block (the text after `<｜tool▁calls▁begin｜>`), in mlx-lm's parser
     shape: one call, or a list of them."""
     calls = []
@@ -64,7 +74,7 @@ def parse_tool_call(text: str, tools: Any | None = None) -> dict[str, Any] | lis
     return calls[0] if len(calls) == 1 else calls
 
 
-def tools_prompt(tools: list[dict[str, Any]]) -> str:
+def tools_prompt(tools: list[dict[str, JSON]]) -> str:
     """The tool section of the system prompt, in the form DeepSeek-V3.1's model card gives."""
     lines = ["## Tools", "You have access to the following tools:"]
     for tool in tools:
@@ -103,7 +113,7 @@ class DeepSeekV31Syntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int,
@@ -125,7 +135,9 @@ class DeepSeekV31Syntax:
             ]
         )
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> DeepSeekV31Stream:
+    def stream(
+        self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None
+    ) -> DeepSeekV31Stream:
         return DeepSeekV31Stream()
 
 
@@ -161,7 +173,7 @@ class DeepSeekV31Stream:
                 return out
             self._pos, self._open = end + len(CALL_END), False
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         sent = self.sent.get(slot, "")
         if arguments is None:
             return "", sent
@@ -184,4 +196,20 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
-DEEPSEEK_V31 = DeepSeekV31Syntax()
+syntax = DeepSeekV31Syntax()
+FORMAT = ToolFormat(
+    "deepseek_v31",
+    tool_call_start,
+    tool_call_end,
+    parse_tool_call,
+    syntax,
+    string_arguments=True,
+    system_tools=tools_prompt,
+)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    """The model's template renders DeepSeek-V3.1's calls (mlx-lm has no parser for them)."""
+    if mlx_parser(tokenizer) is not None:
+        return None
+    return FORMAT if is_deepseek_v31(getattr(tokenizer, "chat_template", None)) else None

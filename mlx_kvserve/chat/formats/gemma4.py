@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from mlx_kvserve.chat.call_rules import KeywordShape, KeywordStream, separated
-from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_lm.tool_parsers.gemma4 import parse_tool_call, tool_call_end, tool_call_start
+
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, ParseToolCall
+from mlx_kvserve.chat.formats.keyword_calls import KeywordShape, KeywordStream, separated
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 QUOTE = '<|"|>'
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # what the parser reads as a bare key (and a name)
@@ -53,7 +57,7 @@ class Gemma4Syntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -76,14 +80,14 @@ class Gemma4Syntax:
             )
         return "\n".join([f"call_body: ({' | '.join(names)}) {marker(end)}", *g.finish()])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> KeywordStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> KeywordStream:
         return KeywordStream(parse, tools, GEMMA4_SHAPE)
 
 
 class _Rules:
     """Lark rules for values in Gemma 4's syntax, typed by JSON Schemas."""
 
-    def __init__(self, marker: Marker, style: dict[str, Any]) -> None:
+    def __init__(self, marker: Marker, style: dict[str, JSON]) -> None:
         self.rules: list[str] = []
         self._marker, self._style = marker, style
         self._quote = marker(QUOTE)
@@ -107,7 +111,7 @@ class _Rules:
         self._any = True
         return "g_any"
 
-    def string(self, low: Any, high: Any) -> str:
+    def string(self, low: JSON, high: JSON) -> str:
         """A delimited raw string: it cannot hold the delimiter. When the delimiter is text,
         the string and its closing delimiter are one lexeme (the first delimiter ends it)."""
         low = low if isinstance(low, int) and low >= 0 else 0
@@ -121,7 +125,7 @@ class _Rules:
         self.rules.append(f"{terminal}: ({body}) {json.dumps(QUOTE)}")
         return f"{self._quote} {terminal}"
 
-    def value(self, prop: Any) -> str:
+    def value(self, prop: JSON) -> str:
         if not isinstance(prop, dict):
             return self.any()
         kind = prop.get("type")
@@ -147,7 +151,7 @@ class _Rules:
             return self.object(self._name("o"), prop) or self.any()
         return self.any()
 
-    def array(self, prop: dict[str, Any]) -> str:
+    def array(self, prop: dict[str, JSON]) -> str:
         low, high = prop.get("minItems"), prop.get("maxItems")
         low = low if isinstance(low, int) and low >= 0 else 0
         high = high if isinstance(high, int) and high >= low else None
@@ -159,7 +163,7 @@ class _Rules:
         items = f'{item} ("," {item}){rest}'
         return f'"[" {items} "]"' if low > 0 else f'"[" ({items})? "]"'
 
-    def object(self, prefix: str, schema: dict[str, Any], top: bool = False) -> str | None:
+    def object(self, prefix: str, schema: dict[str, JSON], top: bool = False) -> str | None:
         """`{key:value,...}`, keys sorted as the template's `dictsort` has them; None when a
         required key cannot be written bare."""
         props = schema.get("properties")
@@ -179,4 +183,9 @@ class _Rules:
         return f'"{{" {listed} "}}"'
 
 
-GEMMA4 = Gemma4Syntax()
+syntax = Gemma4Syntax()
+FORMAT = ToolFormat("gemma4", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "gemma4" else None

@@ -9,7 +9,7 @@ mlx-lm's parser reads the name as the text before the first `<longcat_arg_key>`,
 argument does not parse: the grammar never writes one (a call has at least one parameter, and a
 tool whose schema allows none cannot be called). A VALUE is raw text (stripped) when its
 property's `type` is exactly "string", otherwise the parser reads it as JSON (then as a Python
-literal, then as text); the layout and value typing are otherwise `chat.xml_calls`'s.
+literal, then as text); the layout and value typing are otherwise `chat.formats.xml_calls`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.tool_parsers.longcat import parse_tool_call, tool_call_end, tool_call_start
+
 from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.formats.xml_calls import _KEY, Layout, _Items, _params_rules
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
-from mlx_kvserve.chat.xml_calls import _KEY, Layout, _Items, _params_rules
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ def _at_least_one(prefix: str, params: str, rules: list[str]) -> str | None:
     return f"{prefix}_some0"
 
 
-LONGCAT = LongcatLayout(
+syntax = LongcatLayout(
     "longcat",
     "",
     "",
@@ -103,3 +107,8 @@ LONGCAT = LongcatLayout(
     string_types=frozenset({"string"}),
     stops=("</longcat_tool_call>",),
 )
+FORMAT = ToolFormat("longcat", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "longcat" else None

@@ -1,4 +1,4 @@
-"""gpt-oss's harmony output as protocol-neutral events, as it streams (chat.harmony).
+"""gpt-oss's harmony output as protocol-neutral events, as it streams (chat.formats.harmony).
 
 The generation prompt ends in `<|start|>assistant`, so the model starts with a message header:
 `<|channel|>analysis<|message|>` (its reasoning), `<|channel|>final<|message|>` (the answer),
@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
 
-from mlx_kvserve.chat import harmony
 from mlx_kvserve.chat.events import (
     ContentDelta,
     OutputEvent,
@@ -31,17 +29,18 @@ from mlx_kvserve.chat.events import (
     ToolCallFinished,
     ToolCallStarted,
 )
+from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.freeform import input_from_arguments
 from mlx_kvserve.chat.request import Tool, ToolCall, new_call_id
 
 log = logging.getLogger("mlx_kvserve.chat")
 
-_CHANNEL = re.compile(re.escape(harmony.CHANNEL) + r"\s*([A-Za-z_]+)")
+_CHANNEL = re.compile(re.escape(channels.CHANNEL) + r"\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
-_HEAD_STARTS = (harmony.CHANNEL, " to=", "to=", harmony.CONSTRAIN)
+_HEAD_STARTS = (channels.CHANNEL, " to=", "to=", channels.CONSTRAIN)
 _ROLE = re.compile(r"[A-Za-z_]*")
 MAX_HEADER = 512  # characters: longer "headers" are text that does not keep to the format
-_STOPS = (*harmony.ENDS, harmony.END, harmony.START, harmony.CHANNEL)
+_STOPS = (*channels.ENDS, channels.END, channels.START, channels.CHANNEL)
 
 
 class HarmonyParser:
@@ -95,12 +94,12 @@ class HarmonyParser:
             self._pending = ""
             return False
         if self._state == "between":
-            at = self._pending.find(harmony.START)
+            at = self._pending.find(channels.START)
             if at < 0:
-                keep = _partial(self._pending, (harmony.START,))
+                keep = _partial(self._pending, (channels.START,))
                 self._pending = self._pending[len(self._pending) - keep :] if keep else ""
                 return False
-            self._pending = self._pending[at + len(harmony.START) :]
+            self._pending = self._pending[at + len(channels.START) :]
             self._state, self._head = "header", ""
             return True
         if self._state == "header":
@@ -109,15 +108,15 @@ class HarmonyParser:
 
     def _scan_header(self, events: list[OutputEvent], *, final: bool) -> bool:
         head = self._head + self._pending
-        at = head.find(harmony.MESSAGE)
-        ended = [i for t in harmony.ENDS + (harmony.END,) if (i := head.find(t)) >= 0]
+        at = head.find(channels.MESSAGE)
+        ended = [i for t in channels.ENDS + (channels.END,) if (i := head.find(t)) >= 0]
         header = 0 <= at <= MAX_HEADER and _could_be_header(head[:at])
         if header and not any(i < at for i in ended):
-            self._pending = head[at + len(harmony.MESSAGE) :]
+            self._pending = head[at + len(channels.MESSAGE) :]
             self._head = ""
             self._open(head[:at], events)
             return True
-        if not (final or ended) and len(head) <= MAX_HEADER and _partial(head, harmony.CONTROL):
+        if not (final or ended) and len(head) <= MAX_HEADER and _partial(head, channels.CONTROL):
             self._head, self._pending = head, ""  # a control token may be arriving: wait
             return False
         if ended or len(head) > MAX_HEADER or not _could_be_header(head):
@@ -142,7 +141,7 @@ class HarmonyParser:
             if not self.parse_calls:
                 self._kind = "drop"
                 return
-            name = recipient.group(1).removeprefix(harmony.FUNCTIONS)
+            name = recipient.group(1).removeprefix(channels.FUNCTIONS)
             self._kind = "call"
             self._call = (new_call_id(self.id_prefix), name)
             self._args, self._blank = "", ""
@@ -159,7 +158,7 @@ class HarmonyParser:
     def _scan_body(self, events: list[OutputEvent], *, final: bool) -> bool:
         found = [(i, t) for t in _STOPS if (i := self._pending.find(t)) >= 0]
         if not found:
-            keep = 0 if final else _partial(self._pending, harmony.CONTROL)
+            keep = 0 if final else _partial(self._pending, channels.CONTROL)
             text = self._pending[: len(self._pending) - keep]
             self._route(_clean(text), events)
             self._pending = self._pending[len(text) :]
@@ -167,11 +166,11 @@ class HarmonyParser:
         at, token = min(found)
         self._route(_clean(self._pending[:at]), events)
         self._close(events)
-        if token == harmony.END:
+        if token == channels.END:
             self._pending, self._state = self._pending[at + len(token) :], "between"
-        elif token == harmony.START:
+        elif token == channels.START:
             self._pending, self._state, self._head = self._pending[at + len(token) :], "header", ""
-        elif token == harmony.CHANNEL:  # a new header without <|end|><|start|>
+        elif token == channels.CHANNEL:  # a new header without <|end|><|start|>
             self._pending, self._state, self._head = self._pending[at:], "header", ""
         else:
             self._pending, self._state = "", "done"
@@ -240,12 +239,12 @@ def _could_be_header(text: str) -> bool:
 
 
 def _clean(text: str) -> str:
-    for token in harmony.CONTROL:
+    for token in channels.CONTROL:
         text = text.replace(token, "")
     return text
 
 
-def _partial(text: str, markers: Any) -> int:
+def _partial(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper start of one of `markers`."""
     best = 0
     for marker in markers:

@@ -29,9 +29,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_kvserve.chat.request import Message, ToolCall
+from mlx_kvserve.json_value import JSON
 
 MAX_TURNS = 2048
 MAX_TOKENS = 4_000_000  # token ids kept across all turns (4 bytes each)
@@ -43,7 +43,7 @@ def text_hash(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def _arguments(call: ToolCall) -> Any:
+def _arguments(call: ToolCall) -> JSON:
     """A call's arguments as compared: parsed JSON for a function, the raw input for a custom
     tool (None when a function's arguments do not parse: such a call never matches)."""
     if call.kind == "custom":
@@ -64,7 +64,7 @@ class SampledTurn:
     tokens: array  # the sampled token ids, the end-of-sequence token excluded
     content: str
     reasoning: str
-    calls: tuple[tuple[str, str, str, Any], ...]  # (id, name, kind, arguments)
+    calls: tuple[tuple[str, str, str, JSON], ...]  # (id, name, kind, arguments)
     canonical: str | None = None  # the template's text of this turn, learnt on first reuse
 
     def matches(self, message: Message, model: str) -> bool:
@@ -82,8 +82,8 @@ class SampledTurn:
             return False
         return message.reasoning is None or message.reasoning.strip() == self.reasoning.strip()
 
-    def template_arguments(self) -> list[dict[str, Any]]:
-        """Each call's arguments as the template is handed them (chat.tool_format), keys in the
+    def template_arguments(self) -> list[dict[str, JSON]]:
+        """Each call's arguments as the template is handed them (chat.render), keys in the
         order the model sampled them."""
         return [
             {"input": arguments} if kind == "custom" else arguments
@@ -228,7 +228,7 @@ class Splicer:
         return canonical
 
 
-def turn_end(render: Callable[[list[dict[str, Any]]], str]) -> str | None:
+def turn_end(render: Callable[[list[dict[str, JSON]]], str]) -> str | None:
     """What the template writes after an assistant turn's text (Qwen's `<|im_end|>\\n`, nothing
     for GLM), found by rendering a probe answer."""
     try:

@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
-from mlx_kvserve.chat.kimi_calls import _partial_suffix, _reads_as
+from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call, tool_call_end, tool_call_start
+
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
+from mlx_kvserve.chat.formats.kimi_k2 import _partial_suffix, _reads_as
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 _JSON_OPEN = f'{OPEN}json type="object"{SEP}'
@@ -47,7 +57,7 @@ class KimiK3Syntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -71,7 +81,7 @@ class KimiK3Syntax:
         body = "call_1" + "".join(f" (call_{i}" for i in range(2, most + 1)) + ")?" * (most - 1)
         return "\n".join([f"call_body: {body} {_items(end, marker)}", *rules])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> KimiK3Stream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> KimiK3Stream:
         return KimiK3Stream()
 
 
@@ -83,7 +93,7 @@ def _items(text: str, marker: Marker) -> str:
     )
 
 
-KIMI_K3 = KimiK3Syntax()
+syntax = KimiK3Syntax()
 
 
 class KimiK3Stream:
@@ -113,9 +123,16 @@ class KimiK3Stream:
                 self._sent[slot] = body
         return out
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         """The arguments are the text streamed (what the parser read), or what it read."""
         sent = self._sent[slot] if slot < len(self._sent) else ""
         if arguments is None or (isinstance(arguments, dict) and _reads_as(sent, arguments)):
             return "", sent
         return "", json.dumps(arguments if isinstance(arguments, dict) else {})
+
+
+FORMAT = ToolFormat("kimi_k3", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "kimi_k3" else None

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import hmac
-import os
-import secrets
 from pathlib import Path
 
 from mlx_kvserve import paths
+from mlx_kvserve.chat.reasoning.seal_key import install_key
 
 PREFIX = "mkv1"
-KEY_FILE = "reasoning-seal.key"
-KEY_BYTES = 32
 MAX_SEAL_CHARS = 4 * 1024 * 1024  # a seal longer than any reasoning we would emit is foreign
 
 
@@ -48,22 +44,8 @@ class ReasoningSeal:
     @classmethod
     def for_install(cls, directory: Path | None = None) -> ReasoningSeal:
         """The install's key, made once (0600) in the data directory and kept across restarts,
-        so a history replayed after a restart still opens."""
-        directory = directory or paths.data_dir()
-        path = directory / KEY_FILE
-        try:
-            key = path.read_bytes()
-        except FileNotFoundError:
-            key = secrets.token_bytes(KEY_BYTES)
-            tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(key)
-            with contextlib.suppress(FileExistsError):  # first writer wins; others read it
-                os.link(tmp, path)
-            tmp.unlink()
-            key = path.read_bytes()
-        return cls(key)
+        so a history replayed after a restart still opens (chat.reasoning.seal_key)."""
+        return cls(install_key(directory or paths.data_dir()))
 
     def _mac(self, payload: bytes) -> bytes:
         return hmac.new(self._key, PREFIX.encode() + b"." + payload, hashlib.sha256).digest()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece
+from mlx_kvserve.chat.call_syntax import CallPiece, ParseToolCall
+from mlx_kvserve.json_value import JSON
 
 
 def separated(prefix: str, items: list[tuple[str, bool]], sep: str, rules: list[str]) -> str:
@@ -53,7 +53,9 @@ class KeywordStream:
     the value's own text. A call's fragments, plus the `}` `finish` adds, concatenate to
     `json.dumps` of the arguments the parser reads."""
 
-    def __init__(self, parse: Any, tools: list[dict[str, Any]] | None, shape: KeywordShape):
+    def __init__(
+        self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None, shape: KeywordShape
+    ):
         self._parse, self._tools, self._shape = parse, tools, shape
         self._pos = 0
         self._state = "opener"  # opener, name, key, value, between
@@ -131,14 +133,14 @@ class KeywordStream:
         self.sent[self._slot] += fragment
         out.append(CallPiece(self._slot, fragment=fragment))
 
-    def _convert(self, value: str) -> Any:
+    def _convert(self, value: str) -> JSON:
         try:
             parsed = self._parse(self._shape.wrap(self._name, self._key, value), self._tools)
             return parsed["arguments"][self._key]
         except Exception:  # a value the parser cannot read: pass its text on
             return value
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         sent = self.sent.get(slot, "")
         if arguments is None:
             return "", sent

@@ -29,8 +29,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Thinking
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 # gpt-oss's template knows low / medium / high; the protocols' other levels map to the nearest.
 _GPT_OSS_EFFORT = {
@@ -55,7 +56,7 @@ class ThinkMarkers:
     close_ids: tuple[int, ...]  # what a spent budget forces: the end marker as the model writes it
 
 
-def markers_for(tokenizer: Any) -> ThinkMarkers | None:
+def markers_for(tokenizer: Tokenizer) -> ThinkMarkers | None:
     """The model's reasoning markers as mlx-lm detected them, or None for a model without."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
@@ -95,7 +96,7 @@ def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
         at = j + 1
 
 
-def template_variables(tokenizer: Any) -> frozenset[str]:
+def template_variables(tokenizer: Tokenizer) -> frozenset[str]:
     """The undeclared variables of the model's chat template (what it can be told)."""
     source = getattr(tokenizer, "chat_template", None)
     return _variables(source) if isinstance(source, str) else frozenset()

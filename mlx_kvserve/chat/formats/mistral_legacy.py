@@ -1,4 +1,5 @@
-"""Mistral's older tool-call layouts, constrained and streamed (chat.mistral_calls has v13's):
+"""Mistral's older tool-call layouts, constrained and streamed (chat.formats.mistral has v13's
+and tells the three apart):
 
 * v11 (Mistral Small 3.2, Magistral, Devstral 1): `[TOOL_CALLS]name[CALL_ID]id[ARGS]{json}` per
   call, no closing marker. mlx-lm's `mistral` parser reads the id as the name, so the format
@@ -20,15 +21,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
-from typing import Any
 
-from mlx_kvserve.chat.call_syntax import CallPiece, Marker, Parameters, callable_tools
-from mlx_kvserve.chat.mistral_calls import MISTRAL, V13_PROBE, MistralSyntax, NamedJsonStream
+from mlx_kvserve.chat.call_syntax import (
+    CallPiece,
+    Marker,
+    Parameters,
+    ParseToolCall,
+    callable_tools,
+)
+from mlx_kvserve.chat.formats.named_json import NamedJsonStream
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.json_value import JSON
 
-V11_PROBE = 'fn_probe[CALL_ID]abcdefghi[ARGS]{"k": 1}'
-V7_PROBE = '[TOOL_CALLS][{"name": "fn_probe", "arguments": {"k": 1}, "id": "abcdefghi"}]'
 ID_RULE = r"CALL_ID9: /[a-zA-Z0-9]{9}/"
 _V7_ID = " ".join([json.dumps(', "id": "'), "CALL_ID9", json.dumps('"}')])  # a v7 call's end
 _NAME = re.compile(r"[\w-]+")  # what mlx-lm's parser and the template's layout keep whole
@@ -42,7 +46,7 @@ def _callable(tools: list[Tool]) -> list[tuple[int, Tool]]:
     return callable_tools(tools, _NAME.fullmatch, _UNCALLABLE)
 
 
-def parse_v11(text: str, tools: Any = None) -> list[dict[str, Any]]:
+def parse_v11(text: str, tools: list[dict[str, JSON]] | None = None) -> list[dict[str, JSON]]:
     """The calls of a v11 answer after its first `[TOOL_CALLS]` (raises when there is none)."""
     decoder = json.JSONDecoder()
     calls, pos = [], 0
@@ -71,7 +75,7 @@ def fitted_id(call_id: str, length: int = 9) -> str:
     return "".join(digits)
 
 
-def fit_call_ids(messages: list[dict[str, Any]], length: int = 9) -> list[dict[str, Any]]:
+def fit_call_ids(messages: list[dict[str, JSON]], length: int = 9) -> list[dict[str, JSON]]:
     """Template messages whose call ids (`tool_calls[].id`, `tool_call_id`) are fitted."""
     out = []
     for message in messages:
@@ -89,17 +93,15 @@ def fit_call_ids(messages: list[dict[str, Any]], length: int = 9) -> list[dict[s
 
 class MistralV11Syntax:
     format = "mistral"
-    call_id_length = 9  # the template refuses other ids
     lead = ""
     calls_per_block = False
     between = ""  # each call opens with its own [TOOL_CALLS]
-    parse = staticmethod(parse_v11)
 
     def calls_rule(
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -115,25 +117,20 @@ class MistralV11Syntax:
             )
         return "\n".join([f"call_body: {' | '.join(names)}", *rules, ID_RULE])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> NamedJsonStream:
         return NamedJsonStream(_V11_HEADER)
 
 
 class MistralV7Syntax:
     format = "mistral"
-    call_id_length = 9  # the template refuses other ids
     lead = ""
     calls_per_block = True  # one list holds the turn's calls
-    # Its template joins plain text to `arguments|tojson|safe`, and Jinja escapes text joined
-    # to safe markup: arguments given as an object render as `&#34;name&#34;`. Given as JSON
-    # text they render as written.
-    string_arguments = True
 
     def calls_rule(
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -154,7 +151,7 @@ class MistralV7Syntax:
             ]
         )
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> JsonListStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> JsonListStream:
         return JsonListStream()
 
 
@@ -195,7 +192,7 @@ class JsonListStream:
             i += 1
         return i if i < len(text) and text[i] == "{" else None
 
-    def finish(self, slot: int, arguments: Any) -> tuple[str, str]:
+    def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         sent = self.sent.get(slot, "")
         if arguments is None or (sent and json.loads(sent) == arguments):
             return "", sent
@@ -205,27 +202,3 @@ class JsonListStream:
 
 MISTRAL_V11 = MistralV11Syntax()
 MISTRAL_V7 = MistralV7Syntax()
-
-
-def mistral_layout(
-    render: Callable[[list[dict[str, Any]]], str],
-) -> MistralSyntax | MistralV11Syntax | MistralV7Syntax | None:
-    """The syntax of the layout the model's template writes calls in (v13, v11 or v7), else
-    None (parse only). `render(messages)` is the template's text."""
-    call = {"name": "fn_probe", "arguments": '{"k": 1}'}  # as text: see MistralV7Syntax
-    messages = [
-        {"role": "user", "content": "u"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"id": "abcdefghi", "type": "function", "function": call}],
-        },
-    ]
-    try:
-        text = render(messages)
-    except Exception:  # a template that cannot render the probe: parse only
-        return None
-    for probe, syntax in ((V13_PROBE, MISTRAL), (V11_PROBE, MISTRAL_V11), (V7_PROBE, MISTRAL_V7)):
-        if probe in text:
-            return syntax
-    return None

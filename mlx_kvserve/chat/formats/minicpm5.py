@@ -9,19 +9,23 @@ mlx-lm's opening marker is `<function name=` and its closing one `</function>`. 
 is stripped. Either is then converted by the types the property's schema names, as MiniMax's
 are (`"null"` is None whatever the type). The grammar writes a string as the template does,
 plain text without those characters or CDATA holding one, never one the parser reads otherwise;
-the rest of the layout and the value typing are `chat.xml_calls`'s.
+the rest of the layout and the value typing are `chat.formats.xml_calls`'s.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+
+from mlx_lm.tool_parsers.minicpm5 import parse_tool_call, tool_call_end, tool_call_start
 
 from mlx_kvserve.chat.call_syntax import Marker, Parameters, callable_tools
-from mlx_kvserve.chat.minimax_calls import MinimaxLayout
+from mlx_kvserve.chat.formats.minimax_m2 import MinimaxLayout
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.formats.xml_calls import _KEY, Layout, _Items, _params_rules
 from mlx_kvserve.chat.request import Tool
-from mlx_kvserve.chat.xml_calls import _KEY, Layout, _Items, _params_rules
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 _CDATA_OPEN, _CDATA_CLOSE = "<![CDATA[", "]]>"
 
@@ -42,7 +46,7 @@ class MiniCpmLayout(Layout):
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -64,7 +68,7 @@ class _CdataItems(_Items):
     """Raw values as the template writes them: plain text, or CDATA when they hold `<`, `&` or
     a newline."""
 
-    def text(self, rules: list[str], terminal: str, low: Any, high: Any) -> str:
+    def text(self, rules: list[str], terminal: str, low: JSON, high: JSON) -> str:
         low = low if isinstance(low, int) and low >= 0 else 0
         high = high if isinstance(high, int) and high >= low else None
         span = f"{{{low},{'' if high is None else high}}}"
@@ -84,7 +88,7 @@ class _CdataItems(_Items):
         return f"({terminal} | {terminal}_CDATA)"
 
 
-MINICPM5 = MiniCpmLayout(
+syntax = MiniCpmLayout(
     "minicpm5",
     "",
     '"',
@@ -99,3 +103,8 @@ MINICPM5 = MiniCpmLayout(
     stops=("</function>",),
     null_is_none=True,
 )
+FORMAT = ToolFormat("minicpm5", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "minicpm5" else None

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from mlx_kvserve.chat.call_rules import KeywordShape, KeywordStream, separated
-from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_lm.tool_parsers.function_gemma import parse_tool_call, tool_call_end, tool_call_start
+
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, ParseToolCall
+from mlx_kvserve.chat.formats.keyword_calls import KeywordShape, KeywordStream, separated
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 QUOTE = "<escape>"
 _WORD = re.compile(r"[A-Za-z0-9_]+")  # what the parser reads as a name (`\w+`) and a key
@@ -49,7 +53,7 @@ class FunctionGemmaSyntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -75,14 +79,14 @@ class FunctionGemmaSyntax:
             )
         return "\n".join([f"call_body: ({' | '.join(names)}) {marker(end)}", *rules])
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> KeywordStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> KeywordStream:
         return KeywordStream(parse, tools, SHAPE)
 
 
 class _FlatValues:
     """Lark items for the flat values the parser reads back, typed by JSON Schemas."""
 
-    def __init__(self, marker: Marker, style: dict[str, Any], rules: list[str]) -> None:
+    def __init__(self, marker: Marker, style: dict[str, JSON], rules: list[str]) -> None:
         self._quote = marker(QUOTE)
         self._style, self.rules = style, rules
         self._count = 0
@@ -91,7 +95,7 @@ class _FlatValues:
         self._count += 1
         return f"{stem}{self._count}"
 
-    def arguments(self, prefix: str, schema: dict[str, Any]) -> str | None:
+    def arguments(self, prefix: str, schema: dict[str, JSON]) -> str | None:
         """`{key:value,...}`, keys sorted; None when a required key cannot be written."""
         props = schema.get("properties")
         if not isinstance(props, dict):
@@ -110,7 +114,7 @@ class _FlatValues:
         listed = separated(self._name(prefix), items, '","', self.rules)
         return f'"{{" {listed} "}}"'
 
-    def value(self, prop: Any) -> str | None:
+    def value(self, prop: JSON) -> str | None:
         """A value typed by `prop`; None when the parser could not read it back whole."""
         if not isinstance(prop, dict):
             return None
@@ -132,7 +136,7 @@ class _FlatValues:
             return f'({self.string(None, None)} | {_NUMBER} | "true" | "false" | "null")'
         return None
 
-    def _option(self, option: Any) -> str | None:
+    def _option(self, option: JSON) -> str | None:
         """One enum or const value as written (strings raw, others as JSON); None if unwritable."""
         if isinstance(option, str):
             if QUOTE in option or "}" in option:
@@ -142,7 +146,7 @@ class _FlatValues:
             return json.dumps(json.dumps(option))
         return None
 
-    def string(self, low: Any, high: Any) -> str:
+    def string(self, low: JSON, high: JSON) -> str:
         """Raw text between delimiters, without the delimiter or `}` (the parser's end)."""
         low = low if isinstance(low, int) and low >= 0 else 0
         high = high if isinstance(high, int) and high >= low else None
@@ -156,4 +160,9 @@ class _FlatValues:
         return f"{self._quote} {terminal}"
 
 
-FUNCTION_GEMMA = FunctionGemmaSyntax()
+syntax = FunctionGemmaSyntax()
+FORMAT = ToolFormat("function_gemma", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "function_gemma" else None

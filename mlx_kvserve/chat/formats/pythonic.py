@@ -21,10 +21,14 @@ import json
 import keyword
 from typing import Any
 
-from mlx_kvserve.chat.call_rules import KeywordShape, KeywordStream, separated
-from mlx_kvserve.chat.call_syntax import Marker, Parameters
-from mlx_kvserve.chat.errors import InvalidRequest
+from mlx_lm.tool_parsers.pythonic import parse_tool_call, tool_call_end, tool_call_start
+
+from mlx_kvserve.chat.call_syntax import Marker, Parameters, ParseToolCall
+from mlx_kvserve.chat.formats.keyword_calls import KeywordShape, KeywordStream, separated
+from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
+from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
+from mlx_kvserve.chat.tokenizer import Tokenizer
 
 _BAD_CHARS = "'\\\n\r"
 # `[name(key=value, ...), ...]`: a value's end is the next top-level `,` or `)`
@@ -88,7 +92,7 @@ class PythonicSyntax:
             ]
         )
 
-    def stream(self, parse: Any, tools: list[dict[str, Any]] | None) -> KeywordStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, Any]] | None) -> KeywordStream:
         return KeywordStream(parse, tools, PYTHONIC_SHAPE)
 
 
@@ -139,4 +143,9 @@ def _value(terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) 
     return f"%json {json.dumps({**prop, **shared})}"
 
 
-PYTHONIC = PythonicSyntax()
+syntax = PythonicSyntax()
+FORMAT = ToolFormat("pythonic", tool_call_start, tool_call_end, parse_tool_call, syntax)
+
+
+def detect(tokenizer: Tokenizer) -> ToolFormat | None:
+    return FORMAT if mlx_parser(tokenizer) == "pythonic" else None

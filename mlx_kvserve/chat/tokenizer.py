@@ -1,0 +1,27 @@
+"""What the chat layer uses of a tokenizer: templating, encoding, decoding, the vocabulary."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    """mlx-lm's `TokenizerWrapper` (mlx_lm.tokenizer_utils), as the chat layer uses it.
+
+    What mlx-lm reads from the template at load (`tool_parser`, `tool_call_start`,
+    `has_thinking`, `think_start`, ...) and what only the wrapper has (`eos_token_ids`,
+    `add_eos_token`) is looked up with `getattr` where it is used, so a plain Hugging Face
+    tokenizer serves too."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: object) -> str:
+        """The template's text for the messages (called with `tokenize=False`)."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
