@@ -7,11 +7,26 @@ import ipaddress
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
-from mlx_kvserve.config import Settings
+from mlx_kvserve.config.settings import Settings
+
+if TYPE_CHECKING:  # MLX and uvicorn are imported when the server starts
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from mlx_kvserve.cache import PromptCache
+    from mlx_kvserve.engine.namespaces import CacheSet
 
 log = logging.getLogger("mlx_kvserve")
+Cache = TypeVar("Cache")
+
+
+class UvicornOptions(TypedDict):
+    """Keyword arguments of `uvicorn.Config` for the connection layer (`uvicorn_options`)."""
+
+    http: type[H11Protocol]
+    timeout_keep_alive: float
+    backlog: int
 
 
 def is_loopback_bind(host: str) -> bool:
@@ -46,7 +61,7 @@ def startup_problem(settings: Settings) -> str | None:
     return None
 
 
-def open_or_degrade(open_cache: Callable[[Path | None], Any], root: Path) -> Any:
+def open_or_degrade(open_cache: Callable[[Path | None], Cache], root: Path) -> Cache:
     """`open_cache(root)`, or `open_cache(None)` (RAM only) with one warning if the directory
     cannot be used (read-only, not ours, writable by others). A locked directory still fails."""
     from mlx_kvserve.cache import CacheLockedError
@@ -65,7 +80,9 @@ def open_or_degrade(open_cache: Callable[[Path | None], Any], root: Path) -> Any
         return open_cache(None)
 
 
-def open_namespaced(open_cache: Callable[[Path | None], Any], root: Path, keys: list[str]) -> Any:
+def open_namespaced(
+    open_cache: Callable[[Path | None], PromptCache], root: Path, keys: list[str]
+) -> CacheSet:
     """One cache per API key under root/keys/<namespace> (--isolate-cache)."""
     from mlx_kvserve.cache.disk import NAMESPACES_DIR
     from mlx_kvserve.engine.namespaces import CacheSet, namespace_of
@@ -77,7 +94,7 @@ def open_namespaced(open_cache: Callable[[Path | None], Any], root: Path, keys: 
     return CacheSet(caches)
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
+def uvicorn_options(settings: Settings) -> UvicornOptions:
     """The connection layer: our h11 protocol with its cap and header deadline, the idle
     timeout, a raised open-file limit, and resource-exhaustion logs once per interval."""
     from mlx_kvserve.net.connections import ConnectionLimits, guarded_protocol

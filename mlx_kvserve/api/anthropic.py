@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -25,11 +24,14 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import count_chat_tokens, served_model, start_chat
 from mlx_kvserve.api.reading import Failed, Finished, Generation, Started, Usage
 from mlx_kvserve.api.seal import reasoning_seal
+from mlx_kvserve.json_value import JSON
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def messages(request: Request) -> Response:
+    """Anthropic Messages, as Claude Code sends it: content blocks, tools, thinking and
+    context-management edits; streamed or one body."""
     settings = request.app.state.settings
     body = parse_body(MessagesRequest, await read_json(request, settings.max_body_bytes))
     seal = reasoning_seal(request)
@@ -54,6 +56,7 @@ async def messages(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
+    """The input tokens the same `/v1/messages` request would have."""
     settings = request.app.state.settings
     body = parse_body(CountTokensRequest, await read_json(request, settings.max_body_bytes))
     served_model(request, body.model)  # an unknown name is a 404 before any work
@@ -105,7 +108,7 @@ async def _stream(
                 yield _sse(name, payload)
 
 
-def _message_head(generation: Generation) -> dict[str, Any]:
+def _message_head(generation: Generation) -> dict[str, JSON]:
     return {
         "id": "msg_" + generation.id,
         "type": "message",
@@ -114,7 +117,7 @@ def _message_head(generation: Generation) -> dict[str, Any]:
     }
 
 
-def _stop(finished: Finished) -> dict[str, Any]:
+def _stop(finished: Finished) -> dict[str, JSON]:
     if finished.reason == "tool_calls":
         reason = "tool_use"
     elif finished.reason == "length":
@@ -126,7 +129,7 @@ def _stop(finished: Finished) -> dict[str, Any]:
     return {"stop_reason": reason, "stop_sequence": finished.stop_sequence}
 
 
-def usage(u: Usage) -> dict[str, Any]:
+def usage(u: Usage) -> dict[str, JSON]:
     """Anthropic's meaning: input_tokens were prefilled; cache reads came from our cache."""
     return {
         "input_tokens": u.prefilled_tokens,
@@ -136,5 +139,5 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def _sse(event: str, payload: dict[str, Any]) -> str:
+def _sse(event: str, payload: dict[str, JSON]) -> str:
     return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"

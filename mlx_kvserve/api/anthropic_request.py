@@ -47,7 +47,7 @@ from mlx_kvserve.chat import (
     ToolCall,
     ToolChoice,
 )
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
 from mlx_kvserve.chat.request import Thinking
 
 log = logging.getLogger("mlx_kvserve.api")

@@ -8,12 +8,13 @@ server would silently drop could change the answer.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.schemas import MAX_STOPS, _Body, _is_union_tag
+from mlx_kvserve.api.schemas import MAX_STOPS, Body, _Body, _is_union_tag
+from mlx_kvserve.json_value import JSON
 
 MIN_THINKING_BUDGET = 1024  # the API's floor for thinking.budget_tokens
 
@@ -27,7 +28,7 @@ class ToolUseBlock(_Body):
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1)]
     name: Annotated[str, Field(min_length=1)]
-    input: dict[str, Any] = Field(default_factory=dict)
+    input: dict[str, JSON] = Field(default_factory=dict)
 
 
 class ToolResultBlock(_Body):
@@ -38,7 +39,7 @@ class ToolResultBlock(_Body):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _text_only(cls, value: JSON) -> JSON:
         """Name the part the server cannot show the model (images, documents...)."""
         if isinstance(value, list):
             for i, part in enumerate(value):
@@ -112,7 +113,7 @@ CLIENT_DEFINED_TOOLS = (  # run by the client on a schema only Anthropic's model
 class AnthropicTool(_Body):
     name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: dict[str, JSON] | None = None
     type: str | None = None
 
     def kind(self) -> Literal["client", "server", "anthropic", "unknown"]:
@@ -134,7 +135,7 @@ class AnthropicToolChoice(_Body):
 
 class OutputFormatSpec(_Body):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, JSON] = Field(alias="schema")
 
 
 class OutputConfig(_Body):
@@ -183,23 +184,23 @@ class ClearThinking(_Body):
 
 
 class ClearToolUses(_Body):
-    """Accepted, not applied: the prompt is rendered whole (see README)."""
+    """Accepted, not applied: the prompt is rendered whole (docs/claude-code-and-codex.md)."""
 
     type: Literal["clear_tool_uses_20250919"]
-    trigger: dict[str, Any] | None = None
-    keep: dict[str, Any] | None = None
-    clear_at_least: dict[str, Any] | None = None
+    trigger: dict[str, JSON] | None = None
+    keep: dict[str, JSON] | None = None
+    clear_at_least: dict[str, JSON] | None = None
     exclude_tools: list[str] | None = None
     clear_tool_inputs: bool | list[str] | None = None
 
 
 class Compact(_Body):
-    """Accepted, not applied: no server-side compaction here (see README)."""
+    """Accepted, not applied: no server-side compaction here (docs/claude-code-and-codex.md)."""
 
     type: Literal["compact_20260112"]
     instructions: str | None = None
     pause_after_compaction: bool = False
-    trigger: dict[str, Any] | None = None
+    trigger: dict[str, JSON] | None = None
 
 
 ContextEdit = Annotated[ClearThinking | ClearToolUses | Compact, Field(discriminator="type")]
@@ -227,11 +228,11 @@ class MessagesRequest(CountTokensRequest):
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, JSON] | None = None
     stream: bool = False
 
 
-def parse_body(model: type[_Body], data: Any) -> Any:
+def parse_body(model: type[Body], data: JSON) -> Body:
     """Validate an Anthropic body, or a 400 whose `param` is the JSON path in the body sent
     (pydantic's union branches and discriminator tags taken out of its error location)."""
     if not isinstance(data, dict):
@@ -257,7 +258,7 @@ def parse_body(model: type[_Body], data: Any) -> Any:
         raise APIError(400, message, param=param or None, code="invalid_value") from None
 
 
-def json_path(loc: tuple[Any, ...], data: Any) -> str:
+def json_path(loc: tuple[int | str, ...], data: JSON) -> str:
     """`loc` as a dotted path through `data`, without pydantic's union and tag segments."""
     node, parts, tagged = data, [], False
     for i, part in enumerate(loc):

@@ -10,13 +10,14 @@ turn token for token. Streamed, a block opens with `content_block_start`, grows 
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from mlx_kvserve.api.reading import Event
 from mlx_kvserve.chat import ToolCall
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
+from mlx_kvserve.json_value import JSON
 
-SSEvent = tuple[str, dict[str, Any]]
+SSEvent = tuple[str, dict[str, JSON]]
 
 
 class BlockStream:
@@ -29,7 +30,7 @@ class BlockStream:
         self.kind: str | None = None  # the open block's type
         self.reasoning: list[str] = []  # the open thinking block's exact text
 
-    def feed(self, event: object) -> list[SSEvent]:
+    def feed(self, event: Event) -> list[SSEvent]:
         """The SSE events for one output event (none for events that are not content)."""
         if isinstance(event, ReasoningDelta):
             out = self._open("thinking", {"thinking": "", "signature": ""})
@@ -61,18 +62,18 @@ class BlockStream:
         self.kind = None
         return out
 
-    def _open(self, kind: str, empty: dict[str, Any]) -> list[SSEvent]:
+    def _open(self, kind: str, empty: dict[str, JSON]) -> list[SSEvent]:
         if self.kind == kind:
             return []
         return self.close() + self._start(kind, empty)
 
-    def _start(self, kind: str, block: dict[str, Any]) -> list[SSEvent]:
+    def _start(self, kind: str, block: dict[str, JSON]) -> list[SSEvent]:
         self.index += 1
         self.kind = kind
         payload = {"type": "content_block_start", "index": self.index}
         return [("content_block_start", {**payload, "content_block": {"type": kind, **block}})]
 
-    def _delta(self, delta: dict[str, Any]) -> SSEvent:
+    def _delta(self, delta: dict[str, JSON]) -> SSEvent:
         return (
             "content_block_delta",
             {"type": "content_block_delta", "index": self.index, "delta": delta},
@@ -86,9 +87,9 @@ def content_blocks(
     seal: ReasoningSeal,
     *,
     omit_thinking: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, JSON]]:
     """A whole answer's content: thinking (sealed), then text, then tool_use blocks."""
-    content: list[dict[str, Any]] = []
+    content: list[dict[str, JSON]] = []
     if reasoning:
         shown = "" if omit_thinking else reasoning
         content.append({"type": "thinking", "thinking": shown, "signature": seal.seal(reasoning)})
@@ -97,7 +98,7 @@ def content_blocks(
     return content + [tool_use(c.id, c.name, c.arguments) for c in calls]
 
 
-def tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def tool_use(call_id: str, name: str, arguments: str) -> dict[str, JSON]:
     try:
         value = json.loads(arguments) if arguments.strip() else {}
     except json.JSONDecodeError:

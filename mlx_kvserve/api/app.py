@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from starlette.routing import Route
 from mlx_kvserve import __version__
 from mlx_kvserve.api import anthropic, model_admin, status
 from mlx_kvserve.api.auth import BearerAuth
+from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.failsafe import InternalErrors
 from mlx_kvserve.api.generation import served_model
@@ -27,10 +29,11 @@ from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.api.seal import make_reasoning_seal
 from mlx_kvserve.chat import InvalidRequest
-from mlx_kvserve.config import Settings
-from mlx_kvserve.engine import Engine
-from mlx_kvserve.engine.namespaces import cache_for, current_namespace
-from mlx_kvserve.engine.worker import EngineNotReady
+from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.engine import EngineNotReady
+from mlx_kvserve.engine.namespaces import cache_for, caches_of, current_namespace
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import LOADED, ModelPool, Slot
 from mlx_kvserve.models.pressure import GAUGE, pressure_source
 from mlx_kvserve.models.pressure_watch import PressureWatch
@@ -42,20 +45,24 @@ log = logging.getLogger("mlx_kvserve.api")
 
 
 async def health(request: Request) -> Response:
-    """503 until the default model has loaded once (or when its last load failed), then 200:
-    a model unloaded for idleness or memory still serves, loading again on the next request.
-    Every configured model is listed with its state ("loading", "loaded", "unloaded")."""
+    """503 until the default model has loaded once (or when its last load failed, or its
+    engine stopped after a failure it could not recover from), then 200 with every model's
+    state, the requests queued, running and paused, the KV memory, and the prompt cache's disk
+    (`cache_disk`: writes failing and why, a budget lowered for want of space; the server still
+    serves, from RAM). A model unloaded for idleness or memory still serves, loading again on
+    the next request. Every configured model is listed with its state ("loading", "loaded",
+    "unloaded")."""
     state = request.app.state
     pool: ModelPool = state.pool
     default = pool.default
-    engine = default.engine
-    body: dict = {"model": default.name, "version": __version__, "models": _states(pool)}
+    engine: EngineView | None = default.engine
+    body: dict[str, JSON] = {"model": default.name, "version": __version__, "models": _states(pool)}
     if state.pressure is not None:
         body["memory_pressure"] = state.pressure.level
     if engine is not None and engine.cluster is not None:
         body["cluster"] = engine.cluster  # every rank steps each turn with rank 0
     ready = engine is not None and engine.ready.is_set()
-    error = (engine.load_error if engine is not None else None) or default.error
+    error = (engine.load_error or engine.failure if engine is not None else None) or default.error
     if error or not (ready or default.loaded_at):
         body = {"status": "error" if error else "loading", **body}
         if error:
@@ -69,11 +76,32 @@ async def health(request: Request) -> Response:
             "queued": sum(e.queued for e in engines),
             "running": sum(e.running for e in engines),
             "paused": sum(e.paused for e in engines),
-            # as the default model's engine last counted it (engine/admission.py); /v1/cache
+            # as the default model's engine last counted it (engine/ledger.py); /v1/cache
             # reads it afresh
             "kv_memory": engine.room.last if ready and engine.room is not None else None,
+            "cache_disk": _cache_disk(engines),
         }
     )
+
+
+def _cache_disk(engines: list[EngineView]) -> dict[str, JSON] | None:
+    """The prompt caches' disk tier: a failing or full disk leaves the server serving (from
+    RAM), so /health stays 200 and says so here. None without a disk tier."""
+    states = [
+        state
+        for engine in engines
+        for cache in caches_of(engine.prompt_cache)
+        if (state := cache.disk_state()) is not None
+    ]
+    if not states:
+        return None
+    failing = [state for state in states if state["writes_failing"]]
+    return {
+        "writes_failing": bool(failing),
+        "error": failing[0]["error"] if failing else None,
+        "budget_lowered": any(state["budget_lowered"] for state in states),
+        "undeleted_files": sum(state["undeleted_files"] for state in states),
+    }
 
 
 def _states(pool: ModelPool) -> dict[str, str]:
@@ -85,21 +113,22 @@ CACHE_STATS_TIMEOUT = 30.0
 
 async def cache_stats(request: Request) -> Response:
     """Prompt-cache counters and entries (the server's own view, including hit rate) and MLX's
-    memory figures, of the default model or of `?model=NAME`. Read on the model's engine
-    thread, which owns its cache and MLX: reading the cache applies the writer thread's
-    finished work to it."""
+    memory figures, of the default model or of `?model=NAME`.
+
+    Read on the model's engine thread, which owns its cache and MLX: reading the cache applies
+    the writer thread's finished work to it."""
     pool: ModelPool = request.app.state.pool
     wanted = request.query_params.get("model")
     slot = pool.find(wanted)
     if slot is None:
         raise APIError(404, f"The model {wanted!r} does not exist.", param="model")
-    engine = slot.engine
+    engine: EngineView | None = slot.engine
     if engine is None:
         raise APIError(503, f"The model {slot.name!r} is not loaded.", headers={"Retry-After": "2"})
     cache = cache_for(engine.prompt_cache, current_namespace.get())
 
-    def snapshot() -> dict:
-        memory = engine.memory.stats()
+    def snapshot() -> dict[str, JSON]:
+        memory: dict[str, JSON] = dict(engine.memory.stats())
         if engine.room is not None:
             memory["kv"] = engine.room.report()  # what admission counts, part by part
         if cache is None:
@@ -122,7 +151,7 @@ async def cache_stats(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _model_card(request: Request, name: str, slot: Slot) -> dict:
+def _model_card(request: Request, name: str, slot: Slot) -> dict[str, JSON]:
     return {
         "id": name,
         "object": "model",
@@ -142,7 +171,8 @@ async def list_models(request: Request) -> Response:
 
 
 async def get_model(request: Request) -> Response:
-    """Any name is served by the default model (404 only with --strict-model-names)."""
+    """One model card. Any name is served by the default model (404 only with
+    --strict-model-names)."""
     wanted = request.path_params["model_id"]
     return JSONResponse(_model_card(request, wanted, served_model(request, wanted)))
 
@@ -175,36 +205,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
-def create_app(settings: Settings, pool: ModelPool) -> Starlette:
-    """Build the app; the default model starts loading with the app, the others when a request
-    first names them; every engine stops with the app."""
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        preload = asyncio.create_task(_preload(pool))
-        tasks = [preload, asyncio.create_task(pool.run_reaper())]
-        if pressure is not None:
-            tasks.append(asyncio.create_task(pressure.run()))
-        try:
-            yield
-        finally:
-            log.info("shutting down: stopping the engines")
-            for task in tasks:
-                task.cancel()
-            await pool.close()
-
-    metrics = Metrics(pool.engines, cache_enabled=not settings.no_cache)
-    activity = Activity()
-
-    def observe(slot: Slot, engine: Engine) -> None:
-        engine.add_observer(metrics.observe_request)
-        engine.add_observer(activity.record)
-
-    pressure = _pressure_watch(settings, pool, metrics)
-    pool.on_engine.append(observe)
-    pool.on_loaded.append(lambda slot: metrics.loads.labels(slot.name).inc())
-    pool.on_unloaded.append(lambda slot, kind: metrics.unloads.labels(slot.name, kind).inc())
-    routes = [
+def api_routes() -> list[Route]:
+    """Every route of the API, in matching order (docs/reference/endpoints.md is made from
+    this list and each endpoint's docstring)."""
+    return [
         # The status page (`/`, which also answers Claude Code's `HEAD /` probe) and its data.
         *(Route(path, status.page, methods=["GET"]) for path in status.ASSETS),
         Route("/v1/status", status.status, methods=["GET"]),
@@ -230,6 +234,38 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
         Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]
+
+
+def create_app(settings: Settings, pool: ModelPool) -> Starlette:
+    """Build the app; the default model starts loading with the app, the others when a request
+    first names them; every engine stops with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        preload = asyncio.create_task(_preload(pool))
+        tasks = [preload, asyncio.create_task(pool.run_reaper())]
+        if pressure is not None:
+            tasks.append(asyncio.create_task(pressure.run()))
+        try:
+            yield
+        finally:
+            log.info("shutting down: stopping the engines")
+            for task in tasks:
+                task.cancel()
+            await pool.close()
+
+    metrics = Metrics(pool.engines, cache_enabled=not settings.no_cache)
+    activity = Activity()
+
+    def observe(slot: Slot, engine: EngineView) -> None:
+        engine.add_observer(metrics.observe_request)
+        engine.add_observer(functools.partial(activity.record, slot.name))
+
+    pressure = _pressure_watch(settings, pool, metrics)
+    pool.on_engine.append(observe)
+    pool.on_loaded.append(lambda slot: metrics.loads.labels(slot.name).inc())
+    pool.on_unloaded.append(lambda slot, kind: metrics.unloads.labels(slot.name, kind).inc())
+    routes = api_routes()
     app = Starlette(
         routes=routes,
         middleware=[
@@ -262,6 +298,7 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
     app.state.pressure = pressure
     app.state.started = int(time.time())
     app.state.reasoning_seal = make_reasoning_seal()
+    app.state.sampled_turns = SampledTurns()  # the tool-calling turns kept (api/generation.py)
     return app
 
 

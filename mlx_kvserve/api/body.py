@@ -12,18 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import NoReturn
 
 from starlette.requests import ClientDisconnect, Request
 
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.engine import faults
+from mlx_kvserve.json_value import JSON
 
 MAX_DEPTH = 64
-DEFAULT_BODY_TIMEOUT = 60.0
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int) -> JSON:
     """Return the parsed JSON body; 413 past `limit` bytes (checked while reading), 400 if bad,
     408 if the client takes longer than the body timeout to send it."""
     declared = request.headers.get("content-length")
@@ -34,8 +34,7 @@ async def read_json(request: Request, limit: int) -> Any:
             raise APIError(400, "Invalid Content-Length header.", code="invalid_request") from None
         if too_big:
             raise _too_large(limit)
-    settings = getattr(request.app.state, "settings", None)
-    timeout = getattr(settings, "body_timeout", DEFAULT_BODY_TIMEOUT)
+    timeout: float = request.app.state.settings.body_timeout
     try:
         async with asyncio.timeout(timeout):
             raw = await _read(request, limit)
@@ -64,7 +63,7 @@ async def _read(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_json(raw: bytes) -> Any:
+def parse_json(raw: bytes) -> JSON:
     """Parse and check a JSON body: strict JSON (no NaN), bounded depth, encodable strings."""
     if not raw.strip():
         raise APIError(
@@ -86,9 +85,9 @@ def parse_json(raw: bytes) -> Any:
     return value
 
 
-def check_value(value: Any) -> None:
+def check_value(value: JSON) -> None:
     """Raise a 400 naming the first string with a lone surrogate or the first too-deep value."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    stack: list[tuple[JSON, tuple[str, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
         if len(path) > MAX_DEPTH:
@@ -123,7 +122,7 @@ def _param(path: tuple[str, ...]) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise APIError(
         400,
         f"The request body is not valid JSON: {name} is not a JSON value.",

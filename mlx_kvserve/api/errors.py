@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from mlx_kvserve.json_value import JSON
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -63,7 +65,7 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, JSON]:
         return {
             "error": {
                 "message": self.message,
@@ -73,7 +75,7 @@ class APIError(Exception):
             }
         }
 
-    def anthropic_body(self) -> dict:
+    def anthropic_body(self) -> dict[str, JSON]:
         kind = "overloaded_error" if self.overloaded else None
         kind = kind or _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}

@@ -9,35 +9,38 @@ live here once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling
+from mlx_kvserve.chat.events import OutputReader
+from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.grammar import GrammarCompiler
-from mlx_kvserve.chat.harmony_gate import HarmonyGate
-from mlx_kvserve.chat.harmony_output import HarmonyParser
 from mlx_kvserve.chat.output import OutputParser
-from mlx_kvserve.chat.reasoning_gate import ReasoningGate
+from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
 from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
-from mlx_kvserve.chat.sampled_turns import SampledTurns
 from mlx_kvserve.engine import (
     Done,
-    Engine,
     EngineBusy,
     EngineNotReady,
     GenerationRequest,
     RequestTooLarge,
     SamplingParams,
 )
+from mlx_kvserve.engine.requests import TokenConstraint
 from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
 DEFAULT_MAX_TOKENS = 256  # only when the model declares no context length
+T = TypeVar("T")
 
 
 def served_model(request: Request, asked: str | None, param: str = "model") -> Slot:
@@ -58,7 +61,7 @@ def served_model(request: Request, asked: str | None, param: str = "model") -> S
     return pool.default
 
 
-async def _acquire(request: Request, slot: Slot) -> Engine:
+async def _acquire(request: Request, slot: Slot) -> EngineView:
     """The slot's engine, loading its model if needed (the request waits meanwhile); the
     caller owns a lease on the model and must release it."""
     pool: ModelPool = request.app.state.pool
@@ -89,46 +92,46 @@ async def start_chat(
 
     sampled = sampled_turns(request)
 
-    def build() -> tuple[Prompt, Any]:
+    def build() -> tuple[Prompt, TokenConstraint | None]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
-        constraint = _grammar(engine).constraint_for(chat, prompt.tool_format)
-        if prompt.harmony:
-            return prompt, _harmony_gate(engine, constraint, chat, settings.thinking_budget)
-        return prompt, _gate(prompt, constraint, chat, settings.thinking_budget)
+        fmt = _format(prompt)
+        grammar = _grammar(engine).constraint_for(chat, fmt)
+        budget = chat.thinking.budget or settings.thinking_budget or None
+        gate = fmt.thinking_gate(
+            engine.tokenizer, grammar, budget, prompt.markers, prompt.reasoning
+        )
+        return prompt, gate
 
     try:
         prompt, constraint = await _off_loop(build)
-        parser = _parser(prompt, chat, id_prefix)
-        generation = _submit(request, engine, slot, prompt, chat.sampling, kind, parser, constraint)
+        parser = _format(prompt).reader(
+            chat.tools,
+            parse_calls=chat.tools_active,
+            id_prefix=id_prefix,
+            markers=prompt.markers,
+            reasoning=prompt.reasoning,
+        )
+        keep = functools.partial(_keep_turn, sampled, slot.name, prompt)
+        return _submit(
+            request, engine, slot, prompt, chat.sampling, kind, parser, constraint, on_done=keep
+        )
     except BaseException:
         request.app.state.pool.release(slot)
         raise
-    generation.on_done = lambda done: _keep_turn(sampled, slot.name, prompt, generation, done)
-    return generation
 
 
-def _parser(prompt: Prompt, chat: ChatRequest, id_prefix: str) -> OutputParser | HarmonyParser:
-    """What reads the model's text back: gpt-oss's channels, or reasoning, content and calls."""
-    if prompt.harmony:
-        return HarmonyParser(chat.tools, parse_calls=chat.tools_active, id_prefix=id_prefix)
-    return OutputParser(
-        prompt.tool_format,
-        chat.tools,
-        parse_calls=chat.tools_active,
-        id_prefix=id_prefix,
-        markers=prompt.markers,
-        reasoning=prompt.reasoning,
-    )
+def _format(prompt: Prompt) -> ToolFormat:
+    """The model's tool format, which a chat prompt always has: it decides how the answer is
+    constrained and read back."""
+    assert prompt.tool_format is not None
+    return prompt.tool_format
 
 
 def sampled_turns(request: Request) -> SampledTurns:
-    """`app.state.sampled_turns`: the server's kept tool-calling turns (chat.sampled_turns)."""
-    state = request.app.state
-    kept = getattr(state, "sampled_turns", None)
-    if kept is None:
-        kept = state.sampled_turns = SampledTurns()
-    return kept
+    """`app.state.sampled_turns`: the server's kept tool-calling turns
+    (chat.reasoning.sampled_turns)."""
+    return request.app.state.sampled_turns
 
 
 def _keep_turn(
@@ -141,30 +144,9 @@ def _keep_turn(
         kept.remember(model, prompt.text, tokens, parser.content, parser.reasoning, parser.calls)
 
 
-def _gate(prompt: Prompt, constraint: Any, chat: ChatRequest, default_budget: int) -> Any:
-    """The decoding constraint for a model that reasons: a thinking budget, and the answer's
-    grammar kept out of the reasoning (chat.reasoning_gate). Otherwise the grammar alone."""
-    if prompt.markers is None:
-        return constraint
-    budget = chat.thinking.budget or default_budget or None
-    if budget is None and constraint is None:
-        return None  # nothing to enforce: free sampling stays pipelined
-    return ReasoningGate(
-        prompt.markers, reasoning=prompt.reasoning, budget=budget, inner=constraint
-    )
-
-
-def _harmony_gate(engine: Engine, constraint: Any, chat: ChatRequest, default: int) -> Any:
-    """gpt-oss's constraint: its grammar, and its analysis ended by a thinking budget."""
-    budget = chat.thinking.budget or default or None
-    if budget is None:
-        return constraint
-    return HarmonyGate(engine.tokenizer, budget, inner=constraint)
-
-
 async def start_text(
     request: Request, text: str | list[int], sampling: Sampling, *, model: str | None
-):
+) -> Generation:
     """Tokenize (or check the token ids of) and queue a plain text completion."""
     slot = served_model(request, model)
     engine = await _acquire(request, slot)
@@ -195,17 +177,17 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
         pool.release(slot)
 
 
-async def _off_loop(fn: Any) -> Any:
+async def _off_loop(fn: Callable[[], T]) -> T:
     try:
         return await run_in_threadpool(fn)
     except InvalidRequest as exc:
         raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
-_compilers: weakref.WeakKeyDictionary[Engine, GrammarCompiler] = weakref.WeakKeyDictionary()
+_compilers: weakref.WeakKeyDictionary[EngineView, GrammarCompiler] = weakref.WeakKeyDictionary()
 
 
-def _grammar(engine: Engine) -> GrammarCompiler:
+def _grammar(engine: EngineView) -> GrammarCompiler:
     """The model's grammar compiler (its tokenizer's), made once per loaded engine."""
     compiler = _compilers.get(engine)
     if compiler is None:
@@ -216,13 +198,15 @@ def _grammar(engine: Engine) -> GrammarCompiler:
 
 def _submit(
     request: Request,
-    engine: Engine,
+    engine: EngineView,
     slot: Slot,
     prompt: Prompt,
     sampling: Sampling,
     kind: str,
-    parser: OutputParser | HarmonyParser,
-    constraint: Any,
+    parser: OutputReader,
+    constraint: TokenConstraint | None,
+    *,
+    on_done: Callable[[Generation, Done], None] | None = None,
 ) -> Generation:
     want_bytes = sampling.logprobs or sampling.top_logprobs > 0
     req = GenerationRequest(
@@ -237,9 +221,8 @@ def _submit(
     try:
         engine.submit(req)
     except EngineBusy:
-        busy = unavailable("The server is busy: the request queue is full.")
-        busy.overloaded = True
-        raise busy from None
+        message = "The server is busy: the request queue is full."
+        raise unavailable(message, overloaded=True) from None
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
     except RequestTooLarge as exc:
@@ -253,6 +236,7 @@ def _submit(
         slot.name,
         lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
         release=lambda: pool.release(slot),
+        on_done=on_done,
     )
 
 
@@ -284,7 +268,12 @@ def _sampling(
     )
 
 
-def unavailable(message: str) -> APIError:
+def unavailable(message: str, *, overloaded: bool = False) -> APIError:
+    """A 503 to retry after a moment (`overloaded`: the queue is full, Anthropic's 529)."""
     return APIError(
-        503, message, code="server_unavailable", headers={"Retry-After": RETRY_AFTER_SECONDS}
+        503,
+        message,
+        code="server_unavailable",
+        headers={"Retry-After": RETRY_AFTER_SECONDS},
+        overloaded=overloaded,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,12 +25,15 @@ from mlx_kvserve.chat import (
 from mlx_kvserve.chat import Message as ChatMessage
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.engine.requests import TokenLogprob
+from mlx_kvserve.json_value import JSON
 
 SYSTEM_FINGERPRINT = "mlx-kvserve"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def chat_completions(request: Request) -> Response:
+    """OpenAI Chat Completions: messages, tools, structured output, reasoning, logprobs;
+    streamed or one body."""
     body = parse(
         ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
@@ -40,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
         events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     result = await generation.result(request)
-    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    message: dict[str, JSON] = {"role": "assistant", "content": result.content, "refusal": None}
     if result.reasoning:  # clients read one name or the other
         message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.calls:
@@ -136,7 +138,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     head = _head(generation, "chat.completion.chunk")
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**head, "choices": [choice]})
 
@@ -175,7 +177,7 @@ async def _stream(
             yield "data: [DONE]\n\n"
 
 
-def _head(generation: Generation, obj: str) -> dict[str, Any]:
+def _head(generation: Generation, obj: str) -> dict[str, JSON]:
     return {
         "id": "chatcmpl-" + generation.id,
         "object": obj,
@@ -185,7 +187,7 @@ def _head(generation: Generation, obj: str) -> dict[str, Any]:
     }
 
 
-def _call(call: ToolCall) -> dict[str, Any]:
+def _call(call: ToolCall) -> dict[str, JSON]:
     return {
         "id": call.id,
         "type": "function",
@@ -193,7 +195,7 @@ def _call(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def _logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict[str, Any]:
+def _logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict[str, JSON]:
     """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
     n = body.top_logprobs or 0
     return {
@@ -208,7 +210,7 @@ def _logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict[st
     }
 
 
-def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+def _token(raw: bytes, logprob: float) -> dict[str, JSON]:
     return {"token": token_text(raw), "logprob": finite(logprob), "bytes": list(raw)}
 
 
@@ -221,7 +223,7 @@ def finite(logprob: float) -> float:
     return logprob if logprob > -9999.0 else -9999.0
 
 
-def usage(u: Usage) -> dict[str, Any]:
+def usage(u: Usage) -> dict[str, JSON]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -231,5 +233,5 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def sse(payload: dict[str, Any]) -> str:
+def sse(payload: dict[str, JSON]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

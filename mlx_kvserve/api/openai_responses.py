@@ -28,7 +28,7 @@ from mlx_kvserve.api.responses_tools import ToolSet, flat_name, parse_tools, too
 from mlx_kvserve.api.schemas import parse
 from mlx_kvserve.api.seal import reasoning_seal
 from mlx_kvserve.chat import ChatRequest, Message, OutputFormat, Sampling, Thinking, ToolCall
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -36,6 +36,8 @@ __all__ = ["responses", "to_chat_request", "usage"]
 
 
 async def responses(request: Request) -> Response:
+    """OpenAI Responses, stateless, as Codex and the Agents SDK send it: input items,
+    function, custom and namespace tools, reasoning items; streamed or one body."""
     settings = request.app.state.settings
     body = parse(ResponsesRequest, await read_json(request, settings.max_body_bytes))
     if body.previous_response_id is not None:

@@ -6,11 +6,12 @@ names the tool by its index), so here they are plain objects.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
 from mlx_kvserve.api.schemas import _Body
+from mlx_kvserve.json_value import JSON
 
 TEXT_PART_TYPES = {"input_text", "output_text", "text", "refusal", "reasoning_text", "summary_text"}
 # Every documented `include` value: accepted. Only reasoning.encrypted_content changes the output
@@ -57,7 +58,7 @@ class InputItem(_Body):
 
     @field_validator("content", "output", "summary", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _text_parts_only(cls, value: JSON) -> JSON:
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -80,7 +81,7 @@ class FunctionTool(_Body):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=128)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, JSON] | None = None
     strict: bool | None = None
 
 
@@ -111,13 +112,13 @@ class NamespaceTool(_Body):
     type: Literal["namespace"]
     name: Annotated[str, Field(min_length=1, max_length=128)]
     description: str | None = None
-    tools: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    tools: Annotated[list[dict[str, JSON]], Field(min_length=1)]
 
 
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, JSON] | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
@@ -137,8 +138,8 @@ class ResponsesRequest(_Body):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, JSON]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, JSON] | None = None
     parallel_tool_calls: bool = True
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     text: TextOptions | None = None
@@ -151,10 +152,10 @@ class ResponsesRequest(_Body):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, JSON] | None = None
     # Accepted and not acted on: caching is automatic here, and there is one service tier.
     prompt_cache_key: str | None = None
-    client_metadata: dict[str, Any] | None = None
+    client_metadata: dict[str, JSON] | None = None
     safety_identifier: str | None = None
     user: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None

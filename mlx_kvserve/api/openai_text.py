@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,9 +23,12 @@ from mlx_kvserve.api.schemas import CompletionRequest, parse
 from mlx_kvserve.chat import Sampling
 from mlx_kvserve.chat.events import ContentDelta
 from mlx_kvserve.engine.requests import TokenLogprob
+from mlx_kvserve.json_value import JSON
 
 
 async def completions(request: Request) -> Response:
+    """OpenAI text completions of a prompt (text or token ids), with logprobs; streamed or
+    one body."""
     body = parse(
         CompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
@@ -86,7 +88,7 @@ async def _stream(
             yield "data: [DONE]\n\n"
 
 
-def _head(generation: Generation) -> dict[str, Any]:
+def _head(generation: Generation) -> dict[str, JSON]:
     return {
         "id": "cmpl-" + generation.id,
         "object": "text_completion",
@@ -96,7 +98,7 @@ def _head(generation: Generation) -> dict[str, Any]:
     }
 
 
-def _logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def _logprobs(items: list[TokenLogprob], offset: int) -> dict[str, JSON]:
     """The legacy completions shape: parallel lists plus text offsets."""
     tokens = [token_text(t.token) for t in items]
     offsets = []

@@ -15,9 +15,7 @@ from starlette.requests import Request
 from mlx_kvserve.api.disconnect import DisconnectWatch
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ToolCall
-from mlx_kvserve.chat.events import OutputEvent
-from mlx_kvserve.chat.harmony_output import HarmonyParser
-from mlx_kvserve.chat.output import OutputParser
+from mlx_kvserve.chat.events import OutputEvent, OutputReader
 from mlx_kvserve.engine import Done, EngineError, GenerationRequest, Prefilled, TextChunk
 from mlx_kvserve.engine.requests import TokenLogprob
 
@@ -84,10 +82,11 @@ class Generation:
     def __init__(
         self,
         req: GenerationRequest,
-        parser: OutputParser | HarmonyParser,
+        parser: OutputReader,
         model: str,
         count_tokens: Callable[[str], int] | None = None,
         release: Callable[[], None] | None = None,
+        on_done: Callable[[Generation, Done], None] | None = None,
     ) -> None:
         self.req = req
         self.parser = parser
@@ -95,7 +94,7 @@ class Generation:
         self.count_tokens = count_tokens  # the tokenizer's count, for the reasoning's usage
         # the model's lease (models.pool): held until the stream ends, so it is not unloaded
         self._release = weakref.finalize(self, release) if release else None
-        self.on_done: Callable[[Done], None] | None = None  # e.g. keep the sampled turn
+        self.on_done = on_done  # called as it ends on its own: e.g. keep the sampled turn
 
     def close(self) -> None:
         """Let the model go (idempotent); the stream's end does it too."""
@@ -132,7 +131,7 @@ class Generation:
                     for item in self.parser.finish():
                         yield item
                     if self.on_done is not None:
-                        self.on_done(event)
+                        self.on_done(self, event)
                     yield self._finished(event)
                     return
                 elif isinstance(event, Done):

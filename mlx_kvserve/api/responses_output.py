@@ -15,16 +15,16 @@ the client replays the item, so the next turn renders token for token as generat
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from mlx_kvserve.api.openai_responses_schemas import ResponsesRequest
-from mlx_kvserve.api.reading import Finished, Usage
+from mlx_kvserve.api.reading import Event, Finished, Usage
 from mlx_kvserve.api.responses_tools import ToolSet
 from mlx_kvserve.chat import ToolCall
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
-from mlx_kvserve.chat.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
+from mlx_kvserve.json_value import JSON
 
-StreamEvent = tuple[str, dict[str, Any]]
+StreamEvent = tuple[str, dict[str, JSON]]
 
 
 class Shape:
@@ -50,8 +50,8 @@ class Shape:
         self.summary = bool(reasoning and (reasoning.summary or reasoning.generate_summary))
 
     def response(
-        self, output: list[dict[str, Any]], finished: Finished | None, status: str | None = None
-    ) -> dict[str, Any]:
+        self, output: list[dict[str, JSON]], finished: Finished | None, status: str | None = None
+    ) -> dict[str, JSON]:
         body = self.body
         incomplete = finished is not None and finished.reason == "length"
         if status is None:
@@ -90,7 +90,7 @@ class Shape:
             "metadata": body.metadata or {},
         }
 
-    def message_item(self, text: str, status: str) -> dict[str, Any]:
+    def message_item(self, text: str, status: str) -> dict[str, JSON]:
         content = [] if status == "in_progress" else [_text_part(text)]
         return {
             "type": "message",
@@ -100,9 +100,9 @@ class Shape:
             "content": content,
         }
 
-    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+    def reasoning_item(self, text: str, status: str) -> dict[str, JSON]:
         done = status != "in_progress"
-        item: dict[str, Any] = {
+        item: dict[str, JSON] = {
             "type": "reasoning",
             "id": self.reasoning_id,
             "status": status,
@@ -113,7 +113,7 @@ class Shape:
             item["encrypted_content"] = self.seal.seal(text)
         return item
 
-    def call_item(self, call_id: str, flat: str, payload: str, status: str) -> dict[str, Any]:
+    def call_item(self, call_id: str, flat: str, payload: str, status: str) -> dict[str, JSON]:
         """A function_call, or a custom_tool_call for a custom tool (`payload`: the arguments or
         the raw input), with `namespace` apart for a namespaced tool's call."""
         namespace, name = self.tools.wire(flat)
@@ -128,9 +128,9 @@ class Shape:
             item["namespace"] = namespace
         return item
 
-    def output(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    def output(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, JSON]]:
         """The output items of a whole (non-streamed) answer."""
-        items: list[dict[str, Any]] = []
+        items: list[dict[str, JSON]] = []
         if reasoning:
             items.append(self.reasoning_item(reasoning, "completed"))
         if content or not calls:
@@ -139,11 +139,11 @@ class Shape:
         return items
 
 
-def _text_part(text: str) -> dict[str, Any]:
+def _text_part(text: str) -> dict[str, JSON]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def usage(u: Usage) -> dict[str, Any]:
+def usage(u: Usage) -> dict[str, JSON]:
     """Responses usage. Cache writes when the generation counted them (else 0: the engine does
     not report them yet)."""
     written = getattr(u, "cache_write_tokens", 0) or 0
@@ -161,16 +161,16 @@ class ResponseEvents:
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
-        self.output: list[dict[str, Any]] = []
+        self.output: list[dict[str, JSON]] = []
         self._open: str | None = None  # "reasoning" | "message" | "call"
         self._text = ""
-        self._call: dict[str, Any] | None = None
+        self._call: dict[str, JSON] | None = None
 
     def start(self) -> list[StreamEvent]:
         snapshot = {"response": self.shape.response([], None, "in_progress")}
         return [("response.created", snapshot), ("response.in_progress", snapshot)]
 
-    def feed(self, event: object) -> list[StreamEvent]:
+    def feed(self, event: Event) -> list[StreamEvent]:
         if isinstance(event, ReasoningDelta):
             return self._reasoning(event.text)
         if isinstance(event, ContentDelta):
@@ -198,13 +198,13 @@ class ResponseEvents:
         return out + [(kind, {"response": final})]
 
     # ----------------------------------------------------------------------------------------
-    def _ids(self, item_id: str, **more: int) -> dict[str, Any]:
+    def _ids(self, item_id: str, **more: int) -> dict[str, JSON]:
         return {"item_id": item_id, "output_index": len(self.output), **more}
 
-    def _added(self, item: dict[str, Any]) -> StreamEvent:
+    def _added(self, item: dict[str, JSON]) -> StreamEvent:
         return ("response.output_item.added", {"output_index": len(self.output), "item": item})
 
-    def _done(self, item: dict[str, Any]) -> list[StreamEvent]:
+    def _done(self, item: dict[str, JSON]) -> list[StreamEvent]:
         event = ("response.output_item.done", {"output_index": len(self.output), "item": item})
         self.output.append(item)
         return [event]

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -27,9 +26,10 @@ from mlx_kvserve.api.openai_responses_schemas import (
     NamespaceTool,
     ResponsesRequest,
 )
-from mlx_kvserve.api.schemas import _Body, _describe
+from mlx_kvserve.api.schemas import Body, _describe
 from mlx_kvserve.chat import InputGrammar, Tool, ToolChoice
 from mlx_kvserve.chat.grammar import input_grammar_error
+from mlx_kvserve.json_value import JSON
 
 BUILTIN_TOOL_TYPES = frozenset(
     {
@@ -115,7 +115,7 @@ def parse_tools(body: ResponsesRequest) -> ToolSet:
     return tools
 
 
-def _member(raw: dict[str, Any], where: str, flat: str | None) -> Tool:
+def _member(raw: dict[str, JSON], where: str, flat: str | None) -> Tool:
     """One function or custom tool (at the top level or inside a namespace)."""
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind == "function":
@@ -192,7 +192,7 @@ def _find(tools: ToolSet, name: str, namespace: str | None, *, custom: bool) -> 
     return bare[0] if len(bare) == 1 else None
 
 
-def _validate(model: type[_Body], data: Any, where: str) -> Any:
+def _validate(model: type[Body], data: JSON, where: str) -> Body:
     if not isinstance(data, dict):
         raise APIError(400, f"Invalid value for '{where}': expected an object.", param=where)
     try:

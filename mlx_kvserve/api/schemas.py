@@ -6,18 +6,22 @@ are ignored, because clients send many optional OpenAI parameters we do not need
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+Body = TypeVar("Body", bound=_Body)
 
 
 class StreamOptions(_Body):
@@ -53,7 +57,7 @@ class Message(_Body):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _text_parts_only(cls, value: JSON) -> JSON:
         """Name the unsupported part type instead of pydantic's union-branch noise."""
         if isinstance(value, list):
             for part in value:
@@ -96,7 +100,7 @@ class _Sampling(_Body):
 class FunctionDef(_Body):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, JSON] | None = None
     strict: bool | None = None
 
 
@@ -117,7 +121,7 @@ class NamedToolChoice(_Body):
 class JsonSchemaFormat(_Body):
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, JSON] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -131,7 +135,7 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, JSON] | None = None
     reasoning_effort: Effort | None = None
     thinking_token_budget: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -149,13 +153,13 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # The four shapes the API takes: text, token ids, and a list of one of either (one prompt
     # per request: several are refused with the reason). Checked by hand for a clear message.
-    prompt: Any
+    prompt: str | list[int]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: Literal[False] = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
+    def _one_prompt(cls, value: JSON) -> str | list[int]:
         """Text, or the token ids of one prompt."""
         if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
             if len(value) > 1:
@@ -177,11 +181,11 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-def _is_token_id(value: Any) -> bool:
+def _is_token_id(value: JSON) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse(model: type[_Body], data: Any) -> Any:
+def parse(model: type[Body], data: JSON) -> Body:
     """Validate `data` into `model`, or raise a 400 naming the first offending parameter."""
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -209,7 +213,7 @@ def _describe(exc: ValidationError) -> tuple[str, str]:
     return f"Invalid value for '{param}': {first['msg']} (got {shown[:80]}).", param or ""
 
 
-def _is_union_tag(part: Any) -> bool:
+def _is_union_tag(part: int | str) -> bool:
     text = str(part)
     return text in {
         "str",

@@ -8,7 +8,8 @@ import secrets
 
 from starlette.requests import Request
 
-from mlx_kvserve.chat.reasoning_seal import KEY_BYTES, ReasoningSeal
+from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
+from mlx_kvserve.chat.reasoning.seal_key import KEY_BYTES
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -24,9 +25,5 @@ def make_reasoning_seal() -> ReasoningSeal:
 
 
 def reasoning_seal(request: Request) -> ReasoningSeal:
-    """`app.state.reasoning_seal`, made on first use when the app was built without one."""
-    state = request.app.state
-    seal = getattr(state, "reasoning_seal", None)
-    if seal is None:
-        seal = state.reasoning_seal = make_reasoning_seal()
-    return seal
+    """`app.state.reasoning_seal`, made with the app (api/app.py)."""
+    return request.app.state.reasoning_seal

@@ -19,14 +19,17 @@ import json
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
-from typing import Any
+from importlib.resources.abc import Traversable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve import __version__
+from mlx_kvserve.api.engine_view import EngineView
+from mlx_kvserve.engine import EngineNotReady
 from mlx_kvserve.engine.namespaces import cache_for, current_namespace
-from mlx_kvserve.engine.worker import EngineNotReady
+from mlx_kvserve.json_value import JSON
+from mlx_kvserve.models.pool import ModelPool, Slot
 
 SNAPSHOT_TIMEOUT = 5.0  # the engine may be in the middle of a prefill chunk
 EVENT_INTERVAL = 1.0
@@ -40,7 +43,7 @@ def _load_assets() -> dict[str, tuple[bytes, str]]:
     root = resources.files("mlx_kvserve.api") / "static"
     found: dict[str, tuple[bytes, str]] = {}
 
-    def walk(folder: Any, prefix: str) -> None:
+    def walk(folder: Traversable, prefix: str) -> None:
         for item in folder.iterdir():
             if item.is_dir():
                 walk(item, f"{prefix}{item.name}/")
@@ -68,7 +71,9 @@ _HEADERS = {
 
 
 async def page(request: Request) -> Response:
-    """`GET /` and `GET /ui/...`: the page's files; a 404 for anything else."""
+    """The status page (`/`) and its files (`/ui/...`), which hold no data and need no key.
+
+    A 404 for any other path."""
     asset = ASSETS.get(request.url.path)
     if asset is None:
         return JSONResponse({"error": {"message": "Not Found", "type": "not_found"}}, 404)
@@ -78,11 +83,14 @@ async def page(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
+    """What the status page shows, as JSON: models, requests, prompt cache, memory, recent
+    requests and the charts' series."""
     return JSONResponse(await snapshot(request))
 
 
 async def status_events(request: Request) -> Response:
-    """The snapshot once a second, as server-sent events, until the client goes away."""
+    """What `/v1/status` shows, once a second, as server-sent events until the client goes
+    away."""
 
     async def events() -> AsyncIterator[str]:
         yield "retry: 2000\n\n"
@@ -98,17 +106,17 @@ async def status_events(request: Request) -> Response:
     )
 
 
-async def snapshot(request: Request) -> dict[str, Any]:
+async def snapshot(request: Request) -> dict[str, JSON]:
     """Models and memory, requests, the default model's prompt cache, recent requests and live
     series."""
     state = request.app.state
-    pool = state.pool
+    pool: ModelPool = state.pool
     default = pool.default
-    engine = default.engine
+    engine: EngineView | None = default.engine
     engines = pool.engines()
     ready = engine is not None and engine.ready.is_set()
     failed = (engine is not None and engine.load_error) or default.error
-    body: dict[str, Any] = {
+    body: dict[str, JSON] = {
         "version": __version__,
         "time": time.time(),
         "uptime_seconds": time.time() - state.started,
@@ -125,8 +133,8 @@ async def snapshot(request: Request) -> dict[str, Any]:
         return body
     cache = cache_for(engine.prompt_cache, current_namespace.get())
 
-    def read() -> dict[str, Any]:
-        figures: dict[str, Any] = {"memory": engine.memory.stats()}
+    def read() -> dict[str, JSON]:
+        figures: dict[str, JSON] = {"memory": engine.memory.stats()}
         if cache is not None:
             entries = [e.as_dict() for e in cache.entries()]
             figures["cache"] = {"enabled": True, **cache.stats(), "chains": chains(entries)}
@@ -144,15 +152,17 @@ async def snapshot(request: Request) -> dict[str, Any]:
     return body
 
 
-def _models(pool: Any) -> list[dict[str, Any]]:
+def _models(pool: ModelPool) -> list[dict[str, JSON]]:
     """Every model as `ModelPool.describe` gives it (one call), with its engine's figures."""
     described = {m["name"]: m for m in pool.describe()}
     return [_model(slot, described[slot.name]) for slot in pool.slots]
 
 
-def _model(slot: Any, described: dict[str, Any]) -> dict[str, Any]:
+def _model(slot: Slot, described: dict[str, JSON]) -> dict[str, JSON]:
     """One model's description, with its engine's figures while loaded."""
-    engine = slot.engine if slot.engine is not None and slot.engine.ready.is_set() else None
+    engine: EngineView | None = slot.engine
+    if engine is not None and not engine.ready.is_set():
+        engine = None
     layout = engine.layout if engine is not None else None
     return {
         **described,
@@ -164,7 +174,7 @@ def _model(slot: Any, described: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def chains(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chains(entries: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
     """The cache's conversations: each leaf entry with the chain of entries it extends, newest
     first. An entry's tokens are its own plus its parents' (deltas name their parent)."""
     by_key = {e["key"]: e for e in entries}

@@ -6,6 +6,10 @@ zeros from every other rank (mlx_lm.server shares its requests the same way, wit
 JSON here, because the collectives' ports take no authentication and a peer's bytes must never
 become code). A small message costs one collective: it fits in a fixed-size first buffer.
 
+No rank trusts a length a peer sends: a message's length header and a gather's sizes are
+checked against `MAX_MESSAGE` before anything is allocated, and bytes that are not the JSON
+rank 0 would send end the job like a lost peer (`read_length`, `read_sizes`, `read_json`).
+
 No rank may wait forever. A peer that dies makes the ring backend raise; a peer that hangs
 would leave the others blocked inside a collective, so every collective runs under a deadline
 kept by a watchdog thread. Either way the process logs one line and exits, and `mlx.launch`
@@ -21,14 +25,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TypeVar
 
 import mlx.core as mx
 
+from mlx_kvserve.json_value import JSON
+
 log = logging.getLogger("mlx_kvserve.distributed")
+Raw = TypeVar("Raw")
+Read = TypeVar("Read")
 
 FIRST_BUFFER = 1024  # bytes: a length header and the start of the message, in one collective
 HEADER = 8
+# bytes: the longest message a peer may announce. Rank 0's largest is a turn with a new request
+# (its prompt's ids and grammar: a few MiB for a context of a million tokens); longer is a
+# corrupt or hostile peer, refused before anything is allocated.
+MAX_MESSAGE = 256 << 20
 DEFAULT_TIMEOUT = 30.0  # seconds a collective may take before the job is declared stuck
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job should be restarted as a whole
 
@@ -39,12 +51,41 @@ def _exit_job(message: str) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
+class PeerMessageError(RuntimeError):
+    """A peer sent what no rank of this job would: a length out of bounds, bytes not JSON."""
+
+
+def read_length(header: bytes, limit: int = MAX_MESSAGE) -> int:
+    """The message length a `share`'s first buffer announces, refused past `limit`."""
+    if len(header) != HEADER:
+        raise PeerMessageError(f"a length header of {len(header)} bytes, not {HEADER}")
+    n = int.from_bytes(header, "little")
+    if n > limit:
+        raise PeerMessageError(f"a message of {n} bytes announced (at most {limit})")
+    return n
+
+
+def read_sizes(sizes: list[int], limit: int = MAX_MESSAGE) -> list[int]:
+    """A gather's per-rank sizes, each and all together within `limit`."""
+    if any(n < 0 for n in sizes) or sum(sizes) > limit:
+        raise PeerMessageError(f"gather sizes {sizes} out of bounds (0 to {limit} bytes in all)")
+    return sizes
+
+
+def read_json(data: bytes) -> JSON:
+    """A peer's message; bytes that are not UTF-8 JSON are refused."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise PeerMessageError(f"a message that is not JSON ({exc})") from None
+
+
 class Collective:
     """The job's ranks: `share` rank 0's decisions, `all_true` for votes, under deadlines."""
 
     def __init__(
         self,
-        group: Any,
+        group: mx.distributed.Group,
         *,
         timeout: float = DEFAULT_TIMEOUT,
         on_lost: Callable[[str], None] = _exit_job,
@@ -72,7 +113,7 @@ class Collective:
         return self.size > 1
 
     # -- collectives ---------------------------------------------------------------------------
-    def share(self, message: Any = None, what: str = "share") -> Any:
+    def share(self, message: JSON = None, what: str = "share") -> JSON:
         """Rank 0's `message` (JSON-serialisable) on every rank; the others pass None."""
         if not self.distributed:
             return message
@@ -86,15 +127,15 @@ class Collective:
             rest = data[len(head) :]
         summed = self._sum(mx.array(memoryview(first), dtype=mx.uint8), what)
         raw = bytes(memoryview(summed))
-        n = int.from_bytes(raw[:HEADER], "little")
+        n = self._checked(read_length, raw[:HEADER], what)
         data = raw[HEADER : HEADER + min(n, FIRST_BUFFER - HEADER)]
         extra = n - len(data)
         if extra > 0:
             buf = mx.array(memoryview(bytearray(rest) if self.is_leader else bytearray(extra)))
             data += bytes(memoryview(self._sum(buf.astype(mx.uint8), what)))
-        return json.loads(data)
+        return self._checked(read_json, data, what)
 
-    def gather(self, value: Any, what: str = "gather") -> list[Any]:
+    def gather(self, value: JSON, what: str = "gather") -> list[JSON]:
         """Every rank's `value` (JSON-serialisable), in rank order, on every rank: two
         collectives (the lengths, then each rank's bytes at its own offset)."""
         if not self.distributed:
@@ -102,14 +143,15 @@ class Collective:
         data = json.dumps(value, separators=(",", ":")).encode()
         lengths = mx.zeros((self.size,), dtype=mx.int32)
         lengths[self.rank] = len(data)
-        sizes = [int(n) for n in self._sum(lengths, what).tolist()]
+        summed = [int(n) for n in self._sum(lengths, what).tolist()]
+        sizes = self._checked(read_sizes, summed, what)
         buf = bytearray(sum(sizes))
         start = sum(sizes[: self.rank])
         buf[start : start + len(data)] = data
         raw = bytes(memoryview(self._sum(mx.array(memoryview(buf), dtype=mx.uint8), what)))
         values, offset = [], 0
         for n in sizes:
-            values.append(json.loads(raw[offset : offset + n]))
+            values.append(self._checked(read_json, raw[offset : offset + n], what))
             offset += n
         return values
 
@@ -136,6 +178,15 @@ class Collective:
                 self._on_lost(f"rank {self.rank}: a peer left the job during {what} ({exc})")
                 raise
         return out
+
+    def _checked(self, read: Callable[[Raw], Read], raw: Raw, what: str) -> Read:
+        """`read(raw)`, or the end of the job when a peer sent what no rank would."""
+        try:
+            return read(raw)
+        except PeerMessageError as exc:
+            message = f"rank {self.rank}: a peer sent {exc} during {what}; ending the job"
+            self._on_lost(message)
+            raise PeerMessageError(message) from None
 
     # -- deadlines -----------------------------------------------------------------------------
     def end_job(self, message: str) -> None:
@@ -182,4 +233,12 @@ class Collective:
                 return
 
 
-__all__ = ["Collective", "EXIT_PEER_LOST"]
+__all__ = [
+    "EXIT_PEER_LOST",
+    "MAX_MESSAGE",
+    "Collective",
+    "PeerMessageError",
+    "read_json",
+    "read_length",
+    "read_sizes",
+]

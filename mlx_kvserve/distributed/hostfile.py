@@ -16,7 +16,8 @@ import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from mlx_kvserve.json_value import JSON
 
 BACKENDS = ("", "ring", "jaccl", "jaccl-ring", "mpi")
 
@@ -32,7 +33,7 @@ class JobHost:
     rank: int
     ssh: str
     ips: tuple[str, ...]
-    rdma: tuple[Any, ...]
+    rdma: tuple[JSON, ...]  # as the hostfile gives them, for mlx.launch
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,11 @@ def read_hostfile(path: str | Path) -> JobHostfile:
     return parse_hostfile(data, path)
 
 
-def parse_hostfile(data: Any, path: Path) -> JobHostfile:
+def parse_hostfile(data: JSON, path: Path) -> JobHostfile:
     """Check a parsed hostfile document (see `read_hostfile`)."""
     where = f"hostfile {path}"
-    backend: Any = ""
-    envs: Any = []
+    backend: JSON = ""
+    envs: JSON = []
     if isinstance(data, dict):
         unknown = sorted(set(data) - {"hosts", "backend", "envs"})
         if unknown:
@@ -98,7 +99,7 @@ def parse_hostfile(data: Any, path: Path) -> JobHostfile:
     return JobHostfile(path, parsed, backend, tuple(envs))
 
 
-def _host(rank: int, entry: Any, count: int, backend: str, where: str) -> JobHost:
+def _host(rank: int, entry: JSON, count: int, backend: str, where: str) -> JobHost:
     if not isinstance(entry, dict):
         raise HostfileError(f"{where}: host {rank} is not an object with 'ssh' and 'ips'")
     name = entry.get("ssh")

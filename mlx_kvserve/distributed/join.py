@@ -1,10 +1,12 @@
 """Join a job: every rank checks it holds the same model, loads its shard and steps in lockstep.
 
 Run on every rank that `mlx.launch` started, before anything opens a port. In order:
-1. every rank fingerprints its model directory (weights, config, tokenizer: `fingerprint_model`)
-   and the ranks gather each other's host name and fingerprint; a rank whose files differ from
-   rank 0's is named, with its host, on every rank, and every rank refuses (a job of different
-   models would answer garbage, or hang when the shapes differ);
+1. the ranks gather each other's host name, versions (mlx-kvserve, mlx, mlx-lm: another
+   version may lay out requests, kernels or caches otherwise) and model fingerprint (weights,
+   config, tokenizer by content: `fingerprint_model`, so a copy made with `scp -r` under another
+   directory name is the same model); a rank whose versions or files differ from rank 0's is
+   named, with its host, on every rank, and every rank refuses (a job of different models would
+   answer garbage, or hang when the shapes differ);
 2. the split is planned from the config (`sharding.plan_sharding`: same inputs, same answer on
    every rank);
 3. each rank builds the model lazily and keeps only its shard (`model.shard(group)` or
@@ -23,16 +25,24 @@ import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx.nn as nn
 
+from mlx_kvserve.cache.fingerprint import layout_versions
 from mlx_kvserve.distributed.collective import Collective
 from mlx_kvserve.distributed.sharding import PIPELINE, ShardingError, ShardPlan, plan_sharding
-from mlx_kvserve.models.fingerprint import fingerprint_model
+from mlx_kvserve.engine import faults
+from mlx_kvserve.json_value import JSON
+from mlx_kvserve.models.identity import fingerprint_model
+
+if TYPE_CHECKING:  # heavy (transformers): loaded after the cheap checks
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 PROBE_PROMPT = "The prompt cache of every rank"
 PROBE_TOKENS = 4
+PACKAGES = ("mlx-kvserve", "mlx", "mlx-lm")  # whose versions every rank must share
 
 
 class JoinError(Exception):
@@ -43,8 +53,8 @@ class JoinError(Exception):
 class JoinedModel:
     """This rank's shard of the model, and what every rank agreed on."""
 
-    model: Any
-    tokenizer: Any
+    model: nn.Module
+    tokenizer: TokenizerWrapper
     plan: ShardPlan
     fingerprint: str
     hosts: list[str]  # per rank
@@ -58,11 +68,13 @@ def join_model(
     model_dir = Path(model_dir)
     host = host or socket.gethostname()
     try:
-        fingerprint = fingerprint_model(model_dir, model_dir.name)
+        fingerprint = fingerprint_model(model_dir, "")  # its content: not the directory's name
     except (OSError, ValueError) as exc:
         fingerprint = f"unreadable: {exc}"
-    ranks = collective.gather({"host": host, "fingerprint": fingerprint}, "model check")
+    mine = {"host": host, "versions": versions(), "fingerprint": fingerprint}
+    ranks = collective.gather(mine, "model check")
     hosts = [str(r["host"]) for r in ranks]
+    check_same_versions(ranks)
     _check_same_model(ranks)
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -83,12 +95,44 @@ def join_model(
     if not collective.all_equal(json.dumps(probe), "greedy probe"):
         raise JoinError(
             f"the ranks decoded different tokens from the same prompt (rank 0: {probe} on "
-            f"{hosts[0]}): their mlx or mlx-lm versions may differ"
+            f"{hosts[0]}) with the same versions and model files: their devices compute "
+            "otherwise"
         )
     return JoinedModel(model, tokenizer, plan, fingerprint, hosts, probe)
 
 
-def _check_same_model(ranks: list[dict[str, Any]]) -> None:
+def versions() -> dict[str, str]:
+    """What this rank runs, as the other ranks must too."""
+    from mlx_kvserve import __version__
+
+    found = layout_versions()
+    mine = dict(zip(PACKAGES, (__version__, found["mlx"], found["mlx_lm"]), strict=True))
+    if faults.fires("join_other_versions"):  # a rank installed otherwise (tests)
+        mine = {name: f"{version}+other" for name, version in mine.items()}
+    return mine
+
+
+def check_same_versions(ranks: list[dict[str, JSON]]) -> None:
+    """Refuse a job whose ranks run other versions, naming every such rank and package."""
+    first = ranks[0].get("versions") or {}
+    differ = []
+    for rank, seen in enumerate(ranks[1:], start=1):
+        theirs = seen.get("versions") or {}  # none at all: a version from before the check
+        other = [
+            f"{name} {theirs.get(name, 'unknown')} against {first.get(name, 'unknown')}"
+            for name in PACKAGES
+            if theirs.get(name) != first.get(name)
+        ]
+        if other:
+            differ.append(f"rank {rank} ({seen['host']}) runs {', '.join(other)}")
+    if differ:
+        raise JoinError(
+            f"{'; '.join(differ)} on rank 0 ({ranks[0]['host']}); install the same "
+            "mlx-kvserve, mlx and mlx-lm on every host"
+        )
+
+
+def _check_same_model(ranks: list[dict[str, JSON]]) -> None:
     first = ranks[0]
     for rank, seen in enumerate(ranks[1:], start=1):
         if seen["fingerprint"] != first["fingerprint"]:
@@ -99,7 +143,9 @@ def _check_same_model(ranks: list[dict[str, Any]]) -> None:
             )
 
 
-def greedy_probe(model: Any, tokenizer: Any, steps: int = PROBE_TOKENS) -> list[int]:
+def greedy_probe(
+    model: nn.Module, tokenizer: TokenizerWrapper, steps: int = PROBE_TOKENS
+) -> list[int]:
     """`steps` greedy token ids after PROBE_PROMPT (one prefill, then one token at a time)."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -113,4 +159,12 @@ def greedy_probe(model: Any, tokenizer: Any, steps: int = PROBE_TOKENS) -> list[
     return out
 
 
-__all__ = ["JoinError", "JoinedModel", "ShardingError", "greedy_probe", "join_model"]
+__all__ = [
+    "JoinError",
+    "JoinedModel",
+    "ShardingError",
+    "check_same_versions",
+    "greedy_probe",
+    "join_model",
+    "versions",
+]

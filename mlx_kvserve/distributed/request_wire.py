@@ -14,19 +14,21 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable
-from typing import Any
 
+from mlx_kvserve.chat.grammar import GrammarCompiler
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.requests import CancelLatch, GenerationRequest, SamplingParams
+from mlx_kvserve.json_value import JSON
 
 
 class RequestWire:
     """Encodes on rank 0, decodes on the others; `compiler()` is this rank's GrammarCompiler
     (made once the model's tokenizer is loaded)."""
 
-    def __init__(self, compiler: Callable[[], Any]) -> None:
+    def __init__(self, compiler: Callable[[], GrammarCompiler]) -> None:
         self._compiler = compiler
 
-    def encode(self, req: GenerationRequest) -> dict[str, Any]:
+    def encode(self, req: GenerationRequest) -> dict[str, JSON]:
         """The request as JSON data; from now on its cancellation waits for the engine's turn."""
         params = req.params
         if params.temperature > 0 and params.seed is None:
@@ -48,7 +50,8 @@ class RequestWire:
             "cancelled": flag.hold() if isinstance(flag, CancelLatch) else flag.is_set(),
         }
 
-    def decode(self, wire: dict[str, Any]) -> GenerationRequest:
+    def decode(self, wire: dict[str, JSON]) -> GenerationRequest:
+        faults.maybe_fail("request_decode")
         params = SamplingParams(**{**wire["params"], "stop": tuple(wire["params"]["stop"])})
         compiler = self._compiler() if wire["grammar"] is not None or wire["logprobs"] else None
         req = GenerationRequest(

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.kv_shape import text_config
+
+if TYPE_CHECKING:  # `cluster check` plans from the config alone, without MLX
+    import mlx.nn as nn
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 
@@ -31,7 +35,7 @@ class ShardPlan:
     supported: tuple[str, ...]  # what the model can do, in order of preference
 
 
-def supported_modes(model: Any) -> tuple[str, ...]:
+def supported_modes(model: nn.Module) -> tuple[str, ...]:
     """The splits an mlx-lm model implements, tensor parallel first (it splits every layer's
     work, where a pipeline leaves all but one rank idle for a single request)."""
     modes = []
@@ -44,8 +48,8 @@ def supported_modes(model: Any) -> tuple[str, ...]:
 
 
 def plan_sharding(
-    model: Any,
-    config: dict[str, Any],
+    model: nn.Module,
+    config: dict[str, JSON],
     world_size: int,
     requested: str | None = None,
     *,
@@ -91,7 +95,7 @@ def plan_sharding(
     return ShardPlan(mode, world_size, supported)
 
 
-def _int(config: dict[str, Any], key: str) -> int:
+def _int(config: dict[str, JSON], key: str) -> int:
     value = config.get(key)
     return value if isinstance(value, int) and value > 0 else 0
 

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mlx_kvserve.json_value import JSON
+
+if TYPE_CHECKING:  # MLX is imported only after the BLAS preload (mlx_kvserve.blas)
+    import mlx.nn as nn
 
 EXPLICIT = (
     "max_position_embeddings",
@@ -37,7 +42,7 @@ EXPLICIT = (
 NESTED = ("text_config", "language_config", "llm_config")
 
 
-def _positive(value: Any) -> int | None:
+def _positive(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
@@ -45,12 +50,12 @@ def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _sections(config: dict[str, Any]) -> list[dict[str, Any]]:
+def _sections(config: dict[str, JSON]) -> list[dict[str, JSON]]:
     nested = [config[k] for k in NESTED if isinstance(config.get(k), dict)]
     return [config, *nested]
 
 
-def _from_rope(section: dict[str, Any]) -> int | None:
+def _from_rope(section: dict[str, JSON]) -> int | None:
     rope = section.get("rope_scaling")
     rope = rope if isinstance(rope, dict) else {}
     base = _positive(section.get("initial_context_length")) or _positive(
@@ -64,7 +69,7 @@ def _from_rope(section: dict[str, Any]) -> int | None:
     return base
 
 
-def context_from_config(config: dict[str, Any]) -> int | None:
+def context_from_config(config: dict[str, JSON]) -> int | None:
     """Rules 1 and 2 above over a parsed config.json."""
     sections = _sections(config)
     for section in sections:
@@ -77,7 +82,7 @@ def context_from_config(config: dict[str, Any]) -> int | None:
     return None
 
 
-def context_from_model(model: Any) -> int | None:
+def context_from_model(model: nn.Module) -> int | None:
     """Rule 3: the args of the model object, or of the language model inside a wrapper."""
     holders = [model, getattr(model, "language_model", None)]
     for holder in holders:
@@ -90,7 +95,7 @@ def context_from_model(model: Any) -> int | None:
     return None
 
 
-def read_context_length(model_dir: Path | None, model: Any = None) -> int | None:
+def read_context_length(model_dir: Path | None, model: nn.Module | None = None) -> int | None:
     """The window of the model in `model_dir` (its config.json), else of `model`'s args."""
     if model_dir is not None:
         try:

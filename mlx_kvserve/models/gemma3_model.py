@@ -9,7 +9,7 @@ float32 by the ``gguf`` package). The GGUF has no chat template, so Gemma 3's ow
 (``templates/gemma3.jinja``, from Google's Gemma 3 tokenizer config) is written beside it.
 
 The weights are under the Gemma Terms of Use, not an open-source license: the converted directory
-keeps a copy of the terms and a NOTICE saying the files were modified (README, "Models").
+keeps a copy of the terms and a NOTICE saying the files were modified (docs/models.md).
 """
 
 from __future__ import annotations

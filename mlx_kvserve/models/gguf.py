@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mlx_kvserve.json_value import JSON
+
+if TYPE_CHECKING:  # MLX is imported only after the BLAS preload (mlx_kvserve.blas)
+    from .tokenizer_files import MetadataValue, Scalar
 
 GROUP_SIZE = 32  # every GGUF block quantization that mx.load understands uses 32-wide blocks
 
@@ -37,7 +42,7 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)$")
 
 
-def _scalar(value: Any) -> Any:
+def _scalar(value: MetadataValue) -> Scalar:
     return value.item() if hasattr(value, "item") else value
 
 
@@ -51,13 +56,13 @@ def mlx_module_name(gguf_module: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {gguf_module!r}")
 
 
-def llama_config(metadata: Mapping[str, Any], has_lm_head: bool) -> dict[str, Any]:
+def llama_config(metadata: Mapping[str, MetadataValue], has_lm_head: bool) -> dict[str, JSON]:
     """An mlx-lm / Hugging Face style llama ``config.json`` from GGUF hyper-parameters."""
     arch = _scalar(metadata.get("general.architecture"))
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (only llama)")
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: float | None = None) -> Scalar:
         value = metadata.get(f"llama.{key}", default)
         if value is None:
             raise ValueError(f"GGUF metadata lacks llama.{key}")
@@ -66,7 +71,7 @@ def llama_config(metadata: Mapping[str, Any], has_lm_head: bool) -> dict[str, An
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     head_dim = int(get("rope.dimension_count", hidden // heads))
-    config: dict[str, Any] = {
+    config: dict[str, JSON] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
@@ -103,7 +108,7 @@ def convert_gguf(
     *,
     quantized: bool,
     progress: bool = True,
-    extra_config: Mapping[str, Any] | None = None,
+    extra_config: Mapping[str, JSON] | None = None,
 ) -> list[Path]:
     """Write ``config.json``, ``model.safetensors`` and tokenizer files into ``out_dir``.
 
@@ -122,9 +127,9 @@ def convert_gguf(
     config = llama_config(metadata, has_lm_head)
 
     out: dict[str, mx.array] = {}
-    per_module_quant: dict[str, Any] = {}
+    per_module_quant: dict[str, dict[str, int]] = {}
     bits_seen: dict[int, int] = {}
-    bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
+    bar: Callable[..., Iterable[str]] = tqdm if progress else (lambda it, **_: it)
     for module in bar(modules, desc="converting", unit="tensor", disable=not progress):
         target = mlx_module_name(module)
         weight = tensors[f"{module}.weight"]
@@ -158,7 +163,7 @@ def convert_gguf(
 
     if quantized and per_module_quant:
         default_bits = max(bits_seen, key=lambda b: bits_seen[b])
-        quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits}
+        quant: dict[str, JSON] = {"group_size": GROUP_SIZE, "bits": default_bits}
         quant.update({m: q for m, q in per_module_quant.items() if q["bits"] != default_bits})
         config["quantization"] = quant
         config["quantization_config"] = quant

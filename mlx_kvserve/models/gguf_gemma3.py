@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mlx_kvserve.json_value import JSON
+
+if TYPE_CHECKING:  # imported when a conversion runs (MLX only after the BLAS preload)
+    from gguf import GGUFReader, ReaderTensor
 
 # llama.cpp `llm_load_hparams`, LLM_ARCH_GEMMA3: hparams.set_swa_pattern(6),
 # rope_freq_base_train_swa = 10000, f_attention_scale = 1/sqrt(n_embd_head_k) (all but 27B).
@@ -62,25 +67,26 @@ def mlx_name(gguf_tensor: str) -> str:
     raise ValueError(f"unexpected Gemma 3 GGUF tensor {gguf_tensor!r}")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFReader, key: str, default: JSON = None) -> JSON:
+    """A metadata value: a string, number, boolean or array of those (JSON's kinds)."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def gemma3_config(reader: Any, eos_ids: list[int]) -> dict[str, Any]:
+def gemma3_config(reader: GGUFReader, eos_ids: list[int]) -> dict[str, JSON]:
     """An mlx-lm / Hugging Face ``gemma3_text`` config.json from the GGUF's hyper-parameters."""
     arch = _field(reader, "general.architecture")
     if arch != "gemma3":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (expected gemma3)")
 
-    def get(key: str) -> Any:
+    def get(key: str) -> JSON:
         value = _field(reader, f"gemma3.{key}")
         if value is None:
             raise ValueError(f"GGUF metadata lacks gemma3.{key}")
         return value
 
     head_dim = int(get("attention.key_length"))
-    config: dict[str, Any] = {
+    config: dict[str, JSON] = {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
         "hidden_size": int(get("embedding_length")),
@@ -107,7 +113,7 @@ def gemma3_config(reader: Any, eos_ids: list[int]) -> dict[str, Any]:
     return config
 
 
-def _tokenizer_dict(reader: Any) -> dict[str, Any]:
+def _tokenizer_dict(reader: GGUFReader) -> dict[str, JSON]:
     """The GGUF's tokenizer keys under the names transformers' GGUF builder reads."""
     return {
         "tokenizer_type": _field(reader, "tokenizer.ggml.model"),
@@ -118,7 +124,7 @@ def _tokenizer_dict(reader: Any) -> dict[str, Any]:
     }
 
 
-def write_gemma3_tokenizer(reader: Any, out_dir: Path, chat_template: str) -> list[int]:
+def write_gemma3_tokenizer(reader: GGUFReader, out_dir: Path, chat_template: str) -> list[int]:
     """tokenizer.json / tokenizer_config.json / chat_template.jinja; returns the stop ids."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
@@ -178,7 +184,7 @@ def convert_gemma3_gguf(
     config = gemma3_config(reader, eos_ids)
 
     weights: dict[str, mx.array] = {}
-    bar: Callable[..., Any] = tqdm if progress else (lambda it, **_: it)
+    bar: Callable[..., Iterable[ReaderTensor]] = tqdm if progress else (lambda it, **_: it)
     for tensor in bar(reader.tensors, desc="dequantising", unit="tensor", disable=not progress):
         name = mlx_name(tensor.name)
         # GGUF lists dimensions innermost first; numpy's shape is the reverse (rows, columns).

@@ -4,7 +4,7 @@ The server asks the cache objects themselves (cache/kinds.py, after a one-token 
 module states the same description from the config, as mlx-lm's `make_cache` of each family
 builds the caches, so the memory table in docs/memory.md (scripts/memory_table.py) can be
 computed for models too large to load here by the same admission code the server runs
-(engine/admission.py). tests/test_kv_shape.py checks that both descriptions agree on tiny
+(engine/ledger.py). tests/unit/test_kv_shape.py checks that both descriptions agree on tiny
 models of each family.
 
 Families: plain attention (llama, qwen3, qwen3_moe, mistral, ...: every layer grows per token),
@@ -17,8 +17,8 @@ convolution state in the activation dtype and a float32 recurrent state).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.context import NESTED
 
 TOKENS, WINDOW, STATE = "tokens", "window", "state"  # as cache/kinds.py names them
@@ -36,7 +36,7 @@ class LayerShape:
     window: int | None
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
+def text_config(config: dict[str, JSON]) -> dict[str, JSON]:
     """The language model's section: a wrapper's `text_config` over its top level."""
     for key in NESTED:
         inner = config.get(key)
@@ -45,7 +45,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def layers_from_config(config: dict[str, Any], dtype_bytes: int = 2) -> list[LayerShape]:
+def layers_from_config(config: dict[str, JSON], dtype_bytes: int = 2) -> list[LayerShape]:
     """Per-layer cache description; `dtype_bytes` is the KV (activation) dtype's size."""
     c = text_config(config)
     family = str(config.get("model_type", c.get("model_type", "")))
@@ -75,7 +75,7 @@ def layers_from_config(config: dict[str, Any], dtype_bytes: int = 2) -> list[Lay
     return [grows() for _ in range(n)]
 
 
-def _linear_state(c: dict[str, Any], dtype_bytes: int) -> LayerShape:
+def _linear_state(c: dict[str, JSON], dtype_bytes: int) -> LayerShape:
     """A gated-delta layer: conv state (kernel - 1, q+k+v dims) in the activation dtype and a
     (value heads, value dim, key dim) float32 state (mlx_lm/models/gated_delta.py)."""
     key_heads, value_heads = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])

@@ -6,6 +6,11 @@ A full SHA-256 pass over the ~540 MB float32 default model takes about 0.35 s on
 machine with SHA-NI (hashlib releases the GIL and runs near memory speed), and the same bytes are
 read again right after by the loader from the page cache, so we simply hash every file in full:
 cheaper schemes (sampling, size+mtime) would miss a single flipped byte.
+
+A user's model directory (no manifest, often tens of GB) is identified by the size and a sampled
+SHA-256 of each weight file (`sampled_sha256`: 32 blocks of 64 KiB at fixed offsets, the first
+and the last included): by content, so a copy made with `cp -r` or `scp -r` (new mtimes, another
+directory name) is the same model on every host of a job, at the cost of 2 MiB read a file.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 from ..durable import fsync_fd, fsync_path
+from ..json_value import JSON
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 _CHUNK = 4 << 20
+SAMPLE_BLOCKS = 32  # blocks of a weight file a user's model is identified by
+SAMPLE_BYTES = 64 << 10
 
 # Files that determine tokenization / chat formatting (and so which token ids a prompt becomes).
 TOKENIZER_FILES = (
@@ -51,6 +58,27 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sample_offsets(size: int) -> list[int]:
+    """Where `sampled_sha256` reads a file of `size` bytes: evenly spaced blocks from the first
+    to the last, or the whole file when it is not larger than the blocks together."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        return list(range(0, size, SAMPLE_BYTES))
+    span = size - SAMPLE_BYTES
+    return [span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+
+
+def sampled_sha256(path: Path) -> str:
+    """SHA-256 of a file's size and its blocks at `sample_offsets`: cheap on multi-GB weights,
+    the same for a copy, different for a file whose size or sampled bytes changed."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb", buffering=0) as f:
+        for offset in sample_offsets(size):
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def _listed_files(model_dir: Path) -> list[str]:
     return sorted(
         str(p.relative_to(model_dir))
@@ -59,7 +87,7 @@ def _listed_files(model_dir: Path) -> list[str]:
     )
 
 
-def write_manifest(model_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:
+def write_manifest(model_dir: Path, extra: Mapping[str, JSON]) -> dict[str, JSON]:
     """Hash every file in ``model_dir``, fsync them, then atomically write ``manifest.json``.
 
     Call this last: a directory with a manifest claims to be complete. ``extra`` (source hash,
@@ -86,7 +114,7 @@ def write_manifest(model_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(model_dir: Path) -> dict[str, Any] | None:
+def read_manifest(model_dir: Path) -> dict[str, JSON] | None:
     """The parsed manifest, or None when it is missing or unreadable."""
     try:
         manifest = json.loads((model_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
@@ -97,7 +125,7 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def verify_manifest(model_dir: Path, expect: Mapping[str, Any] | None = None) -> str | None:
+def verify_manifest(model_dir: Path, expect: Mapping[str, JSON] | None = None) -> str | None:
     """Check ``model_dir`` against its manifest; return None if intact, else why not.
 
     Catches a missing manifest, missing or unexpected files, size mismatches, any changed byte
@@ -113,7 +141,7 @@ def verify_manifest(model_dir: Path, expect: Mapping[str, Any] | None = None) ->
     for key, value in (expect or {}).items():
         if manifest.get(key) != value:
             return f"manifest {key} is {manifest.get(key)!r}, expected {value!r}"
-    files: dict[str, Any] = manifest["files"]
+    files: dict[str, JSON] = manifest["files"]
     present = set(_listed_files(model_dir))
     if unexpected := sorted(present - set(files)):
         return f"unexpected files {unexpected}"
@@ -138,15 +166,16 @@ def _hash_files(paths: Iterable[Path]) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint_source(model_dir: Path) -> dict[str, Any]:
+def model_fingerprint_source(model_dir: Path) -> dict[str, JSON]:
     """What identifies a loaded model for prompt-cache keys: weights, config and tokenizer.
 
     Weights are identified by the manifest's SHA-256 digests when a manifest exists (converted
-    models), else by weight file names, sizes and mtimes (cheap, for large user models).
+    models), else by weight file names, sizes and sampled SHA-256 (cheap, for large user models;
+    the scheme was size and mtime before, so such a model's prompt cache started afresh once).
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
-    weights: dict[str, Any]
+    weights: dict[str, JSON]
     if manifest is not None:
         weights = {
             "scheme": "manifest-sha256",
@@ -158,9 +187,9 @@ def model_fingerprint_source(model_dir: Path) -> dict[str, Any]:
         }
     else:
         weights = {
-            "scheme": "size-mtime",
+            "scheme": "size-sampled-sha256",
             "files": {
-                str(p.relative_to(model_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
+                str(p.relative_to(model_dir)): [p.stat().st_size, sampled_sha256(p)]
                 for p in sorted(model_dir.rglob("*"))
                 if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
             },

@@ -26,8 +26,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from mlx_kvserve.engine import Engine
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.specs import DEFAULT_KEEP_ALIVE, ModelSpec
 
 log = logging.getLogger("mlx_kvserve.models")
@@ -53,13 +54,14 @@ class Slot:
     model_id: str  # the resolved id (what responses' `model` names by default)
     footprint: int  # estimated bytes when loaded: weights plus KV budget
     state: str = UNLOADED
-    engine: Any = None
+    engine: Engine | None = None
     last_used: float = 0.0
     loaded_at: float = 0.0
     leases: int = 0  # requests routed to it that have not ended yet
     error: str | None = None
     failed_at: float | None = None  # when its last load failed (retried after LOAD_RETRY)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    loading: asyncio.Future[None] | None = None  # its load, while one runs
 
     @property
     def name(self) -> str:
@@ -83,7 +85,7 @@ class ModelPool:
     def __init__(
         self,
         slots: list[Slot],
-        start_engine: Callable[[Slot], Any],
+        start_engine: Callable[[Slot], Engine],
         *,
         memory_budget: int,
         max_loaded: int,
@@ -104,17 +106,17 @@ class ModelPool:
                 self._by_name.setdefault(name, slot)
         self._room = asyncio.Lock()  # one load (and its evictions) at a time
         # hooks: an engine made (before it starts: observers), a model loaded, one unloaded
-        self.on_engine: list[Callable[[Slot, Any], None]] = []
+        self.on_engine: list[Callable[[Slot, Engine], None]] = []
         self.on_loaded: list[Callable[[Slot], None]] = []
         self.on_unloaded: list[Callable[[Slot, str], None]] = []
 
     @classmethod
-    def single(cls, engine: Any, model_id: str, *, aliases: tuple[str, ...] = ()) -> ModelPool:
+    def single(cls, engine: Engine, model_id: str, *, aliases: tuple[str, ...] = ()) -> ModelPool:
         """A pool of one model whose engine is already made (not started), kept loaded."""
         slot = Slot(ModelSpec(None, None, aliases, pinned=True), model_id, footprint=0)
         made = [engine]
 
-        def start(_slot: Slot) -> Any:
+        def start(_slot: Slot) -> Engine:
             if not made:  # it failed to load: an engine runs once
                 raise ModelLoadFailed(engine.load_error or "the model's engine stopped")
             return made.pop()
@@ -135,12 +137,12 @@ class ModelPool:
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots if s.state in (LOADED, LOADING)]
 
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[Engine]:
         """The engines serving now (loaded, or draining before an unload)."""
         return [s.engine for s in self.slots if s.engine is not None and s.engine.ready.is_set()]
 
     # -- leases: a request holds one from routing until its stream ends -------------------------
-    async def acquire(self, slot: Slot) -> Any:
+    async def acquire(self, slot: Slot) -> Engine:
         """The slot's engine, loading the model first if needed; the caller must `release`."""
         slot.leases += 1
         try:
@@ -155,6 +157,7 @@ class ModelPool:
             slot.leases -= 1
             raise
         slot.last_used = self._clock()
+        assert slot.engine is not None  # loaded: its engine is set
         return slot.engine
 
     def release(self, slot: Slot) -> None:
@@ -165,6 +168,16 @@ class ModelPool:
 
     # -- loading and unloading ------------------------------------------------------------------
     async def _load(self, slot: Slot) -> None:
+        """Load `slot`'s model, or wait for the load under way. The load itself runs to its end
+        whoever waits for it (a client that leaves does not leave a model half loaded); making
+        the engine (opening its prompt cache: a directory scan) and loading the weights run off
+        the event loop, so /health and other streams go on meanwhile."""
+        if slot.loading is None:
+            slot.loading = asyncio.ensure_future(self._load_now(slot))
+            slot.loading.add_done_callback(lambda done: _loaded(slot, done))
+        await asyncio.shield(slot.loading)
+
+    async def _load_now(self, slot: Slot) -> None:
         if slot.footprint > self.memory_budget:
             raise ModelTooLarge(
                 f"the model {slot.name!r} needs about {slot.footprint / 2**30:.1f} GiB (weights "
@@ -183,7 +196,8 @@ class ModelPool:
             log.info("loading model %s", slot.name)
             started = self._clock()
             try:
-                engine = slot.engine = self._start_engine(slot)  # visible while it loads
+                engine = await asyncio.to_thread(self._start_engine, slot)
+                slot.engine = engine  # visible while it loads
                 for hook in self.on_engine:
                     hook(slot, engine)
                 engine.start()
@@ -224,7 +238,7 @@ class ModelPool:
         """Drain the model's requests, then stop its engine. Nothing of its conversations is
         lost: each request's end state is checkpointed as it finishes ("generation"), and
         stopping flushes the pending checkpoint writes to disk."""
-        if slot.state != LOADED or not getattr(slot.engine, "unloadable", True):
+        if slot.state != LOADED or slot.engine is None or not slot.engine.unloadable:
             return False  # a job's model: its ranks would stop with it (cli/serve_job.py)
         slot.state = UNLOADING  # new requests for it wait for the reload
         slot._notify()
@@ -279,7 +293,7 @@ class ModelPool:
                 await slot.engine.stop_async()
                 slot.engine, slot.state = None, UNLOADED
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[dict[str, JSON]]:
         """Every model, as /v1/models, `ps` and the status page show them."""
         now = self._clock()
         return [
@@ -296,13 +310,20 @@ class ModelPool:
                 "keep_alive_seconds": (
                     s.spec.keep_alive if s.spec.keep_alive is not None else self.keep_alive
                 ),
-                "error": s.error,
+                "error": s.error or (s.engine.failure if s.engine is not None else None),
             }
             for s in self.slots
         ]
 
 
-def _wait_loaded(engine: Any) -> None:
+def _loaded(slot: Slot, load: asyncio.Future[None]) -> None:
+    """A load ended: the next one is a new one (its error was raised to whoever waited)."""
+    slot.loading = None
+    if not load.cancelled():
+        load.exception()  # retrieved: nobody may be waiting any more
+
+
+def _wait_loaded(engine: Engine) -> None:
     """Until the engine is ready, or its thread ended without being ready (a load error)."""
     while not engine.ready.wait(0.1):
         if engine.load_error:

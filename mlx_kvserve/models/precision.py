@@ -21,21 +21,21 @@ directory than one written in another and can never be restored into it.
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
-from mlx_kvserve.config import KV_DTYPES
+from mlx_kvserve import macos
+from mlx_kvserve.config.values import KV_DTYPES
+
+if TYPE_CHECKING:  # MLX is imported only after the BLAS preload (mlx_kvserve.blas)
+    import mlx.core as mx
+    import mlx.nn as nn
 
 HALF = "float16"
 
 
 def on_metal() -> bool:
     """Whether MLX runs on a Metal GPU here (imports MLX: call after the BLAS preload)."""
-    if sys.platform != "darwin":
-        return False
-    import mlx.core as mx
-
-    return bool(mx.metal.is_available())
+    return macos.metal_working_set() is not None
 
 
 def resolve_kv_dtype(setting: str, *, metal: bool) -> str | None:
@@ -56,7 +56,7 @@ def served_dtype(setting: str, resolved: str | None, cast: bool) -> str | None:
     return resolved
 
 
-def activation_dtype(model: Any) -> Any:
+def activation_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype of the logits of a one-token pass: what the model computes in."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -66,7 +66,7 @@ def activation_dtype(model: Any) -> Any:
     return logits.dtype
 
 
-def apply_kv_dtype(model: Any, dtype: str | None, *, only_if_float32: bool) -> bool:
+def apply_kv_dtype(model: nn.Module, dtype: str | None, *, only_if_float32: bool) -> bool:
     """Cast the model's floating tensors to `dtype`; returns whether anything changed.
 
     `only_if_float32` (the "auto" policy) leaves a model alone unless it computes in float32.
@@ -83,7 +83,7 @@ def apply_kv_dtype(model: Any, dtype: str | None, *, only_if_float32: bool) -> b
     keep = getattr(model, "cast_predicate", lambda _path: True)
     changed = False
 
-    def cast(path: str, value: Any) -> Any:
+    def cast(path: str, value: mx.array) -> mx.array:
         nonlocal changed
         if keep(path) and mx.issubdtype(value.dtype, mx.floating) and value.dtype != target:
             changed = True

@@ -20,13 +20,12 @@ back, so a reader that fails must not make the server shed models.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Protocol
+
+from mlx_kvserve import macos
 
 log = logging.getLogger("mlx_kvserve.models")
 
@@ -134,19 +133,9 @@ class SysctlSource:
 
     name = f"sysctl {SYSCTL_NAME}"
 
-    def __init__(self) -> None:
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
     def read(self) -> str:
-        value = ctypes.c_int(0)
-        size = ctypes.c_size_t(ctypes.sizeof(value))
-        try:
-            failed = self._libc.sysctlbyname(
-                SYSCTL_NAME.encode(), ctypes.byref(value), ctypes.byref(size), None, 0
-            )
-        except (AttributeError, OSError):
-            return NORMAL
-        return NORMAL if failed else macos_level(value.value)
+        value = macos.sysctl_int(SYSCTL_NAME)
+        return NORMAL if value is None else macos_level(value)
 
 
 def pressure_source(environ: dict[str, str] | None = None) -> PressureSource | None:
@@ -156,12 +145,11 @@ def pressure_source(environ: dict[str, str] | None = None) -> PressureSource | N
     if environ.get(FILE_ENV):
         return FileSource(Path(environ[FILE_ENV]))
     try:
-        if sys.platform == "darwin":
-            source: PressureSource = SysctlSource()
-            return source
+        if macos.on_macos():
+            return SysctlSource()
         if PSI_PATH.exists():
             PSI_PATH.read_text()
-            return PsiSource()
+            return PsiSource(PSI_PATH)
     except OSError as exc:
         log.info("memory pressure cannot be read here (%s): not watched", exc)
         return None

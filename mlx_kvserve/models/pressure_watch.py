@@ -24,8 +24,8 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
 
+from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.namespaces import caches_of
 from mlx_kvserve.models.pool import LOADED, ModelPool, Slot
 from mlx_kvserve.models.pressure import CRITICAL, NORMAL, WARN, PressureSource
@@ -53,7 +53,7 @@ class PressureWatch:
         self._on_action = on_action
         # engines whose budgets are cut, and to which level (weak: an unloaded model's engine
         # must be free to go)
-        self._limited: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._limited: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
     async def run(self, every: float = 1.0) -> None:
         log.info("watching memory pressure through %s", self.source.name)
@@ -124,7 +124,9 @@ class PressureWatch:
         return changed
 
 
-def _limit(engine: Any, ram_share: float, live_share: float, keep_newest: bool):
+def _limit(
+    engine: Engine, ram_share: float, live_share: float, keep_newest: bool
+) -> Callable[[], int]:
     """The engine-thread function that applies the shares; it returns the RAM-tier bytes."""
 
     def apply() -> int:

@@ -11,16 +11,26 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve import paths
-from mlx_kvserve.config import Settings, parse_size
-from mlx_kvserve.config_values import check_value
-from mlx_kvserve.models.memory import footprint
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.config.values import check_value, parse_size
+from mlx_kvserve.engine import Engine
+from mlx_kvserve.engine.loading import Loaded
+from mlx_kvserve.engine.namespaces import Caches
+from mlx_kvserve.engine.worker import MakeAgreement
+from mlx_kvserve.models.budget import footprint
 from mlx_kvserve.models.pool import Slot
 from mlx_kvserve.models.specs import ModelSpec
 
 log = logging.getLogger("mlx_kvserve")
+
+# cli/serve.py's `open_prompt_cache(settings, model_dir, model_id, kv_dtype)`: the model's
+# prompt cache for the dtype it is served in (None with --no-cache).
+OpenCache = Callable[[Settings, Path, str, str | None], Caches]
 
 PER_MODEL = frozenset(
     {
@@ -60,10 +70,12 @@ def model_settings(settings: Settings, spec: ModelSpec) -> Settings:
 
 def prepare_slots(
     settings: Settings,
-    open_prompt_cache: Callable[..., Any],
-    mlx_load: Callable[[str], tuple[Any, Any]],
-) -> tuple[list[Slot], Callable[[Slot], Any]]:
-    """Every configured model as a pool slot (default first), and the engine maker."""
+    open_prompt_cache: OpenCache,
+    mlx_load: Callable[[str], Loaded | tuple[nn.Module, TokenizerWrapper]],
+    job: MakeAgreement | None = None,
+) -> tuple[list[Slot], Callable[[Slot], Engine]]:
+    """Every configured model as a pool slot (default first), and the engine maker (`job`:
+    how its engine joins a job across machines, cli/serve_job.py)."""
     from mlx_kvserve.models.preflight import model_dir_problem
     from mlx_kvserve.models.resolve import local_model_dir, resolve_model
 
@@ -96,9 +108,9 @@ def prepare_slots(
         places[slot.name] = (model_dir, own)
         slots.append(slot)
 
-    def start_engine(slot: Slot) -> Any:
+    def start_engine(slot: Slot) -> Engine:
         model_dir, own = places[slot.name]
-        return make_engine(own, model_dir, slot.model_id, open_prompt_cache, mlx_load)
+        return make_engine(own, model_dir, slot.model_id, open_prompt_cache, mlx_load, job)
 
     return slots, start_engine
 
@@ -107,13 +119,12 @@ def make_engine(
     settings: Settings,
     model_dir: Path,
     model_id: str,
-    open_prompt_cache: Callable[..., Any],
-    mlx_load: Callable[[str], tuple[Any, Any]],
-) -> Any:
+    open_prompt_cache: OpenCache,
+    mlx_load: Callable[[str], Loaded | tuple[nn.Module, TokenizerWrapper]],
+    job: MakeAgreement | None = None,
+) -> Engine:
     """One model's engine (not started) with its prompt cache open."""
-    from mlx_kvserve.chat.harmony import add_end_tokens
-    from mlx_kvserve.chat.tool_format import tool_format_notice
-    from mlx_kvserve.engine import Engine
+    from mlx_kvserve.chat.formats import add_end_tokens, tool_format_notice
     from mlx_kvserve.models.context import read_context_length
     from mlx_kvserve.models.precision import (
         apply_kv_dtype,
@@ -123,24 +134,25 @@ def make_engine(
     )
 
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
+    prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
 
-    def load_model() -> tuple[Any, Any]:
-        model, tokenizer = mlx_load(str(model_dir))
-        add_end_tokens(tokenizer)  # gpt-oss's <|call|> and <|return|> end a generation
+    def load_model() -> Loaded:
+        model, tokenizer, _ = Loaded(*mlx_load(str(model_dir)))
+        add_end_tokens(tokenizer)  # its format's own (gpt-oss's <|call|>) end a generation
         log.info("%s", tool_format_notice(tokenizer))
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
         if cast:
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
         used = served_dtype(settings.kv_dtype, kv_dtype, cast)
-        if used != kv_dtype and engine.prompt_cache is not None:
-            # "auto" left the model in its own dtype: its cache is the one named for that dtype
-            engine.prompt_cache.close()
-            engine.prompt_cache = open_prompt_cache(settings, model_dir, model_id, used)
-        return model, tokenizer
+        if used == kv_dtype or prompt_cache is None:
+            return Loaded(model, tokenizer)
+        # "auto" left the model in its own dtype: its cache is the one named for that dtype
+        prompt_cache.close()
+        return Loaded(model, tokenizer, open_prompt_cache(settings, model_dir, model_id, used))
 
-    engine = Engine(
+    return Engine(
         load_model,
-        prompt_cache=open_prompt_cache(settings, model_dir, model_id, kv_dtype),
+        prompt_cache=prompt_cache,
         cache_enabled=not settings.no_cache,
         prefill_step=settings.prefill_step,
         checkpoint_interval=settings.checkpoint_interval,
@@ -151,5 +163,5 @@ def make_engine(
         live_budget=parse_size(settings.live_budget),
         kv_reserve=settings.kv_reserve,
         context_length=read_context_length(model_dir),
+        job=job,
     )
-    return engine

@@ -12,7 +12,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from mlx_kvserve.json_value import JSON
 
 DEFAULT_KEEP_ALIVE = 30 * 60.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
@@ -46,7 +47,7 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     pinned: bool = False  # never unloaded for idleness or to make room
     keep_alive: float | None = None  # seconds idle before unloading; 0 never; None the default
-    settings: Mapping[str, Any] = field(default_factory=dict)  # per-model serve settings
+    settings: Mapping[str, JSON] = field(default_factory=dict)  # per-model serve settings
 
     def names(self, resolved_id: str) -> list[str]:
         """Every name this model answers to, its own first."""
@@ -69,7 +70,7 @@ def parse_model_flag(value: str) -> ModelSpec:
     return ModelSpec(name, source)
 
 
-def parse_model_table(table: Mapping[str, Any], where: str) -> ModelSpec:
+def parse_model_table(table: Mapping[str, JSON], where: str) -> ModelSpec:
     """One `[[models]]` table of the config file."""
     if not isinstance(table, Mapping):
         raise ValueError(f"{where}: each [[models]] entry must be a table")
@@ -107,7 +108,7 @@ def parse_model_table(table: Mapping[str, Any], where: str) -> ModelSpec:
     return ModelSpec(name, source, tuple(dict.fromkeys(aliases)), pinned, seconds, dict(settings))
 
 
-def check_model_tables(tables: list[Any]) -> list[ModelSpec]:
+def check_model_tables(tables: list[JSON]) -> list[ModelSpec]:
     """Every `[[models]]` table, checked together: each on its own, no name or alias given
     twice, and a local path (one starting with `/`, `~` or `.`) that exists."""
     specs = [parse_model_table(t, f"models[{i}]") for i, t in enumerate(tables)]

@@ -10,7 +10,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+from mlx_kvserve.json_value import JSON
+
+if TYPE_CHECKING:  # MLX is imported only after the BLAS preload (mlx_kvserve.blas)
+    import mlx.core as mx
+
+    # A GGUF metadata value as `mx.load(path, return_metadata=True)` gives it: an array (0-d
+    # for a number), a string, or a list of strings.
+    MetadataValue: TypeAlias = mx.array | str | list[str]
+    Scalar: TypeAlias = int | float | bool | str | list[str]
 
 # GGUF token types (llama.cpp `llama_token_type`).
 _TOKEN_TYPE_CONTROL = 3
@@ -22,16 +32,16 @@ _DIGIT_SPLITTING_PRE = {"smollm"}
 _SUPPORTED_PRE = {"smollm", "gpt-2", "default"}
 
 
-def _scalar(value: Any) -> Any:
+def _scalar(value: MetadataValue) -> Scalar:
     """GGUF metadata scalars arrive as 0-d mx.arrays; turn them into Python values."""
     return value.item() if hasattr(value, "item") else value
 
 
-def _int_list(value: Any) -> list[int]:
+def _int_list(value: mx.array | Sequence[int]) -> list[int]:
     return [int(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
 
 
-def build_tokenizer_json(metadata: Mapping[str, Any]) -> str:
+def build_tokenizer_json(metadata: Mapping[str, MetadataValue]) -> str:
     """Serialise a ``tokenizers`` byte-level BPE tokenizer equivalent to the GGUF's."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -76,7 +86,7 @@ def build_tokenizer_json(metadata: Mapping[str, Any]) -> str:
     return tok.to_str(pretty=False)
 
 
-def build_tokenizer_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
+def build_tokenizer_config(metadata: Mapping[str, MetadataValue]) -> dict[str, JSON]:
     """``tokenizer_config.json`` contents: special tokens as strings, template, max length."""
     tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
 
@@ -86,7 +96,7 @@ def build_tokenizer_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
     types = _int_list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     context = metadata.get("llama.context_length")
-    config: dict[str, Any] = {
+    config: dict[str, JSON] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),
         "eos_token": token("eos"),
@@ -107,7 +117,7 @@ def build_tokenizer_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if v is not None}
 
 
-def write_tokenizer_files(metadata: Mapping[str, Any], out_dir: Path) -> list[Path]:
+def write_tokenizer_files(metadata: Mapping[str, MetadataValue], out_dir: Path) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja); return the paths."""
     written = []
     path = out_dir / "tokenizer.json"

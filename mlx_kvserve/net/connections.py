@@ -21,10 +21,10 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.net.resources import Throttle
 
 log = logging.getLogger("mlx_kvserve.net")
@@ -55,7 +55,7 @@ class ConnectionLimits:
             )
 
 
-def _raw_response(status: str, body: dict[str, Any], extra: str = "") -> bytes:
+def _raw_response(status: str, body: dict[str, JSON], extra: str = "") -> bytes:
     data = json.dumps(body).encode()
     head = (
         f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -64,7 +64,7 @@ def _raw_response(status: str, body: dict[str, Any], extra: str = "") -> bytes:
     return head.encode() + data
 
 
-def _error(message: str, kind: str, code: str) -> dict[str, Any]:
+def _error(message: str, kind: str, code: str) -> dict[str, JSON]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 

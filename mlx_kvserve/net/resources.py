@@ -12,10 +12,11 @@ import contextlib
 import errno
 import logging
 import resource
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from mlx_kvserve import macos
 
 FD_TARGET = 65536
 DARWIN_FD_MAX = 10240  # OPEN_MAX: macOS refuses a higher soft limit even when hard is unlimited
@@ -32,9 +33,7 @@ _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 def raise_fd_limit(target: int = FD_TARGET) -> int:
     """Raise the soft open-file limit towards `target` within the hard limit; return the soft."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ceiling = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if sys.platform == "darwin":
-        ceiling = min(ceiling, DARWIN_FD_MAX)
+    ceiling = fd_ceiling(target, hard)
     if soft != resource.RLIM_INFINITY and soft < ceiling:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, hard))
@@ -42,6 +41,13 @@ def raise_fd_limit(target: int = FD_TARGET) -> int:
         except (ValueError, OSError) as exc:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, ceiling, exc)
     return soft
+
+
+def fd_ceiling(target: int, hard: int) -> int:
+    """The highest soft open-file limit to ask for: `target` within the hard limit, and on
+    macOS within OPEN_MAX, which setrlimit refuses to exceed even under an unlimited hard one."""
+    ceiling = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    return min(ceiling, DARWIN_FD_MAX) if macos.on_macos() else ceiling
 
 
 @contextlib.contextmanager
@@ -86,7 +92,9 @@ def connection_cap(requested: int, soft_limit: int) -> tuple[int, int]:
 class Throttle:
     """Allow one event per key per interval; count the ones held back."""
 
-    def __init__(self, interval: float = LOG_INTERVAL_SECONDS, clock=time.monotonic) -> None:
+    def __init__(
+        self, interval: float = LOG_INTERVAL_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval = interval
         self.clock = clock
         self._lock = threading.Lock()

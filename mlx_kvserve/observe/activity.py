@@ -12,7 +12,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from mlx_kvserve.engine import GenerationRequest
+from mlx_kvserve.engine.live import Timings
+from mlx_kvserve.json_value import JSON
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Finished:
     cache_source: str
     finish_reason: str
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JSON]:
         share = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return {**self.__dict__, "cached_share": share}
 
@@ -58,8 +61,9 @@ class Activity:
         }
         self._prefill_rate = 0.0  # recent seconds per prefilled token (for seconds saved)
 
-    def record(self, req: Any, timings: Any | None) -> None:
-        """An engine observer (`Engine.add_observer`)."""
+    def record(self, model: str, req: GenerationRequest, timings: Timings | None) -> None:
+        """An engine observer (`Engine.add_observer`) once `model` is bound: the served name of
+        that engine's model (the request does not say which model served it)."""
         now = self._clock()
         with self._lock:
             if timings is None:
@@ -75,7 +79,7 @@ class Activity:
                 Finished(
                     id=str(req.request_id),
                     kind=str(req.kind),
-                    model=str(getattr(req, "model", "") or ""),
+                    model=model,
                     ended=now,
                     prompt_tokens=t.prompt_tokens,
                     cached_tokens=t.cached_tokens,
@@ -112,7 +116,7 @@ class Activity:
             self._seconds.popleft()
         return self._seconds[-1]
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, JSON]:
         """Recent requests (newest first), totals, and the series of the last window: generated
         tokens per second and mean time to first token, one point per second with activity."""
         with self._lock:

@@ -75,10 +75,11 @@ class RequestMetrics:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    """Prometheus text format; behind the API key when one is set (like every path but
-    /health). MLX's memory is read on the engine thread, which owns MLX (a prefill chunk or
-    decode step away at most); rendering runs off the event loop, as reading the cache's
-    counters takes its lock."""
+    """Prometheus metrics in the text format (docs/reference/metrics.md).
+
+    Behind the API key when one is set, like every path but /health. MLX's memory is read on
+    the engine thread, which owns MLX (a prefill chunk or decode step away at most); rendering
+    runs off the event loop, as reading the cache's counters takes its lock."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     metrics: Metrics = request.app.state.metrics

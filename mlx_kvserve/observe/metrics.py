@@ -14,14 +14,14 @@ Three sources, each observed where it is already known, never recomputed:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlx_kvserve.engine import Engine, GenerationRequest
 from mlx_kvserve.engine.live import Timings
-from mlx_kvserve.engine.requests import GenerationRequest
+from mlx_kvserve.engine.namespaces import caches_of
 
 PREFIX = "mlx_kvserve"
 TIERS = ("live", "ram", "disk")
@@ -36,7 +36,7 @@ class Metrics:
     """Every metric of one server. `observe_request` runs on the engine thread as each request
     finishes; prometheus_client's metrics are thread-safe."""
 
-    def __init__(self, engines: Callable[[], list[Any]], *, cache_enabled: bool = True) -> None:
+    def __init__(self, engines: Callable[[], list[Engine]], *, cache_enabled: bool = True) -> None:
         """`engines()` gives the loaded models' engines (one per model; models.pool)."""
         self.registry = CollectorRegistry()
         self.cache_enabled = cache_enabled
@@ -146,7 +146,7 @@ class Metrics:
         loaded.set_function(lambda: len(engines()))
         r.register(CacheCollector(engines))
 
-    def observe_memory(self, stats: dict[str, Any]) -> None:
+    def observe_memory(self, stats: dict[str, int]) -> None:
         """Engine thread: the figures of `MemoryPolicy.stats()`."""
         for kind in ("active", "peak", "cache"):
             self.mlx_memory.labels(kind).set(stats[f"mlx_{kind}_bytes"])
@@ -180,21 +180,12 @@ class Metrics:
             self.restore_seconds.labels(t.cache_source).observe(t.restore_seconds)
 
 
-def _caches(prompt_cache: Any) -> list[Any]:
-    """The PromptCache objects behind the engine: none, one, or one per API key."""
-    if prompt_cache is None:
-        return []
-    from mlx_kvserve.engine.namespaces import CacheSet
-
-    return list(prompt_cache) if isinstance(prompt_cache, CacheSet) else [prompt_cache]
-
-
 class CacheCollector(Collector):
     """The engines' busy time and the prompt caches' own counters (summed over loaded models
     and namespaces), read at each scrape. A model that unloads takes its counts along: the
     counters then reset, which Prometheus' rate() allows for."""
 
-    def __init__(self, engines: Callable[[], list[Any]]) -> None:
+    def __init__(self, engines: Callable[[], list[Engine]]) -> None:
         self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
@@ -204,7 +195,7 @@ class CacheCollector(Collector):
             "Time the engine threads spent serving requests (rate() of it is utilisation).",
             value=sum(e.busy_seconds for e in engines),
         )
-        rooms = [e.room for e in engines if getattr(e, "room", None) is not None]
+        rooms = [e.room for e in engines if e.room is not None]
         yield GaugeMetricFamily(
             f"{PREFIX}_paused_requests",
             "Requests paused mid-decode because the KV budget was full, waiting to resume.",
@@ -234,7 +225,7 @@ class CacheCollector(Collector):
         for name, value in parts.items():
             family.add_metric([name], value)
         yield family
-        batches = [e.batch for e in engines if getattr(e, "batch", None) is not None]
+        batches = [e.batch for e in engines if e.batch is not None]
         yield CounterMetricFamily(
             f"{PREFIX}_decode_steps",
             "Decode steps of the batch: one forward pass for every sequence decoding.",
@@ -247,7 +238,7 @@ class CacheCollector(Collector):
             value=sum(batch.readbacks for batch in batches),
         )
         totals: dict[str, int] = {}
-        for cache in (c for e in engines for c in _caches(e.prompt_cache)):
+        for cache in (c for e in engines for c in caches_of(e.prompt_cache)):
             for name, value in cache.counters().items():
                 totals[name] = totals.get(name, 0) + int(value)
 
@@ -285,7 +276,16 @@ class CacheCollector(Collector):
         evictions.add_metric(["suspect"], get("suspect_evictions"))
         yield evictions
         yield gauge("cache_disk_bytes", "Bytes of checkpoint files on disk.", get("disk_bytes"))
-        yield gauge("cache_disk_budget_bytes", "The disk tier's byte budget.", get("disk_budget"))
+        yield gauge(
+            "cache_disk_budget_bytes",
+            "The disk tier's byte budget in force (lowered while the disk has less room).",
+            get("disk_budget"),
+        )
+        yield gauge(
+            "cache_disk_writes_failing",
+            "Prompt caches whose last disk write failed (they serve from RAM meanwhile).",
+            get("disk_writes_failing"),
+        )
         yield gauge("cache_ram_bytes", "Bytes of checkpoints held in RAM.", get("ram_bytes"))
         yield gauge("cache_ram_budget_bytes", "The RAM tier's byte budget.", get("ram_budget"))
         yield gauge("cache_entries", "Checkpoints in the prompt cache.", get("entries"))

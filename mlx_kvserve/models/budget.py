@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlx_kvserve.config import parse_size
+from mlx_kvserve import macos
+from mlx_kvserve.config.values import parse_size
 
 AUTO_SHARE = 0.75  # of the GPU working set (Metal) or of RAM (CPU)
 KV_SHARE = 0.5  # an auto KV budget, as a share of the weights, for the estimate
@@ -31,14 +32,11 @@ def footprint(model_dir: Path, kv_budget: int | None) -> int:
 def system_memory() -> int:
     """What models may use at most: the recommended GPU working set on Metal, else RAM."""
     try:
-        import mlx.core as mx
-
-        if mx.metal.is_available():
-            size = mx.device_info().get("max_recommended_working_set_size")
-            if size:
-                return int(size)
+        size = macos.metal_working_set()
     except Exception:  # no MLX device information: fall back to RAM
-        pass
+        size = None
+    if size is not None:
+        return size
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -2,7 +2,8 @@
 
 KV states are only valid for the exact weights, config and tokenizer that made them, and for the
 cache format and mlx / mlx-lm versions that laid them out (`cache.model_fingerprint` adds those).
-`manifest.model_fingerprint_source` says how the files are identified.
+`manifest.model_fingerprint_source` says how the files are identified: by content, never by
+mtime, so the ranks of a job holding copies of one model agree on it (distributed/join.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def fingerprint_model(model_dir: Path, model_id: str, kv_dtype: str | None = Non
     """A stable digest of everything that makes a stored KV state valid for this model.
 
     `kv_dtype` is the dtype the model is served in when it is not its own (see
-    `models.precision`): KV of another dtype must never be restored into it.
+    `models.precision`): KV of another dtype must never be restored into it. `model_id` only
+    names the digest for people (an empty one: the bare digest).
     """
     source = model_fingerprint_source(Path(model_dir))
     return model_fingerprint(
