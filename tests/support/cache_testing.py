@@ -7,6 +7,8 @@ same values however they were chunked, and restore results can be compared bit f
 
 from __future__ import annotations
 
+import errno
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,44 @@ def state_arrays(caches: list) -> list[np.ndarray]:
     return out
 
 
+def poison_entry(path: Path) -> None:
+    """Rewrite an entry file so that it passes every load check (finite values, checksums that
+    match) but holds keys and values of the largest finite magnitude: a prefill from it gives
+    non-finite logits (the ds4 #253 case: only the logits show it)."""
+    from mlx_kvserve.cache import codec
+
+    raw = path.read_bytes()
+    header_len, digest, slot = codec.parse_prefix(raw[: codec.PREFIX_SIZE])
+    header = codec.parse_header(raw[codec.PREFIX_SIZE : codec.PREFIX_SIZE + header_len], digest)
+    arrays = codec.decode_payload(memoryview(raw)[codec.payload_start(header_len) :], header)
+    huge = [_huge(a) for a in arrays]
+    specs, size = codec.array_specs(huge)
+    header.update(arrays=specs, payload_bytes=size, payload_sha256=codec.payload_digest(huge))
+    payload = b"".join(codec.byte_view(a.data).tobytes() for a in huge)
+    path.write_bytes(codec.pack_head(header, slot or codec.Slot()) + payload)
+
+
+# Nearly the largest finite value of each float dtype, as stored (bfloat16: its uint16 bits),
+# its sign alternating along the sequence axis of KV arrays (batch, heads, positions, dim): some
+# position's score overflows in every head whatever the query, where one sign for all lets the
+# norms saturate to finite zeros instead (a state no check can see).
+_LARGEST = {"float32": 3.4e38, "float16": 65000.0, "bfloat16": 0x7F7F}
+
+
+def _huge(a: Any) -> Any:
+    from mlx_kvserve.cache.codec import DTYPES, HostArray
+
+    if a.dtype not in _LARGEST:
+        return HostArray(a.name, a.dtype, a.shape, np.array(a.data))
+    data = np.full(a.shape, _LARGEST[a.dtype], DTYPES[a.dtype])
+    if data.ndim >= 3:
+        if a.dtype == "bfloat16":
+            data[:, :, 1::2] |= 0x8000  # the sign bit
+        else:
+            data[:, :, 1::2] *= -1
+    return HostArray(a.name, a.dtype, a.shape, data.reshape(a.data.shape))
+
+
 def rebuild_benchmark(directory: Path, n_entries: int = 1000, tokens: int = 64) -> dict[str, float]:
     """Write `n_entries` independent small entries, reopen, and time the index rebuild."""
     from mlx_kvserve.cache.store import PromptCache
@@ -128,3 +168,89 @@ def rebuild_benchmark(directory: Path, n_entries: int = 1000, tokens: int = 64) 
     n = len(reopened.entries())
     reopened.close()
     return {"entries": n, "open_seconds": wall, "rebuild_seconds": reopened.rebuild_seconds}
+
+
+# -- a failing disk ---------------------------------------------------------------------------
+def inject_faults(monkeypatch: Any, spec: str) -> None:
+    """Arm the named fault points (`MLX_KVSERVE_FAULTS` syntax, e.g. "disk_fsync_eio@2"),
+    counting every point's occurrences from zero again; "" disarms them."""
+    from mlx_kvserve.engine import faults
+
+    monkeypatch.setenv(faults.ENV, spec)
+    monkeypatch.setattr(faults, "_rules", None)
+    monkeypatch.setattr(faults, "_calls", {})
+
+
+class SmallDisk:
+    """A file system of `total` bytes around a real cache directory, for in-process tests (a
+    real small file system needs mount rights; tests/server mounts a tmpfs where it can): its
+    free space is what the directory's files and `filler` bytes leave, and an entry write that
+    does not fit fails with ENOSPC, as a full disk's would. The seam is `DiskTier.usage` and
+    `DiskTier.write_entry`; everything else is the real disk tier."""
+
+    def __init__(self, directory: Path, total: int) -> None:
+        self.directory = Path(directory)
+        self.total = total
+        self.filler = 0
+        self.writes = threading.Event()  # cleared: entry writes wait (jobs pile up in the queue)
+        self.writes.set()
+
+    def used(self) -> int:
+        if not self.directory.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
+
+    def free(self) -> int:
+        return max(0, self.total - self.filler - self.used())
+
+    def fill(self, leave: int = 0) -> None:
+        """Another program fills the file system, leaving `leave` bytes free."""
+        self.filler = 0
+        self.filler = max(0, self.total - self.used() - leave)
+
+    def install(self, monkeypatch: Any) -> None:
+        from mlx_kvserve.cache.disk import DiskTier
+
+        disk = self
+        real_write = DiskTier.write_entry
+
+        def usage(self: DiskTier) -> tuple[int, int]:
+            return disk.total, disk.free()
+
+        def write_entry(self: DiskTier, key, head, arrays, job) -> int:  # noqa: ANN001
+            disk.writes.wait(30)
+            if len(head) + sum(a.nbytes for a in arrays) > disk.free():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(self, key, head, arrays, job)
+
+        monkeypatch.setattr(DiskTier, "usage", usage)
+        monkeypatch.setattr(DiskTier, "write_entry", write_entry)
+
+
+def settle(cache: Any) -> dict:
+    """Every queued disk job done and every result applied (the writer has forgotten the keys
+    of failed writes too); returns the cache's stats."""
+    cache.flush()
+    cache.stats()
+    cache.flush()
+    return cache.stats()
+
+
+def entry_files(cache: Any) -> set[str]:
+    """Keys of the entry files in a PromptCache's directory."""
+    return {p.name[: -len(".kvc")] for p in cache.disk.dir.glob("*.kvc")}
+
+
+def assert_disk_consistent(cache: Any) -> dict:
+    """Once settled, the disk, the index and the bookkeeping agree: one file per written entry
+    (plus the files marked evicted that could not be deleted), no temporary file, nothing
+    pending, pinned or remembered as unwritten. Returns the stats."""
+    stats = settle(cache)
+    infos = cache.entries()
+    written = {e.key for e in infos if e.disk == "written"}
+    assert entry_files(cache) == written | set(cache.disk.undeleted)
+    assert stats["disk_bytes"] == sum(e.file_bytes for e in infos if e.disk == "written")
+    assert stats["pending_writes"] == 0 and stats["pending_bytes"] == 0
+    assert stats["pinned"] == 0 and cache._writer.unwritten == 0
+    assert [p.name for p in cache.disk.dir.iterdir() if p.name.startswith(".tmp.")] == []
+    return stats

@@ -1,4 +1,4 @@
-"""The tool-call families tests/test_tools_formats.py runs: their tools, sample call texts,
+"""The tool-call families tests/server/test_tools_formats.py runs: their tools, sample call texts,
 history and hostile tool strategies (a module of data, so the test file stays readable)."""
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ protocol headers, every key, role, block and tool type, tool names, JSON Schemas
 and numbers. Every prose string (system prompts, tool descriptions, user words, reminders) is the
 vendor's text, not ours: it is replaced by filler of the same length, so the replayed request
 tokenizes to about as many tokens as the real one. Claude Code's billing-header line is kept (its
-shape is what the server strips). The slow CLI tests (tests/test_agent_clis.py) write the fixtures
-when run with `MLX_KVSERVE_RECORD_CLI_SHAPES=1`; tests/test_cli_shapes.py replays them.
+shape is what the server strips). The slow CLI tests (tests/clients/test_agent_clis.py) write
+the fixtures when run with `MLX_KVSERVE_RECORD_CLI_SHAPES=1`; tests/clients/test_cli_shapes.py
+replays them.
 """
 
 from __future__ import annotations

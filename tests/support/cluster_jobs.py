@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from tests.conftest import ServerProcess
 from tests.support.launch import BIND_FAILED, free_ports, launch_prefix, rank_pids
+from tests.support.servers import ServerProcess
 from tests.support.tiny_models import make_model_dir
 
 
@@ -42,8 +42,9 @@ def llama_alone(job_models, tmp_path_factory):
 class Job(ServerProcess):
     """A server run by `mlx.launch` on `ranks` ranks; the process is the launcher."""
 
-    def __init__(self, workdir: Path, ranks: int, *args: str) -> None:
-        super().__init__(workdir, *args, prefix=launch_prefix(ranks))
+    def __init__(self, workdir: Path, ranks: int, *args: str, wrap: tuple[str, ...] = ()) -> None:
+        """`wrap` runs each rank's command under a wrapper (`launch.on_rank`)."""
+        super().__init__(workdir, *args, prefix=launch_prefix(ranks) + wrap)
 
     def ranks(self) -> dict[int, int]:
         try:
@@ -74,10 +75,12 @@ def with_signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def start_job(workdir: Path, ranks: int, *args: str, ready: bool = True) -> Job:
+def start_job(
+    workdir: Path, ranks: int, *args: str, ready: bool = True, wrap: tuple[str, ...] = ()
+) -> Job:
     """A job, started again on other ports if the ring lost a race for one."""
     for _ in range(3):
-        job = Job(workdir, ranks, *args)
+        job = Job(workdir, ranks, *args, wrap=wrap)
         if not ready:
             return job
         try:

@@ -1,5 +1,6 @@
 """A job for `mlx.launch` that exercises distributed.collective and prints what each rank saw
-(one JSON line per rank). `hang` makes rank 1 stop answering; `die` makes it exit."""
+(one JSON line per rank). `hang` makes rank 1 stop answering; `die` makes it exit; `hostile-*`
+makes it add a huge length to rank 0's `share` header, or a negative size to a `gather`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import os
 import sys
 import time
 
-from mlx_kvserve.distributed.collective import Collective
+import mlx.core as mx
+
+from mlx_kvserve.distributed.collective import FIRST_BUFFER, HEADER, Collective
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
     c = Collective.join(timeout=float(os.environ.get("COLLECTIVE_TIMEOUT", "5")))
+    if mode.startswith("hostile"):
+        hostile(c, mode)
+        return
     big = {"text": "é" * 3000, "tokens": list(range(500))}
     seen = {
         "rank": c.rank,
@@ -37,6 +43,25 @@ def main() -> None:
     if c.rank == 1 and mode == "die":
         os._exit(9)
     c.barrier("the last barrier")
+    print(json.dumps({"rank": c.rank, "done": True}), flush=True)
+
+
+def hostile(c: Collective, mode: str) -> None:
+    """Rank 1 takes part in rank 0's collective with bytes no rank would send."""
+    if c.rank == 1:
+        if mode == "hostile-share":  # a message of a TiB announced
+            first = bytearray(FIRST_BUFFER)
+            first[:HEADER] = (1 << 40).to_bytes(HEADER, "little")
+            c._sum(mx.array(memoryview(first), dtype=mx.uint8), "a hostile share")
+        else:  # rank 0's size made negative
+            lengths = mx.zeros((c.size,), dtype=mx.int32)
+            lengths[0] = -(2**30)
+            c._sum(lengths, "a hostile gather")
+        time.sleep(30)
+    elif mode == "hostile-share":
+        c.share({"tick": 1}, "the engine's turn")
+    else:
+        c.gather({"host": "a"}, "model check")
     print(json.dumps({"rank": c.rank, "done": True}), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""Hostile request generation for the fuzz test (tests/test_fuzz.py) and scripts/fuzz_server.py.
+"""Hostile request generation for the fuzz test (tests/server/test_fuzz.py) and
+scripts/fuzz_server.py.
 
 Needs hypothesis (a test dependency). Bodies mix the parameters of every endpoint, valid and not:
 wrong types, out-of-range numbers, integers past 2^64, lone UTF-16 surrogates (sent as `\\ud800`

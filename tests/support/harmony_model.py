@@ -6,7 +6,7 @@ control tokens, added as special tokens as in gpt-oss's own tokenizer (`<|start|
 `<|channel|>`, `<|message|>`, ...; `<|endoftext|>` is the default model's own), and whose chat
 template is gpt-oss's real one (tests/fixtures/templates/gpt-oss.jinja). Its end-of-sequence
 token is `<|return|>` alone, as the real config.json's `eos_token_id` is: that `<|call|>` ends a
-generation too is the server's business (chat.harmony).
+generation too is the server's business (chat.formats.harmony).
 
 Random weights never write a harmony header by chance: the tests make the model speak harmony
 through the format's grammar (tool calls), which leaves each choice inside it to the model.

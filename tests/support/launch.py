@@ -62,6 +62,13 @@ def launch_prefix(ranks: int) -> tuple[str, ...]:
     return (LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(start), "--")
 
 
+def on_rank(rank: int, **env: str) -> tuple[str, ...]:
+    """A prefix for a job's command that gives `env` to rank `rank` only (tests/support/on_rank.py):
+    e.g. `MLX_KVSERVE_FAULTS` to make that rank fail, stall or draw otherwise."""
+    script = str(Path(__file__).with_name("on_rank.py"))
+    return (sys.executable, script, str(rank), *(f"{k}={v}" for k, v in env.items()), "--")
+
+
 def rank_pids(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the ranks `mlx.launch` (its pid) started on this machine (Linux)."""
     ranks = {}
