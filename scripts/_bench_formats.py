@@ -2,8 +2,8 @@
 tiny random-weight model carrying a real chat template in that format, its decode tokens/s
 without a grammar and with the format's grammar, side by side.
 
-The formats come from the registry (`chat.syntaxes.SYNTAXES`, plus mlx-lm's Hermes JSON
-`json_tools`, Mistral's and the server's own `deepseek_v31` and `llama3_json`), so a format
+The formats come from the registry (`chat.formats.FORMATS`: those a model's own template
+names, not gpt-oss's harmony, the Hermes fallback or a parser without a grammar), so a format
 registered later gets its row without an edit here; its model is the first template in
 tests/fixtures/templates whose format the server names after it. A registered format without
 such a template is listed as lacking one.
@@ -24,9 +24,8 @@ sys.path.insert(0, str(ROOT))
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"
 DECODE = re.compile(r"completion_tokens=(\d+) .*decode=([\d.]+) tok/s")
 NO_THINKING = {"enable_thinking": False}  # the answer (and its grammar) starts at once
-# formats the registry does not hold: Mistral's (its layout is read from the template) and the
-# server's own (mlx-lm has no parser for them)
-OTHERS = ("mistral", "deepseek_v31", "llama3_json")
+# registry entries without a row: gpt-oss's (its own bench), the fallback, formats parsed only
+SKIPPED = ("harmony", "hermes", "parsed_only")
 MODES = {
     "none (no grammar)": "none",
     "auto (lazy grammar)": "auto",
@@ -35,9 +34,10 @@ MODES = {
 
 
 def registered() -> list[str]:
-    from mlx_kvserve.chat.syntaxes import SYNTAXES
+    from mlx_kvserve.chat.formats import FORMATS
 
-    return ["json_tools", *sorted(SYNTAXES), *OTHERS]
+    names = [module.__name__.rsplit(".", 1)[-1] for module in FORMATS]
+    return [name for name in names if name not in SKIPPED]
 
 
 def _tool_tokens(template: str) -> tuple[str, ...]:
@@ -51,7 +51,7 @@ def models(work: Path) -> dict[str, tuple[str, Path]]:
     """{format: (family, model directory)} for every family in tests/support/thinking_models."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_kvserve.chat.tool_format import tool_format_for
+    from mlx_kvserve.chat.formats import tool_format_for
     from tests.support.thinking_models import FAMILIES, build_thinking_model
 
     found: dict[str, tuple[str, Path]] = {}

@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import ServerProcess  # noqa: E402
+from tests.support.servers import ServerProcess  # noqa: E402
 from tests.support.tiny_models import make_model_dir  # noqa: E402
 
 SIZE = {

@@ -48,7 +48,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_kvserve.cache import PromptCache  # noqa: E402
 from mlx_kvserve.cache.chain import ChainBuilder  # noqa: E402
 from mlx_kvserve.cache.kinds import describe_model  # noqa: E402
-from tests.conftest import ServerProcess  # noqa: E402
+from tests.support.servers import ServerProcess  # noqa: E402
 from tests.support.tiny_models import make_model_dir  # noqa: E402
 
 ARCHS = ["llama", "qwen3_5", "gemma3_text", "gpt_oss", "deepseek_v3", "mamba2", "falcon_h1"]

@@ -5,7 +5,8 @@
     python scripts/fuzz_server.py --requests 20000 --seed 7 --keep
     python scripts/fuzz_server.py --anthropic        # Claude-Code-shaped Messages bodies only
 
-Requests come from the same hypothesis strategies as tests/test_fuzz.py (tests.support.fuzzing).
+Requests come from the same hypothesis strategies as tests/server/test_fuzz.py
+(tests.support.fuzzing).
 Every response is checked: no 5xx, every 4xx in the protocol's error shape (Anthropic's on
 /v1/messages, OpenAI's elsewhere), every 200 stream finished the protocol's way ([DONE],
 message_stop, response.completed) and free of error events; a request that gets no answer within

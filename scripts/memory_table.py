@@ -2,8 +2,8 @@
 
 For each model in tests/fixtures/configs/models.json (published config.json files; no weights
 are read) the layers come from models/kv_shape.py (checked against the caches of loaded tiny
-models by tests/test_kv_shape.py), the bytes per token and the tokens that fit from
-engine/admission.py's `KVCost`, and the budget from `default_budget`, the rule of
+models by tests/unit/test_kv_shape.py), the bytes per token and the tokens that fit from
+engine/ledger.py's `KVCost`, and the budget from `default_budget`, the rule of
 `--kv-budget auto`. Weights: parameters x bits per weight (4-bit affine with group size 64
 stores 4.5 bits a weight with its scales and biases; gpt-oss ships MXFP4, 4.25).
 
@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mlx_kvserve.engine.admission import RESERVE_TOKENS, KVCost, default_budget
+from mlx_kvserve.engine.ledger import RESERVE_TOKENS, KVCost, default_budget
 from mlx_kvserve.models.context import context_from_config
 from mlx_kvserve.models.kv_shape import layers_from_config
 
