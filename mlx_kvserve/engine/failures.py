@@ -85,7 +85,7 @@ class Failures:
         the engine goes on (else it has stopped, see `_die`)."""
         log.error("a turn of the engine loop failed:\n%s", traceback.format_exc())
         if self.lockstep.distributed:
-            self._die(f"a turn failed in a job across machines: {error!r}")
+            self._die(f"{type(error).__name__}: {error} (in a turn of a job across machines)")
             return False
         try:
             blamed = self._fail_touched() + self._sweep()
