@@ -21,7 +21,7 @@ from mlx_kvserve.cli.model_commands import add_model_commands, run_model_command
 from mlx_kvserve.cli.serve import serve
 from mlx_kvserve.cli.service_commands import add_service_commands, run_service_command
 from mlx_kvserve.config.flags import add_setting_flags, setting_flags
-from mlx_kvserve.config.resolve import load_settings
+from mlx_kvserve.config.precedence import load_settings
 from mlx_kvserve.config.settings import ENV_PREFIX
 
 log = logging.getLogger("mlx_kvserve")

@@ -14,7 +14,7 @@ import json
 from mlx_kvserve import paths
 from mlx_kvserve.config.file import default_config_text, write_private
 from mlx_kvserve.config.flags import add_setting_flags, setting_flags
-from mlx_kvserve.config.resolve import resolve_settings
+from mlx_kvserve.config.precedence import resolve_settings
 from mlx_kvserve.config.settings import ENV_PREFIX, Settings
 from mlx_kvserve.config.values import SettingValue
 

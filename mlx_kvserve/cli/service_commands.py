@@ -104,7 +104,7 @@ def run_service_command(args: argparse.Namespace, runner: Runner | None = None) 
 
 
 def _install_plan(manager: Manager, args: argparse.Namespace) -> Plan:
-    from mlx_kvserve.config.resolve import load_settings
+    from mlx_kvserve.config.precedence import load_settings
     from mlx_kvserve.service.spec import build_spec
 
     flags = setting_flags(args)

@@ -2,7 +2,8 @@
 
 Every setting has one name. Its environment variable is ``MLX_KVSERVE_<NAME>`` and its key in the
 TOML config file is ``<name>``; `mlx-kvserve serve --help` lists them all. Where an effective value
-comes from (flags > environment > config file > defaults) is config/resolve.py's job; what a value
+comes from (flags > environment > config file > defaults) is
+config/precedence.py's job; what a value
 may be is config/values.py's.
 """
 

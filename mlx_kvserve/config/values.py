@@ -1,5 +1,6 @@
 """Single setting values: sizes ('512MiB'), lists ('a, b'), chat-template variables, and each
-setting's own constraints. Nothing here knows where a value came from (config/resolve.py does)."""
+setting's own constraints. Nothing here knows where a value
+came from (config/precedence.py does)."""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ class Metrics:
         self.lookups = Counter(
             f"{PREFIX}_cache_lookups",
             "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "
-            "(tier none) or failed (a restored state failed and the request was re-run cold).",
+            "(tier none) or failed (a restored state failed; the request was re-run from the "
+            "newest link not blamed, engine/blame.py).",
             ["outcome", "tier"],
             registry=r,
         )

@@ -76,7 +76,7 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 def service_settings(argv: list[str], env: dict[str, str]) -> Settings | None:
     """The settings the installed service runs with: its flags, its environment, its file."""
     from mlx_kvserve.config.flags import add_setting_flags, setting_flags
-    from mlx_kvserve.config.resolve import load_settings
+    from mlx_kvserve.config.precedence import load_settings
 
     try:
         serve_at = argv.index("serve")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlx_kvserve.config.resolve import load_settings
+from mlx_kvserve.config.precedence import load_settings
 from mlx_kvserve.config.settings import Settings
 
 

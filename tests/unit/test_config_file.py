@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_kvserve.config.file import ConfigError, key_lines, read_config_file
-from mlx_kvserve.config.resolve import resolve_settings
+from mlx_kvserve.config.precedence import resolve_settings
 from mlx_kvserve.config.settings import Settings, setting_types
 
 FIELDS = setting_types()

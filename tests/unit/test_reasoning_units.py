@@ -20,7 +20,7 @@ from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning.reasoning_gate import ReasoningGate
 from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers, template_kwargs
-from mlx_kvserve.config.resolve import ConfigError, resolve_settings
+from mlx_kvserve.config.precedence import ConfigError, resolve_settings
 from tests.support.thinking_models import build_thinking_model
 
 MARKERS = ThinkMarkers("<think>", "</think>", (1,), (2,), (3, 2, 4))
