@@ -82,7 +82,7 @@ def advise_read(fd: int) -> None:
         macos.fcntl(fd, macos.F_RDADVISE, struct.pack(RADVISORY, 0, count))
 
 
-def _fault(point: str) -> None:
+def fault_point(point: str) -> None:
     """Test-only fault point (see engine.faults); does nothing unless MLX_KVSERVE_FAULTS is set."""
     if os.environ.get("MLX_KVSERVE_FAULTS"):
         from mlx_kvserve.engine import faults  # imported late: the engine imports this package
@@ -308,7 +308,7 @@ class DiskTier:
                 disk_fault("write")
                 for i, arr in enumerate(arrays):
                     if i == len(arrays) // 2:
-                        _fault("disk_write_kill")  # a crash with half the payload written
+                        fault_point("disk_write_kill")  # a crash with half the payload written
                     if arr.nbytes:
                         _write_all(fd, codec.byte_view(arr.data))
                 disk_fault("fsync")

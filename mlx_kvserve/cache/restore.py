@@ -23,7 +23,7 @@ from mlx_kvserve.cache import codec, state
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.chain import ChainBuilder
 from mlx_kvserve.cache.codec import HostArray
-from mlx_kvserve.cache.disk import _fault as fault_point
+from mlx_kvserve.cache.disk import fault_point
 from mlx_kvserve.cache.entry import DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
 from mlx_kvserve.cache.exceptions import CacheRestoreError, EntryFormatError, out_of_memory
 from mlx_kvserve.cache.kinds import LayerCache
@@ -138,8 +138,7 @@ def _restore_chain(
         # whole chain does not fit, so its root is the link to blame.
         _fail(catalog, links[0].key, exc, match_key)
     from_disk = []
-    fault_point("restore")  # test seams (engine.faults): an error nobody expected here,
-    fault_point("restore_oom")  # and memory running out
+    fault_point("restore")  # test seam (engine.faults): an error nobody expected, or memory
     if catalog.disk is not None:
         small = [
             link.key

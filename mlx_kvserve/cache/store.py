@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_kvserve.cache import state
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.checkpointing import admit_checkpoint
-from mlx_kvserve.cache.disk import DiskTier
+from mlx_kvserve.cache.disk import DiskTier, fault_point
 from mlx_kvserve.cache.entry import (
     DISK_WRITTEN,
     EntryInfo,
@@ -220,6 +220,7 @@ class PromptCache:
             self._drain()
             if self.read_only or self._closed:
                 return None
+            fault_point("checkpoint")  # test seam (engine.faults)
             if self._space is not None:
                 self._space.check()  # the disk's free space, when due: the budget follows it
             return admit_checkpoint(

@@ -12,31 +12,44 @@ the whole process on the spot (a crash at an exact instant, e.g. halfway through
 file), `*_stall` sleeps for an hour (a process stuck where it stands, as a Mac gone to sleep),
 anything else raises `InjectedFault`.
 
-Points, on the engine thread:
+Points, on the engine thread, in the order of a request's life (`ENGINE_POINTS`, which also
+says which take `<point>_oom`: `maybe_fail(point)` checks both rules):
 
 * `turn`: the start of every turn of the engine loop, before it touches any request (a fault
   there fails nothing; three in a row stop the engine: engine/failures.py);
 * `admission`: a request at the head of the queue is checked for room (engine/intake.py);
-* `resume`: the oldest paused request is about to resume (engine/worker.py);
+* `lookup`: the prompt-cache lookup of where a prefill starts (engine/prompt_state.py);
+* `restore`, `restore_oom`: inside a restore (cache/restore.py): an error nobody expected,
+  memory running out;
+* `prefill_after_restore`: before the first chunk of a prefill that starts from reused state
+  (engine/generate.py);
+* `prefill_chunk`, `prefill_chunk_oom`: before each chunk's forward pass of a prefill (a
+  request's, or a paused one's resumption), the last pass included: `prefill_chunk@K` fails
+  the K-th chunk the engine runs;
+* `prefill`, `prefill_oom`: before a prefill's last pass;
+* `checkpoint`, `checkpoint_oom`: a checkpoint of live KV is stored (cache/store.py): during a
+  prefill, after an answer, at a pause;
 * `before_step`: the memory plan before a decode step, for every row of the batch;
 * `pause`: a row is about to pause for memory (engine/room.py);
-* `decode`: inside a decode step's forward pass (`decode_stall`: the pass never ends);
-* `prefill`, `prefill_oom`: before a prefill's last pass; `prefill_after_restore`: before the
-  first chunk of a prefill that starts from reused state (engine/generate.py);
-* `restore`, `restore_oom`: inside a restore (cache/restore.py): an error nobody expected,
-  memory running out.
+* `resume`: the oldest paused request is about to resume (engine/worker.py);
+* `decode`, `decode_oom`: inside a decode step's forward pass (`decode_stall`: the pass never
+  ends; engine/batch.py, for a job's tests).
 
-A failure after a restore (`prefill_after_restore`, `restore`) is blamed on the newest restored
-link and the request tried again from its parent (engine/blame.py); memory running out evicts
-nothing and is tried again; every other point fails the requests it touched with a clean error,
-releases their KV holds, and the engine serves the next request (engine/failures.py). On the
-disk tier: `disk_write_kill` (cache/disk.py, halfway through an entry's temporary file) and the
-`disk_<op>_<errno>` points (see "Disk-tier points" below). Across the ranks of a job:
-`request_decode` (distributed.request_wire: a request from rank 0 that this rank cannot
-rebuild), and two points that `fires` instead of failing, where the fault is another value:
-`draw_otherwise` (engine.sampling: the step's tokens become other ones), `join_other_versions`
-(distributed.join: this rank reports other versions); a job's tests give the variable to one
-rank only, to make that rank differ from the others.
+A failure of the cache's (`lookup`, `restore`, `checkpoint`, the disk) or after a restore
+(`prefill_after_restore`; a prefill from reused state) costs the request only speed: a failed
+lookup or restore is tried again from less (engine/prompt_state.py, engine/blame.py: the newest
+restored link is blamed and the request tried again from its parent), a failed checkpoint is
+one checkpoint fewer, and memory running out evicts nothing and is tried again. Every other
+point fails the requests it touched with a clean error, releases their KV holds, and the engine
+serves the next request (engine/failures.py); tests/unit/test_fault_matrix.py runs every point
+under each of its kinds. On the disk tier: `disk_write_kill` (cache/disk.py, halfway through an
+entry's temporary file) and the `disk_<op>_<errno>` points (see "Disk-tier points" below).
+Elsewhere (`OTHER_POINTS`): `read_body` (api/body.py, on the event loop: reading a request's
+body). Across the ranks of a job: `request_decode` (distributed.request_wire: a request from
+rank 0 that this rank cannot rebuild), and two points that `fires` instead of failing, where
+the fault is another value: `draw_otherwise` (engine.sampling: the step's tokens become other
+ones), `join_other_versions` (distributed.join: this rank reports other versions); a job's
+tests give the variable to one rank only, to make that rank differ from the others.
 
 Production code only ever calls `maybe_fail` (or `maybe_fail_disk`, or `fires`), which does
 nothing when the variable is unset; `reset()` makes it read the variable again (tests).
@@ -53,6 +66,33 @@ import time
 
 ENV = "MLX_KVSERVE_FAULTS"
 STALL_SECONDS = 3600.0
+
+ERROR, OOM = "error", "oom"  # the kinds of fault an engine-thread point takes
+# Each point on the engine thread (in the order of a request's life) and its kinds: ERROR under
+# the point's own name, OOM under `<point>_oom` where memory can run out (see the docstring).
+ENGINE_POINTS: dict[str, tuple[str, ...]] = {
+    "turn": (ERROR,),
+    "admission": (ERROR,),
+    "lookup": (ERROR,),
+    "restore": (ERROR, OOM),
+    "prefill_after_restore": (ERROR,),
+    "prefill_chunk": (ERROR, OOM),
+    "prefill": (ERROR, OOM),
+    "checkpoint": (ERROR, OOM),
+    "before_step": (ERROR,),
+    "pause": (ERROR,),
+    "resume": (ERROR,),
+    "decode": (ERROR, OOM),
+}
+# The other points production code reaches, beside the disk tier's `disk_<op>_<errno>`.
+OTHER_POINTS = (
+    "decode_stall",
+    "disk_write_kill",
+    "read_body",
+    "request_decode",
+    "draw_otherwise",
+    "join_other_versions",
+)
 
 METAL_OUT_OF_MEMORY = (
     "[METAL] Command buffer execution failed: Insufficient Memory "
@@ -97,7 +137,22 @@ def fires(point: str) -> bool:
         return n <= value if kind == ":" else n == value
 
 
+def fault_name(point: str, kind: str) -> str:
+    """The rule name of `kind` at an engine-thread `point`: `turn`, `decode_oom`."""
+    return point if kind == ERROR else f"{point}_{kind}"
+
+
+_NAMES = {p: tuple(fault_name(p, k) for k in kinds) for p, kinds in ENGINE_POINTS.items()}
+
+
 def maybe_fail(point: str) -> None:
+    """Fail here if a rule chose this reach of `point` (of an engine-thread point: of any of
+    its kinds, `ENGINE_POINTS`)."""
+    for name in _NAMES.get(point, (point,)):
+        _fail_if_chosen(name)
+
+
+def _fail_if_chosen(point: str) -> None:
     if not fires(point):
         return
     if point.endswith("_stall"):

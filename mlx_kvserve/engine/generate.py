@@ -139,6 +139,7 @@ def prefill_steps(
     for lo, hi in chunks:
         yield end - lo
         check()
+        faults.maybe_fail("prefill_chunk")
         out = model(mx.array(prompt[lo:hi])[None], cache=live.caches)
         reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
@@ -148,8 +149,8 @@ def prefill_steps(
             checkpoints.store(live, last, reason=reason)
     yield end - last_from
     check()
+    faults.maybe_fail("prefill_chunk")
     faults.maybe_fail("prefill")
-    faults.maybe_fail("prefill_oom")
     out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
     mx.eval(out)
     live.tokens.extend(prompt[last_from:end])

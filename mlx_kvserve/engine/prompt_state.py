@@ -33,6 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
 from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.protocols import PromptCacheView
 
 
@@ -180,6 +181,7 @@ class PromptStates:
 
     # ----------------------------------------------------------------------------------------
     def _lookup(self, prompt: list[int], at_most: int | None) -> Match:
+        faults.maybe_fail("lookup")
         return self.cache.lookup(prompt, at_most=at_most) if self.cache is not None else MISS
 
     def _take_live(self, prompt: list[int], match: Match, at_most: int | None) -> Start | None:
