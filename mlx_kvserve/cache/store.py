@@ -212,27 +212,36 @@ class PromptCache:
         The caches hold exactly `tokens`, or (plain KVCache layers only) more positions of which
         `tokens` are the first.
 
-        None means refused (length mismatch, oversize, read-only) or duplicate (already stored;
-        an `anchor` flag is still applied). `probe` is the logits row at the last position,
-        kept to re-check behaviour after an unclean shutdown.
+        None means refused (length mismatch, oversize, read-only), duplicate (already stored;
+        an `anchor` flag is still applied) or failed (logged). It never raises: a checkpoint
+        that fails costs one checkpoint, never the request storing it (a prefill that raised
+        here was blamed on the links it restored, and evicted them). `probe` is the logits row
+        at the last position, kept to re-check behaviour after an unclean shutdown.
         """
         with self._lock:
-            self._drain()
             if self.read_only or self._closed:
                 return None
-            fault_point("checkpoint")  # test seam (engine.faults)
-            if self._space is not None:
-                self._space.check()  # the disk's free space, when due: the budget follows it
-            return admit_checkpoint(
-                self._catalog,
-                self._policy,
-                tokens,
-                caches,
-                reason,
-                anchor=anchor,
-                probe=probe,
-                run_id=self.run_id,
-            )
+            try:
+                fault_point("checkpoint")  # test seam (engine.faults)
+                self._drain()
+                if self._space is not None:
+                    self._space.check()  # the disk's free space, when due: the budget follows
+                return admit_checkpoint(
+                    self._catalog,
+                    self._policy,
+                    tokens,
+                    caches,
+                    reason,
+                    anchor=anchor,
+                    probe=probe,
+                    run_id=self.run_id,
+                )
+            except Exception as exc:
+                self._catalog.counters["refused"] += 1
+                self.log.warning(
+                    "prompt-cache checkpoint of %d tokens failed: %r", len(tokens), exc
+                )
+                return None
 
     def evict(self, key: str, reason: str, *, first_suspect: bool = False) -> list[str]:
         """Remove `key` and every entry depending on it, from RAM and disk; one log line.

@@ -261,6 +261,22 @@ def test_a_failure_that_also_happens_cold_evicts_nothing(served, fault):
     served.ask(*served.a[2])  # and the next request is served normally
 
 
+def test_a_checkpoint_that_fails_costs_only_itself(served, fault):
+    """A checkpoint stored during the prefill from the restored chain (the "message" point) and
+    after the answer both fail: the answer is normal and from the whole chain, nothing is
+    blamed or evicted, and the next turn still finds the chain."""
+    fault("checkpoint:2")
+    prompt, boundaries = served.a[2]
+    req = served.ask(prompt, boundaries)
+    assert req.done.cached_tokens == len(served.a[1][0]) + ANSWER - 1  # the whole chain
+    assert faults.reached("checkpoint") == 2
+    assert served.indexed() == served.before  # neither new checkpoint, nothing evicted
+    stats = served.cache.stats()
+    assert stats["failure_evictions"] == 0 and stats["refused"] == 2
+    fault("")
+    assert served.ask(prompt, boundaries).done.cached_tokens == req.done.cached_tokens
+
+
 # ------------------------------------------------------------------------ inside a restore --
 def test_an_unexpected_error_inside_a_restore_blames_the_newest_link(served, fault):
     """Not a `CacheRestoreError` (e.g. a call the platform lacks, in the disk tier): evicted and
