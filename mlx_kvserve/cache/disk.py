@@ -349,7 +349,8 @@ class DiskTier:
                 if not self._unlink(key):
                     return False
             except OSError as exc:
-                self._keep_undeleted(key, exc)
+                if not self._gone(key):  # e.g. an entry whose queued write was cancelled
+                    self._keep_undeleted(key, exc)
                 return False
         if durable:
             with contextlib.suppress(OSError):
@@ -387,6 +388,17 @@ class DiskTier:
             found = False
         self.undeleted.pop(key, None)
         return found
+
+    def _gone(self, key: str) -> bool:
+        """Whether `key`'s file is certainly not there (a stat that fails otherwise proves
+        nothing: the file is then kept as undeleted)."""
+        try:
+            os.lstat(self._file(key))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def _keep_undeleted(self, key: str, exc: OSError) -> None:
         """`key`'s file could not be deleted: mark it evicted (caller holds fs_lock) and keep it

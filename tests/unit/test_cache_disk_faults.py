@@ -214,6 +214,27 @@ def test_storing_the_same_tokens_again_replaces_a_file_marked_evicted(tmp_path, 
     pc.close()
 
 
+@pytest.mark.parametrize("name", list(ERRNOS))
+def test_an_entry_evicted_before_its_file_was_written_leaves_no_undeleted_file(
+    tmp_path, monkeypatch, name
+):
+    """Its queued write is cancelled, so there is no file: a failed unlink there is no file
+    kept "undeleted" (which /health counted until a retry found nothing)."""
+    disk = SmallDisk(tmp_path / FP, total=64 * MiB)
+    disk.install(monkeypatch)
+    pc = open_cache(tmp_path)
+    disk.writes.clear()  # the write waits in the queue
+    a = pc.checkpoint(T[:100], make_kv(100), "m")
+    inject_faults(monkeypatch, f"disk_unlink_{name}:1000")
+    assert pc.evict(a, "test") == [a]
+    disk.writes.set()
+    stats = assert_disk_consistent(pc)
+    assert faults.reached(f"disk_unlink_{name}") == 1
+    assert pc.disk.undeleted == {} and stats["undeleted_files"] == 0
+    assert a not in entry_files(pc)
+    pc.close()
+
+
 def test_deletions_are_retried_by_the_writer(tmp_path, monkeypatch):
     pc = open_cache(tmp_path)
     pc._writer.retry_seconds = 0.0
