@@ -63,9 +63,12 @@ def apply_writer_results(catalog: Catalog, admit_to_ram: AdmitToRam) -> bool:
         wrote = True
         if catalog.pending.get(job.key) is job:
             del catalog.pending[job.key]
-        if not result.ok and not job.cancelled:
-            catalog.writer.forget(job.key)  # seen here: no job queued from now on chains to it
-            catalog.counters["disk_full"] += result.errno == errno.ENOSPC
+        if not result.ok:
+            # Seen here: no job queued from now on chains to it. A cancelled one too: its write
+            # may have failed after its entry was evicted, and the writer remembered it.
+            catalog.writer.forget(job.key)
+            if not job.cancelled:
+                catalog.counters["disk_full"] += result.errno == errno.ENOSPC
         entry = catalog.entries.get(job.key)
         if entry is None or job.cancelled or entry.disk != DISK_PENDING:
             continue

@@ -194,6 +194,7 @@ class SmallDisk:
         self.filler = 0
         self.writes = threading.Event()  # cleared: entry writes wait (jobs pile up in the queue)
         self.writes.set()
+        self.waiting = threading.Event()  # set once an entry write waits for `writes`
 
     def used(self) -> int:
         if not self.directory.is_dir():
@@ -218,6 +219,8 @@ class SmallDisk:
             return disk.total, disk.free()
 
         def write_entry(self: DiskTier, key, head, arrays, job) -> int:  # noqa: ANN001
+            if not disk.writes.is_set():
+                disk.waiting.set()
             disk.writes.wait(30)
             if len(head) + sum(a.nbytes for a in arrays) > disk.free():
                 raise OSError(errno.ENOSPC, "No space left on device")

@@ -235,6 +235,28 @@ def test_an_entry_evicted_before_its_file_was_written_leaves_no_undeleted_file(
     pc.close()
 
 
+@pytest.mark.parametrize("name", list(ERRNOS))
+def test_a_write_that_fails_after_its_entry_was_evicted_is_forgotten(tmp_path, monkeypatch, name):
+    """The writer had started the write when the entry was evicted; then the write failed. The
+    writer remembers failed writes until the store has seen them (so that no child chains to
+    one): a cancelled one must be forgotten too, or the writer keeps it for good."""
+    disk = SmallDisk(tmp_path / FP, total=64 * MiB)
+    disk.install(monkeypatch)
+    pc = open_cache(tmp_path)
+    inject_faults(monkeypatch, f"disk_write_{name}:1")
+    disk.writes.clear()
+    a = pc.checkpoint(T[:100], make_kv(100), "m")
+    assert disk.waiting.wait(30)  # the writer is inside the write
+    assert pc.evict(a, "test") == [a]
+    disk.writes.set()
+    stats = assert_disk_consistent(pc)  # the writer remembers no failed write
+    assert faults.reached(f"disk_write_{name}") == 1 and stats["write_errors"] == 1
+    b = pc.checkpoint(T[:120], make_kv(120), "m")  # the same tokens and more: written whole
+    assert_disk_consistent(pc)
+    assert {e.key for e in pc.entries() if e.disk == "written"} == {b}
+    pc.close()
+
+
 def test_deletions_are_retried_by_the_writer(tmp_path, monkeypatch):
     pc = open_cache(tmp_path)
     pc._writer.retry_seconds = 0.0
