@@ -207,8 +207,16 @@ class Workload:
         return self._answers[key]
 
     def copy(self, directory: Path) -> PromptCache:
-        """A fresh copy of the earlier run's cache directory, opened as a new process would."""
-        shutil.copytree(self.root, directory)
+        """A fresh copy of the earlier run's cache directory, opened as a new process would.
+        (File by file: `shutil.copytree` copies extended attributes with names macOS's `os`
+        lacks, which the macOS-surface run removes.)"""
+        directory.mkdir(mode=0o700, parents=True)
+        for path in sorted(self.root.rglob("*")):
+            target = directory / path.relative_to(self.root)
+            if path.is_dir():
+                target.mkdir(mode=0o700, parents=True)
+            else:
+                shutil.copyfile(path, target)
         return open_cache(directory)
 
 
