@@ -332,7 +332,7 @@ def assert_anthropic_error(resp, status: int, kind: str) -> str:
             {
                 "model": MODEL,
                 "max_tokens": 5,
-                "temperature": 1.5,
+                "temperature": 1.5,  # unseeded: refused, Anthropic's temperatures end at 1
                 "messages": [{"role": "user", "content": "x"}],
             },
             "temperature",
