@@ -67,7 +67,7 @@ def test_stop_sequence_and_max_tokens(client):
         model=MODEL,
         max_tokens=3,
         messages=[{"role": "user", "content": "Count: 1, 2, 3, 4, 5, 6"}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, "ignore_eos": True},  # all 3 tokens, however it goes
     )
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
     text = (
@@ -75,7 +75,7 @@ def test_stop_sequence_and_max_tokens(client):
             model=MODEL,
             max_tokens=40,
             messages=[{"role": "user", "content": "Say hello"}],
-            extra_body={"temperature": 0},
+            extra_body={"temperature": 0, "ignore_eos": True},  # words to stop at
         )
         .content[0]
         .text
@@ -85,7 +85,7 @@ def test_stop_sequence_and_max_tokens(client):
         model=MODEL,
         max_tokens=40,
         messages=[{"role": "user", "content": "Say hello"}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, "ignore_eos": True},
         stop_sequences=[word],
     )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
