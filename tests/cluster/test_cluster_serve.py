@@ -122,6 +122,7 @@ def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, llama_alo
         "model": "llama",
         "messages": [{"role": "user", "content": "Count for me."}],
         "max_tokens": 2000,
+        "ignore_eos": True,  # still running when the client leaves
         "temperature": 0,
         "stream": True,
     }

@@ -377,7 +377,7 @@ def test_auth_by_x_api_key_or_bearer_and_size_limit(start_server):
 
 def test_full_queue_is_529_overloaded(start_server):
     srv = start_server("--max-queue", "1", "--max-concurrency", "1")  # the others must queue
-    long_body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 4000, "stream": True}
+    long_body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     holding = threading.Event()
     release = threading.Event()
 
