@@ -93,8 +93,8 @@ def test_seeded_sampling_and_grammars_answer_as_one_process(job, llama_alone):
     assert ours == sampled(llama_alone)
     call = ours[1][0]  # a random-weight model's arguments run to max_tokens, in the grammar
     assert call["name"] == "get_weather" and call["arguments"].startswith('{"city": "')
-    # rank 0 seeds it for every rank; ignore_eos: all 6 tokens, however the draw goes
-    unseeded = chat(job, 6, temperature=1.0, ignore_eos=True)  # unseeded: what is tested
+    # rank 0 seeds it for every rank (jobs run without --seed); ignore_eos: all 6 tokens
+    unseeded = chat(job, 6, temperature=1.0, extra_body={"ignore_eos": True})  # unseeded: tested
     assert unseeded["finish_reason"] == "length"
 
 
