@@ -82,6 +82,8 @@ def to_chat_request(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
             max_tokens=body.max_tokens,
             stop=tuple(body.stop_sequences or ()),
         )

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.schemas import MAX_STOPS, Body, _Body, _is_union_tag
+from mlx_kvserve.api.schemas import MAX_STOPS, Body, Seed, _Body, _is_union_tag
 from mlx_kvserve.json_value import JSON
 
 MIN_THINKING_BUDGET = 1024  # the API's floor for thinking.budget_tokens
@@ -228,6 +228,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
+    seed: Seed | None = None  # extensions, as on the OpenAI bodies (docs/api.md)
+    ignore_eos: bool = False
     metadata: dict[str, JSON] | None = None
     stream: bool = False
 

@@ -9,6 +9,7 @@ live here once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -209,9 +210,12 @@ def _submit(
     on_done: Callable[[Generation, Done], None] | None = None,
 ) -> Generation:
     want_bytes = sampling.logprobs or sampling.top_logprobs > 0
+    params = _sampling(sampling, len(prompt.tokens), engine.context_length, kind)
+    if params.seed is None and request.app.state.settings.seed >= 0:  # --seed: the default
+        params = dataclasses.replace(params, seed=request.app.state.settings.seed)
     req = GenerationRequest(
         prompt_tokens=prompt.tokens,
-        params=_sampling(sampling, len(prompt.tokens), engine.context_length, kind),
+        params=params,
         kind=kind,
         boundaries=prompt.boundaries,
         constraint=constraint,
@@ -265,6 +269,7 @@ def _sampling(
         stop=sampling.stop,
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
+        ignore_eos=sampling.ignore_eos,
     )
 
 

@@ -92,6 +92,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
+            ignore_eos=body.ignore_eos,
             max_tokens=body.token_limit(),
             stop=body.stop_strings(),
             logprobs=bool(body.logprobs),

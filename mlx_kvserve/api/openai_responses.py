@@ -86,7 +86,13 @@ def to_chat_request(
         tools.tools,
         tool_choice(body, tools),
         _output_format(body),
-        Sampling(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens),
+        Sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            max_tokens=body.max_output_tokens,
+            ignore_eos=body.ignore_eos,
+        ),
         Thinking(enabled=False if effort == "none" else None, effort=effort),
     )
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from mlx_kvserve.api.schemas import _Body
+from mlx_kvserve.api.schemas import Seed, _Body
 from mlx_kvserve.json_value import JSON
 
 TEXT_PART_TYPES = {"input_text", "output_text", "text", "refusal", "reasoning_text", "summary_text"}
@@ -149,6 +149,8 @@ class ResponsesRequest(_Body):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    seed: Seed | None = None  # extensions, as on the chat body (docs/api.md)
+    ignore_eos: bool = False
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None

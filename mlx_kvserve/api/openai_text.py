@@ -37,6 +37,7 @@ async def completions(request: Request) -> Response:
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
+        ignore_eos=body.ignore_eos,
         max_tokens=body.token_limit(),
         stop=body.stop_strings(),
         logprobs=n_logprobs is not None,

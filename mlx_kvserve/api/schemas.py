@@ -15,6 +15,7 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
+Seed = Annotated[int, Field(ge=0, lt=2**64)]  # MLX seeds are uint64
 
 
 class _Body(BaseModel):
@@ -80,7 +81,8 @@ class _Sampling(_Body):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # MLX seeds are uint64
+    seed: Seed | None = None
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False

@@ -170,6 +170,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False  # end-of-sequence ids are not sampled: the answer runs its length
 
 
 @dataclass

@@ -242,6 +242,13 @@ class Settings:
             "reasoning controls win."
         },
     )
+    seed: int = field(
+        default=-1,
+        metadata={
+            "help": "Seed of every sampled request that brings none (a request's own `seed` "
+            "wins), so the same request gets the same answer; -1: such requests are random."
+        },
+    )
     thinking_budget: int = field(
         default=0,
         metadata={

@@ -87,6 +87,8 @@ def check_value(name: str, value: SettingValue) -> SettingValue:
         raise ValueError(f"{value} is not a TCP port (0-65535)")
     if name in _POSITIVE and value <= 0:
         raise ValueError("must be positive")
+    if name == "seed" and not -1 <= value < 2**64:
+        raise ValueError(f"{value} is not a seed (0 to 2^64-1, or -1 for none)")
     if name in _NON_NEGATIVE and value < 0:
         raise ValueError(f"{value} is negative")
     if name == "log_level" and str(value).lower() not in _LOG_LEVELS:

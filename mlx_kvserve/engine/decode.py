@@ -17,9 +17,14 @@ and the sequence reads first until the grammar is back in a free state.
 A seeded request draws each token from a seed derived from its own seed and the token's index,
 so its output does not depend on which other requests share the batch (MLX's random state is
 global). The global state is then reseeded from the OS, so unseeded requests stay random.
+
+A request with `ignore_eos` never samples an end-of-sequence id while anything else is allowed
+(llama.cpp's meaning): its length is the client's to choose, as tests of a random model need.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +46,7 @@ class Cancelled(Exception):
 class Decoder:
     """Samples one request's tokens: grammar mask, sampler, logprobs."""
 
-    def __init__(self, req: GenerationRequest) -> None:
+    def __init__(self, req: GenerationRequest, eos: Iterable[int] = ()) -> None:
         params = req.params
         self.req = req
         self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
@@ -61,15 +66,34 @@ class Decoder:
         self._free: np.ndarray | None = None  # a lazy grammar's free-text mask (its first)
         self._free_mx: mx.array | None = None
         self._spec: mx.array | None = None  # the free state's mask (None: no mask at all)
+        self._eos = sorted(set(eos)) if params.ignore_eos else []
+        self._no_eos: mx.array | None = None  # every id but the end-of-sequence ones
 
     @property
     def pipelined(self) -> bool:
         return self.constraint is None or self.speculating
 
     def mask(self, n_logits: int, speculative: bool) -> mx.array | None:
-        """The grammar's mask for the next sample (None: no grammar, or no mask at this step).
-        `speculative`: the token before it is not read yet, so the mask of the free state the
-        grammar was in stands in (checked by `confirm`)."""
+        """The tokens the next sample may take (None: any). `speculative`: the token before it
+        is not read yet, so the mask of the free state the grammar was in stands in (checked by
+        `confirm`)."""
+        allowed = self._grammar_mask(n_logits, speculative)
+        return self._without_eos(allowed, n_logits) if self._eos else allowed
+
+    def _without_eos(self, allowed: mx.array | None, n_logits: int) -> mx.array:
+        """`allowed` less the end-of-sequence ids, unless they are all it allows (a grammar that
+        must end): decided on the device, so no readback."""
+        if self._no_eos is None or self._no_eos.shape[0] != n_logits:
+            keep = np.ones(n_logits, dtype=bool)
+            keep[[i for i in self._eos if i < n_logits]] = False
+            self._no_eos = mx.array(keep)
+        if allowed is None:
+            return self._no_eos
+        both = mx.logical_and(allowed, self._no_eos)
+        return mx.where(mx.any(both), both, allowed)
+
+    def _grammar_mask(self, n_logits: int, speculative: bool) -> mx.array | None:
+        """The grammar's mask (None: no grammar, or no mask at this step)."""
         if self.constraint is None:
             return None
         if speculative:

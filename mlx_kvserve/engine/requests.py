@@ -64,6 +64,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False  # report each sampled token's log probability
     top_logprobs: int = 0  # ... and this many most likely alternatives
+    # End-of-sequence ids are never sampled (unless a grammar allows nothing else): the answer
+    # runs to max_tokens, a stop string or its grammar's end (the `ignore_eos` extension).
+    ignore_eos: bool = False
 
 
 class TokenConstraint(Protocol):

@@ -54,8 +54,8 @@ class Sequence:
         self.live = live
         self.timings = timings
         self.states = states  # the PromptStates (namespace) this request acquired from
-        self.decoder = Decoder(req)
         self.eos = set(tokenizer.eos_token_ids)
+        self.decoder = Decoder(req, self.eos)
         self.detok = tokenizer.detokenizer
         if req.kind == "text":
             keep_leading_space(self.detok)

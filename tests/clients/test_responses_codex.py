@@ -216,6 +216,7 @@ def test_forced_custom_calls_follow_the_lark_grammar_at_temperature_1(server, pa
             {"type": "custom", "name": "apply_patch"},
             max_tokens=160,
             temperature=1.0,
+            seed=seed,
             input=[DEVELOPER, user(f"Add a file note{seed}.txt that says hi.")],
         )
         calls = [i for i in reply["output"] if i["type"] == "custom_tool_call"]

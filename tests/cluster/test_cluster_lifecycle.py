@@ -42,7 +42,8 @@ def test_a_rank_killed_mid_request_ends_the_job_and_the_client_hears(job_models,
     args = ("--model", str(job_models["llama"]), "--cache-dir", str(tmp_path / "cache"))
     job = start_job(tmp_path, 2, *args, "--peer-timeout", "5")
     before = conversation(job, 1)
-    body = {"model": "llama", "prompt": "Go", "max_tokens": 4000, "temperature": 0, "stream": True}
+    body = {"model": "llama", "prompt": "Go", "max_tokens": 4000, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}  # still running when the rank dies
     events = []
     started = time.monotonic()
     url = job.base_url + "/v1/completions"

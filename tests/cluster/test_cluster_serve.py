@@ -93,7 +93,8 @@ def test_seeded_sampling_and_grammars_answer_as_one_process(job, llama_alone):
     assert ours == sampled(llama_alone)
     call = ours[1][0]  # a random-weight model's arguments run to max_tokens, in the grammar
     assert call["name"] == "get_weather" and call["arguments"].startswith('{"city": "')
-    unseeded = chat(job, 6, temperature=1.0)  # rank 0 seeds it for every rank
+    # rank 0 seeds it for every rank (jobs run without --seed); ignore_eos: all 6 tokens
+    unseeded = chat(job, 6, temperature=1.0, extra_body={"ignore_eos": True})  # unseeded: tested
     assert unseeded["finish_reason"] == "length"
 
 
@@ -121,6 +122,7 @@ def test_a_client_that_leaves_mid_stream_leaves_the_ranks_in_step(job, llama_alo
         "model": "llama",
         "messages": [{"role": "user", "content": "Count for me."}],
         "max_tokens": 2000,
+        "ignore_eos": True,  # still running when the client leaves
         "temperature": 0,
         "stream": True,
     }

@@ -67,7 +67,7 @@ def test_stop_sequence_and_max_tokens(client):
         model=MODEL,
         max_tokens=3,
         messages=[{"role": "user", "content": "Count: 1, 2, 3, 4, 5, 6"}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, "ignore_eos": True},  # all 3 tokens, however it goes
     )
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
     text = (
@@ -75,7 +75,7 @@ def test_stop_sequence_and_max_tokens(client):
             model=MODEL,
             max_tokens=40,
             messages=[{"role": "user", "content": "Say hello"}],
-            extra_body={"temperature": 0},
+            extra_body={"temperature": 0, "ignore_eos": True},  # words to stop at
         )
         .content[0]
         .text
@@ -85,7 +85,7 @@ def test_stop_sequence_and_max_tokens(client):
         model=MODEL,
         max_tokens=40,
         messages=[{"role": "user", "content": "Say hello"}],
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0, "ignore_eos": True},
         stop_sequences=[word],
     )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
@@ -332,7 +332,7 @@ def assert_anthropic_error(resp, status: int, kind: str) -> str:
             {
                 "model": MODEL,
                 "max_tokens": 5,
-                "temperature": 1.5,
+                "temperature": 1.5,  # unseeded: refused, Anthropic's temperatures end at 1
                 "messages": [{"role": "user", "content": "x"}],
             },
             "temperature",
@@ -377,7 +377,7 @@ def test_auth_by_x_api_key_or_bearer_and_size_limit(start_server):
 
 def test_full_queue_is_529_overloaded(start_server):
     srv = start_server("--max-queue", "1", "--max-concurrency", "1")  # the others must queue
-    long_body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 4000, "stream": True}
+    long_body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     holding = threading.Event()
     release = threading.Event()
 

@@ -59,7 +59,7 @@ def test_a_client_leaving_mid_stream_leaves_the_others_intact(server):
     started = threading.Barrier(3)
 
     def leaver() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=300) as r:
             chunks = 0
             for line in r.iter_lines():

@@ -11,7 +11,9 @@ import time
 
 import httpx
 
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}
+# ignore_eos: every answer runs to its max_tokens ("length"), and a long one is still running
+# when its client leaves
+COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0, "ignore_eos": True}
 
 
 def engine_lines(server) -> list[dict[str, str]]:

@@ -238,7 +238,7 @@ def test_restart_and_sigkill_keep_answers_equal(
 
         def stream() -> None:
             body = {"model": MODEL, "messages": longer, "temperature": 0, "max_tokens": 400}
-            body["stream"] = True
+            body |= {"ignore_eos": True, "stream": True}  # still answering when killed
             try:
                 with httpx.stream(
                     "POST", restarted.base_url + "/v1/chat/completions", json=body, timeout=60

@@ -5,10 +5,11 @@
 The model: the tiny random-weight Qwen3.5 of model seed 2 (tests/support/thinking_models.py),
 decoding greedily. Its generation prompt opens `<think>`; the server's thinking budget of BUDGET
 tokens ends the reasoning by forcing `\\n`, `</think>`, `\\n\\n`, then the model answers until
-max_tokens. For the questions asked here its greedy reasoning ("icrob" or "Web", six times)
-starts with a letter and re-encodes to the very tokens sampled, so a faithful replay can reuse all
-of it ("token" six times, for other questions, re-encodes differently and would reuse none). Each
-test asks its own question: the cache then holds nothing of another test's conversation.
+max_tokens (every request asks `ignore_eos`, so no answer ends before). For the questions asked
+here its greedy reasoning ("icrob" or "Web", six times) starts with a letter and re-encodes to the
+very tokens sampled, so a faithful replay can reuse all of it ("token" six times, for other
+questions, re-encodes differently and would reuse none). Each test asks its own question: the
+cache then holds nothing of another test's conversation.
 
 What the Qwen3.5 template does with past reasoning decides how far a replayed history can match:
 * by default it drops the reasoning of turns before the last user message, so a new user
@@ -39,7 +40,7 @@ from tests.support.thinking_models import build_thinking_model
 
 BUDGET = 6
 KEPT_EXTRA = BUDGET + 2  # the reasoning, then `\n` `</think>`
-GREEDY = {"temperature": 0}
+GREEDY = {"temperature": 0, "ignore_eos": True}  # and every answer runs to its max_tokens
 NEXT = {"role": "user", "content": "And another."}
 OTHER_TEXT = "Some other reasoning, as a client may have rewritten it."
 
@@ -189,6 +190,7 @@ def respond(server: ServerProcess, items: list[dict], **extra: Any) -> Any:
         include=["reasoning.encrypted_content"],
         reasoning={"summary": "auto"},
         temperature=0,
+        extra_body={"ignore_eos": True},
         **{"max_output_tokens": 16, **extra},
     )
 
@@ -257,14 +259,14 @@ def test_chat_reasoning_content_replayed_reuses_the_turn(kept: ServerProcess) ->
     client = client_for(kept)
     question = user("What about thinking blocks?")
     first = client.chat.completions.create(
-        model="m", messages=[question], max_tokens=16, temperature=0
+        model="m", messages=[question], max_tokens=16, extra_body=GREEDY
     )
     msg = first.choices[0].message
     reasoning = msg.model_extra["reasoning_content"]
     assert reasoning and first.usage.completion_tokens_details.reasoning_tokens == BUDGET
     turn = {"role": "assistant", "content": msg.content, "reasoning_content": reasoning}
     second = client.chat.completions.create(
-        model="m", messages=[question, turn, NEXT], max_tokens=2, temperature=0
+        model="m", messages=[question, turn, NEXT], max_tokens=2, extra_body=GREEDY
     )
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached == first.usage.prompt_tokens + KEPT_EXTRA

@@ -186,7 +186,7 @@ def test_anthropic_tool_loop_reads_the_previous_prompt_from_the_cache(
             messages=messages,
             tools=ANTHROPIC_TOOLS,
             tool_choice=choice,
-            extra_body={"temperature": 1.0},
+            extra_body={"temperature": 1.0, "seed": turn},
         )
         usage = reply.usage
         loop.add(
@@ -231,6 +231,7 @@ def test_responses_tool_loop_reads_the_previous_prompt_from_the_cache(
             store=False,
             temperature=1.0,
             max_output_tokens=120,
+            extra_body={"seed": turn},
         )
         usage = reply.usage
         loop.add(usage.input_tokens_details.cached_tokens, usage.input_tokens, usage.output_tokens)
@@ -278,6 +279,7 @@ def test_custom_tool_loop_reads_the_previous_prompt_from_the_cache(server: Serve
             "parallel_tool_calls": False,
             "store": False,
             "temperature": 1.0,
+            "seed": turn,
             "max_output_tokens": 60,
         }
         reply = httpx.post(server.base_url + "/v1/responses", json=body, timeout=300)

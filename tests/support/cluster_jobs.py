@@ -43,8 +43,11 @@ class Job(ServerProcess):
     """A server run by `mlx.launch` on `ranks` ranks; the process is the launcher."""
 
     def __init__(self, workdir: Path, ranks: int, *args: str, wrap: tuple[str, ...] = ()) -> None:
-        """`wrap` runs each rank's command under a wrapper (`launch.on_rank`)."""
-        super().__init__(workdir, *args, prefix=launch_prefix(ranks) + wrap)
+        """`wrap` runs each rank's command under a wrapper (`launch.on_rank`). No `--seed`: rank 0
+        seeds what comes unseeded (distributed/request_wire.py), as a test checks; the requests
+        compared with one process's answers are greedy or name their seed."""
+        no_seed = {"MLX_KVSERVE_SEED": "-1"}
+        super().__init__(workdir, *args, env=no_seed, prefix=launch_prefix(ranks) + wrap)
 
     def ranks(self) -> dict[int, int]:
         try:

@@ -4,6 +4,10 @@ cluster tests (the fixtures that start them are tests/support/server_fixtures.py
 Every server uses the real embedded default model unless a test names another. It is fetched
 and converted once into the data directory (MLX_KVSERVE_DATA_DIR if set, else the per-user
 default) and reused by later runs.
+
+Every server samples with a seed (`--seed`, unless a test sets MLX_KVSERVE_SEED itself): a request
+that samples without one of its own (an agent CLI's, an SDK's, a test's at the default
+temperature) gets the same answer on every run, so no test passes or fails by the draw.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+SEED = "0"  # the servers' --seed (see above)
 STARTUP_TIMEOUT = 900.0  # first run downloads and converts the model; a guard, not a benchmark
 
 
@@ -45,6 +50,7 @@ class ServerProcess:
         self.env.setdefault("MLX_KVSERVE_CONFIG", str(workdir / "no-config.toml"))
         # Each server gets its own prompt-cache directory unless a test shares one on purpose.
         self.env.setdefault("MLX_KVSERVE_CACHE_DIR", str(workdir / f"cache-{self.port}"))
+        self.env.setdefault("MLX_KVSERVE_SEED", SEED)
         cmd = [
             *prefix,
             sys.executable,

@@ -177,7 +177,10 @@ def test_seeded_sampling_does_not_depend_on_the_company(model):
         driver.join(seeded)
         for p in PROMPTS[1 : 1 + companions]:
             other = request(p, max_tokens=10)
-            other.params = type(other.params)(temperature=1.0, max_tokens=10)
+            other.params = type(other.params)(
+                temperature=1.0,  # unseeded: the company is random, the seeded row's is not
+                max_tokens=10,
+            )
             driver.join(other)
         driver.drain()
         return seeded.text

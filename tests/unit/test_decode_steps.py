@@ -54,7 +54,7 @@ def test_mixed_rows_share_the_readback(model):
     constrained = request(PROMPTS[1], max_tokens=n)
     constrained.constraint = AllowAll()
     warm = request(PROMPTS[2], max_tokens=n)
-    warm.params = type(warm.params)(temperature=0.8, max_tokens=n)
+    warm.params = type(warm.params)(temperature=0.8, max_tokens=n)  # unseeded: a row of that kind
     seeded = request(PROMPTS[3], max_tokens=n)
     seeded.params = type(seeded.params)(temperature=1.0, max_tokens=n, seed=7)
     reqs = [greedy, constrained, warm, seeded]

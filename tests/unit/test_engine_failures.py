@@ -26,7 +26,7 @@ from tests.unit.test_engine_units import PROMPT, Recorder, StubTokenizer, reques
 
 PER_TOKEN = 256  # KV bytes per position of the tiny llama (both layers)
 LOCAL = "http://localhost"  # the Host guard answers only to names of this server
-CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")

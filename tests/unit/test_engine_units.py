@@ -9,6 +9,7 @@ completion_tokens, stop strings, EOS, cancellation within one step, and the cold
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
@@ -202,6 +203,66 @@ def test_eos_counts_and_the_cache_matches_its_tokens(model, monkeypatch, pipelin
     live = gen.states._residents[0]
     assert live.tokens[: len(PROMPT) + first] == PROMPT + want[:first]
     assert offsets(live.caches) == {len(live.tokens)}  # whatever was fed is accounted for
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "one-step"])
+def test_ignore_eos_runs_to_max_tokens(model, monkeypatch, pipelined):
+    """`ignore_eos`: the end-of-sequence ids are never drawn, greedy or sampled, so the length
+    is max_tokens."""
+    if not pipelined:
+        monkeypatch.setattr(decode_module.Decoder, "pipelined", property(lambda self: False))
+    want = reference(model, PROMPT, 12)
+    eos = want[4]
+    first = want.index(eos)
+    gen = Generator(model, StubTokenizer(eos=(eos,)), PromptStates(model, None), prefill_step=8)
+    req = request(max_tokens=12, ignore_eos=True)
+    gen.run(req)
+    assert req.done.finish_reason == "length" and req.done.completion_tokens == 12
+    got = tokens_of(req.text)
+    assert len(got) == 12 and eos not in got and got[:first] == want[:first]
+    # sampled, with every token greedy would pick taken as an end: none of them is drawn
+    ends = tuple(set(want))
+    gen = Generator(model, StubTokenizer(eos=ends), PromptStates(model, None), prefill_step=8)
+    req = Recorder(list(PROMPT), SamplingParams(1.0, max_tokens=12, seed=3, ignore_eos=True))
+    gen.run(req)
+    assert req.done.finish_reason == "length" and req.done.completion_tokens == 12
+    assert not set(tokens_of(req.text)) & set(ends)
+
+
+class EndsAfter:
+    """A grammar that allows any token `n` times, then only `end`."""
+
+    grammar = None
+
+    def __init__(self, n: int, end: int) -> None:
+        self.n, self.end, self.seen = n, end, 0
+
+    def allowed(self, n_logits: int):
+        if self.seen < self.n:
+            return None
+        mask = np.zeros(n_logits, dtype=bool)
+        mask[self.end] = True
+        return mask
+
+    def advance(self, token: int) -> None:
+        self.seen += 1
+
+    def forced(self, limit: int) -> list[int]:
+        return []
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+def test_ignore_eos_still_ends_where_the_grammar_allows_nothing_else(model):
+    eos = reference(model, PROMPT, 1)[0] + 1
+    gen = Generator(model, StubTokenizer(eos=(eos,)), PromptStates(model, None), prefill_step=8)
+    req = request(max_tokens=12, ignore_eos=True)
+    req.constraint = EndsAfter(3, eos)
+    gen.run(req)
+    assert req.done.finish_reason == "stop" and req.done.completion_tokens == 4
+    assert len(tokens_of(req.text)) == 3
 
 
 def test_stop_string_ends_the_text(model):

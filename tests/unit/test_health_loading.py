@@ -19,7 +19,7 @@ from mlx_kvserve.models import ensure_default_model
 from mlx_kvserve.models.pool import ModelPool
 
 MODEL_ID = "SmolLM2-135M-Instruct"
-CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
 LOCAL = "http://localhost"  # the Host guard answers only to names of this server
 

@@ -77,10 +77,8 @@ def test_a_request_arrives_as_it_left(prompt, params, boundaries, kind, cancelle
 
 def test_two_unseeded_requests_get_their_own_seeds():
     wire = RequestWire(lambda: None)
-    seeds = {
-        travel(wire, GenerationRequest([1], SamplingParams(temperature=1.0))).params.seed
-        for _ in range(20)
-    }
+    unseeded = SamplingParams(temperature=1.0)  # unseeded: rank 0 gives it a seed
+    seeds = {travel(wire, GenerationRequest([1], unseeded)).params.seed for _ in range(20)}
     assert len(seeds) == 20
 
 

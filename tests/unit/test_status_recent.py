@@ -46,7 +46,11 @@ def _pool(model_dirs: dict[str, Path]) -> ModelPool:
 def test_recent_requests_name_the_model_that_served_them(model_dirs: dict[str, Path]) -> None:
     with TestClient(create_app(Settings(), _pool(model_dirs)), base_url=LOCAL) as client:
         for model in ("tiny-b", "haiku", None):  # by name, by alias, the default (tiny-a)
-            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            body = {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 2,
+                "temperature": 0,
+            }
             if model is not None:
                 body["model"] = model
             reply = client.post("/v1/chat/completions", json=body)
