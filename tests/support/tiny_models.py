@@ -216,6 +216,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
 WRAPPERS = frozenset(k for k, v in CONFIGS.items() if "text_config" in v)
 
 
+def padded_vocab(tokens: int) -> int:
+    """The embedding rows a checkpoint ships for a tokenizer of `tokens` ids: a multiple of 128
+    with at least 64 rows no token uses, as Qwen pads 151,669 tokens to 151,936 rows (Gemma 3 and
+    DeepSeek-V3 pad too). Those rows have logits like any other, and no text."""
+    return (tokens + 64 + 127) // 128 * 128
+
+
 @functools.cache
 def default_tokenizer_dir() -> Path:
     """The converted default model (converted once into the shared data dir, as tests do)."""
