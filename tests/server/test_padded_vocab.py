@@ -58,7 +58,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
 
 
 def _chat(server: ServerProcess, **body) -> dict:
-    body = {"model": "m", "messages": HI, "max_tokens": 48, **SAMPLING, **body}
+    body = {"model": "m", "messages": HI, "max_tokens": 64, **SAMPLING, **body}
     r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
@@ -68,7 +68,7 @@ def _chat(server: ServerProcess, **body) -> dict:
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_tools_answer_on_a_padded_vocabulary(server: ServerProcess, thinking: bool, choice: str):
     extra = {} if thinking else OFF
-    answer = _chat(server, tools=TOOLS, tool_choice=choice, **extra)
+    answer = _chat(server, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, **extra)
     message = answer["message"]
     assert bool(message.get("reasoning_content")) == thinking
     if choice == "required":
@@ -89,9 +89,10 @@ def test_a_streamed_tool_call_after_the_reasoning(server: ServerProcess):
     body = {
         "model": "m",
         "messages": HI,
-        "max_tokens": 48,
+        "max_tokens": 64,
         "tools": TOOLS,
         "tool_choice": "required",
+        "parallel_tool_calls": False,
         "stream": True,
         **SAMPLING,
     }
@@ -117,10 +118,10 @@ def test_a_streamed_tool_call_after_the_reasoning(server: ServerProcess):
 def test_anthropic_tools_answer_on_a_padded_vocabulary(server: ServerProcess, thinking: bool):
     body = {
         "model": "m",
-        "max_tokens": 48,
+        "max_tokens": 64,
         "messages": HI,
         "tools": [{"name": "get_weather", "input_schema": WEATHER}],
-        "tool_choice": {"type": "any"},
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "thinking": {"type": "adaptive"} if thinking else {"type": "disabled"},
         **SAMPLING,
     }

@@ -381,7 +381,7 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     fmt = tool_format_for(tokenizer)
     assert fmt.name == parser and fmt.constrained
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
 
     def accepts(mode: str, text: str) -> bool:
         req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
@@ -531,7 +531,7 @@ def test_function_gemma_writes_sorted_keys_and_flat_values_only(tokenizer, famil
     from mlx_kvserve.chat.grammar import GrammarCompiler
 
     fmt = tool_format_for(tokenizer)
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
     tools = [Tool("get_weather", None, SCHEMAS["get_weather"])]
     req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice("required"))
     grammar = compiler.grammar_for(req, fmt)

@@ -344,7 +344,7 @@ def _accepts(
     from mlx_kvserve.chat.grammar import GrammarCompiler
 
     tools = [Tool(t["function"]["name"], None, t["function"].get("parameters")) for t in tools_json]
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
     choice = ToolChoice(mode, parallel=parallel)
     req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=choice)
     grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
@@ -447,7 +447,7 @@ def test_an_astral_character_in_a_name_is_one_character_in_the_grammar(tokenizer
         tools=[Tool(name, None, params)],
         tool_choice=ToolChoice("required"),
     )
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
     grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
     assert name in grammar and "\\ud8" not in grammar.lower()
 

@@ -47,7 +47,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, PADDED)
+    return GrammarCompiler(tokenizer)
 
 
 def _chat(choice: str) -> ChatRequest:
@@ -118,7 +118,7 @@ def model():
 
 def _run(model, tokenizer, reqs) -> None:
     gen = Generator(model, tokenizer, PromptStates(model, None, enabled=False))
-    batch = DecodeBatch(model, lambda seq: None)
+    batch = DecodeBatch(model, gen.finish)
     for req in reqs:
         _, seq = gen.start(req)
         batch.add(seq)
@@ -152,3 +152,24 @@ def test_no_padded_row_is_ever_sampled_or_named(model, tokenizer, compiler):
     assert names and max(names) < VOCAB
     text = "".join(getattr(e, "text", "") for e in constrained.events)
     assert json.loads(text)["city"] is not None
+
+
+def test_an_end_id_past_the_tokenizer_does_not_break_grammars():
+    """A config may list an end-of-sequence id in the padded rows; llguidance refuses such an
+    id, so it is left out of the grammar's tokenizer (the sampler never draws it anyway)."""
+    from mlx_lm.tokenizer_utils import load
+
+    tokenizer = load(default_tokenizer_dir(), eos_token_ids=[2, PADDED - 1])
+    assert tokenizer.eos_token_ids == {2, PADDED - 1}
+    constraint = _constraint(GrammarCompiler(tokenizer), "required")
+    assert not constraint.allowed(PADDED)[VOCAB:].any()
+
+
+def test_a_prompt_of_ids_may_not_name_a_padded_row(tokenizer):
+    from mlx_kvserve.chat.invalid_request import InvalidRequest
+    from mlx_kvserve.chat.render import render_token_ids
+
+    assert render_token_ids(tokenizer, [1, VOCAB - 1]).tokens == [1, VOCAB - 1]
+    for bad in (VOCAB, PADDED - 1, -1):
+        with pytest.raises(InvalidRequest, match=str(bad)):
+            render_token_ids(tokenizer, [1, bad])
