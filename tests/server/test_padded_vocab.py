@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.servers import ServerProcess
 from tests.support.thinking_models import TOOL_TOKENS, VOCAB, build_thinking_model
-from tests.support.tiny_models import padded_vocab
+from tests.support.tiny_models import make_model_dir, padded_vocab
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +154,14 @@ def test_token_ids_past_the_tokenizer_are_refused(server: ServerProcess):
 def test_no_5xx_was_logged(server: ServerProcess):
     assert "Invalid buffer size" not in server.log()
     assert " 500 " not in server.log()
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_start(tmp_path: Path):
+    """No loader can give ids past the embedding a row: the server says so and exits."""
+    model = make_model_dir(tmp_path / "model", "llama", vocab_size=VOCAB - 100)
+    proc = ServerProcess(tmp_path, "--model", str(model))
+    assert proc.proc.wait(120) == 2
+    log = proc.log()
+    proc.stop()
+    assert f"its tokenizer writes {VOCAB} token ids but its embedding has only {VOCAB - 100}" in log
+    assert "Traceback" not in log

@@ -173,3 +173,32 @@ def test_a_prompt_of_ids_may_not_name_a_padded_row(tokenizer):
     for bad in (VOCAB, PADDED - 1, -1):
         with pytest.raises(InvalidRequest, match=str(bad)):
             render_token_ids(tokenizer, [1, bad])
+
+
+# -- a tokenizer larger than the embedding: refused before the model is served ----------------
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])  # plain, and under text_config
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, model_type):
+    from mlx_kvserve.models.preflight import model_dir_problem
+    from tests.support.tiny_models import make_model_dir
+
+    assert model_dir_problem(make_model_dir(tmp_path / "padded", model_type)) is None
+    exact = make_model_dir(tmp_path / "exact", model_type, vocab_size=VOCAB)
+    assert model_dir_problem(exact) is None
+    short = make_model_dir(tmp_path / "short", model_type, vocab_size=VOCAB - 100)
+    problem = model_dir_problem(short)
+    assert problem is not None
+    assert f"writes {VOCAB} token ids" in problem
+    assert f"only {VOCAB - 100} rows" in problem
+
+
+def test_added_tokens_count_toward_the_tokenizer(tmp_path):
+    """Ids added past the base vocabulary (here `<think>`, `</think>`) need rows too."""
+    from mlx_kvserve.models.preflight import model_dir_problem, tokenizer_ids
+    from tests.support.thinking_models import build_thinking_model
+
+    model = build_thinking_model(tmp_path / "m", "qwen3", vocab_size=VOCAB + 2)
+    assert tokenizer_ids(model) == VOCAB + 2 and model_dir_problem(model) is None
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB + 1}))
+    problem = model_dir_problem(model)
+    assert problem is not None and f"writes {VOCAB + 2} token ids" in problem
