@@ -280,7 +280,12 @@ def test_tool_loop_hits_the_cache(client, tokenizer, family):
             and tokenizer.decode([rest[same]]).encode() == sampled[same]
         ):
             same += 1
-        if forced:
+        if forced and family in NINE_CHAR_IDS:
+            # the nine-character id is the model's to choose, its tokens too (the re-render
+            # may spell it otherwise): everything before it was forced
+            before = b"".join(sampled).index(call.id.encode())
+            assert len(b"".join(sampled[:same])) >= before, (sampled, same)
+        elif forced:
             assert same == len(sampled), (sampled, [tokenizer.decode([t]) for t in rest])
         nxt = client.chat.completions.create(
             model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
