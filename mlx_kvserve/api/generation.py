@@ -192,8 +192,7 @@ def _grammar(engine: EngineView) -> GrammarCompiler:
     """The model's grammar compiler (its tokenizer's), made once per loaded engine."""
     compiler = _compilers.get(engine)
     if compiler is None:
-        vocab = getattr(getattr(engine.model, "args", None), "vocab_size", 0)
-        compiler = _compilers[engine] = GrammarCompiler(engine.tokenizer, vocab or 0)
+        compiler = _compilers[engine] = GrammarCompiler(engine.tokenizer)
     return compiler
 
 

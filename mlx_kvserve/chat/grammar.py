@@ -35,6 +35,7 @@ from mlx_kvserve.chat.freeform import freeform_head
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.vocabulary import vocabulary_size
 
 if TYPE_CHECKING:  # imported where used: the package loads without it until a grammar is needed
     from llguidance import LLMatcher, LLTokenizer
@@ -52,6 +53,8 @@ class Constraint:
     """One request's grammar state, used on the engine thread only."""
 
     def __init__(self, matcher: LLMatcher, vocab_size: int, *, lazy: bool = False) -> None:
+        """`vocab_size`: the ids llguidance's tokenizer knows (`LLTokenizer.vocab_size`), which
+        its mask covers exactly; the model's logits may be wider (a padded embedding)."""
         import llguidance.numpy as lln
 
         # Free text until a trigger (tool_choice "auto"): the engine keeps such a request
@@ -59,16 +62,20 @@ class Constraint:
         self.lazy = lazy
         self.grammar: str | None = None  # its Lark text, which another rank compiles alike
         self._matcher = matcher
+        self._vocab_size = vocab_size
         self._bitmask = lln.allocate_token_bitmask(1, vocab_size)
         self._fill = lln.fill_next_token_bitmask
 
     def allowed(self, n_logits: int) -> np.ndarray:
-        """A boolean mask over the model's logits: True where the grammar allows the token."""
+        """A boolean mask over the model's logits: True where the grammar allows the token.
+        Logits past the tokenizer's ids (the rows a checkpoint pads its embedding with) are
+        never allowed: no token has them."""
         self._fill(self._matcher, self._bitmask)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").astype(bool)
-        if bits.size < n_logits:  # logits rows past the tokenizer's vocabulary are padding
-            bits = np.concatenate([bits, np.zeros(n_logits - bits.size, dtype=bool)])
-        return bits[:n_logits]
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
+        known = min(self._vocab_size, n_logits)
+        mask = np.zeros(n_logits, dtype=bool)
+        mask[:known] = bits[:known]
+        return mask
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):
@@ -95,9 +102,8 @@ class Constraint:
 class GrammarCompiler:
     """Compiles requests' grammars against one tokenizer (its llguidance twin is built once)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
         self._lock = threading.Lock()
         self._lltok: LLTokenizer | None = None
 
@@ -110,8 +116,12 @@ class GrammarCompiler:
                 wrapped = isinstance(self._tokenizer, TokenizerWrapper)
                 hf = self._tokenizer._tokenizer if wrapped else self._tokenizer
                 ids = getattr(self._tokenizer, "eos_token_ids", None)
-                eos = sorted(ids) if isinstance(ids, set | list | tuple) and ids else None
-                self._lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+                # a config may list an end id past the tokenizer (a padded row), which
+                # llguidance refuses; the sampler never draws such a row anyway
+                size = vocabulary_size(self._tokenizer)
+                known = isinstance(ids, set | list | tuple)
+                eos = sorted(i for i in ids if size is None or i < size) if known else []
+                self._lltok = llguidance.hf.from_tokenizer(hf, eos_token=eos or None)
             return self._lltok
 
     def token_bytes(self, token: int) -> bytes:
@@ -214,7 +224,7 @@ class GrammarCompiler:
                 param=param,
                 code="invalid_schema",
             )
-        constraint = Constraint(matcher, self._vocab_size)
+        constraint = Constraint(matcher, self._llg_tokenizer().vocab_size)
         constraint.grammar = grammar
         return constraint
 

@@ -45,6 +45,7 @@ from mlx_kvserve.chat.reasoning.thinking import (
 )
 from mlx_kvserve.chat.request import ChatRequest, Message, ToolCall
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.vocabulary import vocabulary_size
 
 
 @dataclass
@@ -164,8 +165,9 @@ def render_text(tokenizer: Tokenizer, text: str) -> Prompt:
 
 def render_token_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
     """A text completion given as token ids (as evaluation harnesses send it): every id must be
-    one the tokenizer knows, or the model would read past its embedding table."""
-    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    one the tokenizer knows, or the model would read past its embedding table or a padded row
+    no token has (mlx_kvserve/vocabulary.py)."""
+    size = vocabulary_size(tokenizer) or len(getattr(tokenizer, "_tokenizer", tokenizer))
     bad = next((t for t in ids if not 0 <= t < size), None)
     if bad is not None:
         raise InvalidRequest(

@@ -177,8 +177,7 @@ def _lockstep(
 
     def compiler() -> GrammarCompiler:
         if not compilers:
-            vocab = getattr(getattr(job.model, "args", None), "vocab_size", 0)
-            compilers.append(GrammarCompiler(job.tokenizer, vocab or 0))
+            compilers.append(GrammarCompiler(job.tokenizer))
         return compilers[0]
 
     return Lockstep(collective, RequestWire(compiler), cache=cache, cluster=cluster)

@@ -82,7 +82,8 @@ def join_model(
         raise OSError(f"{model_dir}: no readable config.json ({exc})") from None
     from mlx_lm.utils import load_model, load_tokenizer  # heavy: after the cheap checks
 
-    model, _ = load_model(model_dir, lazy=True, strict=False)
+    # the config as mlx_lm.load reads it: generation_config.json's end ids win over config.json's
+    model, loaded_config = load_model(model_dir, lazy=True, strict=False)
     plan = plan_sharding(model, config, collective.size, shard, name=model_dir.name)
     if collective.distributed:
         if plan.mode == PIPELINE:
@@ -90,7 +91,7 @@ def join_model(
         else:
             model.shard(collective.group)
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=loaded_config.get("eos_token_id"))
     probe = greedy_probe(model, tokenizer)
     if not collective.all_equal(json.dumps(probe), "greedy probe"):
         raise JoinError(

@@ -46,9 +46,14 @@ class Cancelled(Exception):
 class Decoder:
     """Samples one request's tokens: grammar mask, sampler, logprobs."""
 
-    def __init__(self, req: GenerationRequest, eos: Iterable[int] = ()) -> None:
+    def __init__(
+        self, req: GenerationRequest, eos: Iterable[int] = (), vocab: int | None = None
+    ) -> None:
+        """`eos`: the end ids (masked under `ignore_eos`); `vocab`: the ids the tokenizer
+        writes, logits past them never drawn."""
         params = req.params
         self.req = req
+        self.vocab = vocab
         self.sampler = make_sampler(temp=params.temperature, top_p=params.top_p, top_k=params.top_k)
         # rows with equal keys share one sampler call (make_sampler ignores the rest at temp 0)
         self.key: tuple = (

@@ -44,6 +44,7 @@ from mlx_kvserve.engine.namespaces import States
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.vocabulary import vocabulary_size
 
 Result = tuple[Timings, "Sequence | None"]  # a prefill's end: its timings, the sequence or None
 
@@ -230,6 +231,7 @@ class Generator:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.vocab = vocabulary_size(tokenizer)  # logits past it are padding: never drawn
         self.states = states
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
@@ -340,7 +342,7 @@ class Generator:
         check_logits(logits)
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
-        return Sequence(req, self.tokenizer, live, logits, timings, states)
+        return Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
 
     def _save(
         self,

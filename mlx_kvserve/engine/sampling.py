@@ -31,8 +31,9 @@ class Step:
     """A token sampled on the device, not yet read back."""
 
     token: mx.array  # shape (1,)
-    logprobs: mx.array  # (1, vocabulary)
-    logits: mx.array  # what it was sampled from: the prediction after the last token fed
+    logprobs: mx.array  # (1, the tokenizer's ids): what the token was drawn from, normalised
+    logits: mx.array  # the model's whole row (padded ids too): the prediction after the last
+    # token fed, kept as the cache's behaviour probe
     speculative: bool = False  # masked as free text before the previous token was read
 
 
@@ -44,6 +45,7 @@ class Decoder(Protocol):
     seeded: bool
     seed: int | None
     draws: int  # seeded tokens drawn so far: the next one's index
+    vocab: int | None  # the ids its tokenizer writes (None: every logit is a token)
 
     def mask(self, n_logits: int, speculative: bool) -> mx.array | None: ...
 
@@ -53,8 +55,14 @@ def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]
 
     `rows[i]` is (decoder, speculative) for `logits[i]`; speculative: the row's previous token
     is still on the device, so its grammar (if any) cannot say its mask yet (engine/decode.py).
+    Logits past the tokenizer's ids (a checkpoint's padded embedding rows) belong to no token:
+    they are cut off before anything is drawn, so the log probabilities are over real tokens.
     """
+    full = logits
     n, vocab = logits.shape
+    known = min((d.vocab for d, _ in rows if d.vocab is not None), default=vocab)
+    if known < vocab:
+        logits, vocab = logits[:, :known], known
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     masks = [decoder.mask(vocab, speculative) for decoder, speculative in rows]
     candidates = logprobs
@@ -96,10 +104,9 @@ def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]
         tokens = (tokens + 1) % vocab
     mx.async_eval(tokens, logprobs)
     if n == 1:
-        return [Step(tokens, logprobs, logits, rows[0][1])]
+        return [Step(tokens, logprobs, full, rows[0][1])]
     return [
-        Step(tokens[i : i + 1], logprobs[i : i + 1], logits[i : i + 1], rows[i][1])
-        for i in range(n)
+        Step(tokens[i : i + 1], logprobs[i : i + 1], full[i : i + 1], rows[i][1]) for i in range(n)
     ]
 
 

@@ -49,13 +49,15 @@ class Sequence:
         logits: mx.array,
         timings: Timings,
         states: PromptStates,
+        vocab: int | None = None,
     ) -> None:
+        """`vocab`: the ids `tokenizer` writes (mlx_kvserve/vocabulary.py)."""
         self.req = req
         self.live = live
         self.timings = timings
         self.states = states  # the PromptStates (namespace) this request acquired from
         self.eos = set(tokenizer.eos_token_ids)
-        self.decoder = Decoder(req, self.eos)
+        self.decoder = Decoder(req, self.eos, vocab)
         self.detok = tokenizer.detokenizer
         if req.kind == "text":
             keep_leading_space(self.detok)
@@ -191,7 +193,7 @@ class Sequence:
         step = self.step
         if step is None or not step.speculative:
             return False
-        return not self.decoder.confirm(step, self.last_logits.shape[-1])
+        return not self.decoder.confirm(step, step.logprobs.shape[-1])  # the width drawn at
 
     def _end(self, finish: str, *, flush: bool = True) -> None:
         if flush:

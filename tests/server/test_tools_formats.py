@@ -280,7 +280,12 @@ def test_tool_loop_hits_the_cache(client, tokenizer, family):
             and tokenizer.decode([rest[same]]).encode() == sampled[same]
         ):
             same += 1
-        if forced:
+        if forced and family in NINE_CHAR_IDS:
+            # the nine-character id is the model's to choose, its tokens too (the re-render
+            # may spell it otherwise): everything before it was forced
+            before = b"".join(sampled).index(call.id.encode())
+            assert len(b"".join(sampled[:same])) >= before, (sampled, same)
+        elif forced:
             assert same == len(sampled), (sampled, [tokenizer.decode([t]) for t in rest])
         nxt = client.chat.completions.create(
             model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
@@ -381,7 +386,7 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     fmt = tool_format_for(tokenizer)
     assert fmt.name == parser and fmt.constrained
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
 
     def accepts(mode: str, text: str) -> bool:
         req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
@@ -531,7 +536,7 @@ def test_function_gemma_writes_sorted_keys_and_flat_values_only(tokenizer, famil
     from mlx_kvserve.chat.grammar import GrammarCompiler
 
     fmt = tool_format_for(tokenizer)
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
     tools = [Tool("get_weather", None, SCHEMAS["get_weather"])]
     req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice("required"))
     grammar = compiler.grammar_for(req, fmt)

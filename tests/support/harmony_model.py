@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.support.tiny_models import VOCAB, make_model_dir
+from tests.support.tiny_models import VOCAB, make_model_dir, padded_vocab
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "fixtures" / "templates" / "gpt-oss.jinja"
 # gpt-oss's special tokens (o200k_harmony): the ones the format and the template use.
@@ -36,7 +36,8 @@ HARMONY_TOKENS = (
 def build_harmony_model(dest: Path, *, seed: int = 0) -> Path:
     """Write the tiny harmony model into `dest`; return `dest`."""
     added = HARMONY_TOKENS
-    dest = make_model_dir(dest, "gpt_oss", seed=seed, vocab_size=VOCAB + len(added))
+    rows = padded_vocab(VOCAB + len(added))  # gpt-oss: 201,088 rows for o200k_harmony's 200,019
+    dest = make_model_dir(dest, "gpt_oss", seed=seed, vocab_size=rows)
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
@@ -56,7 +57,11 @@ def build_harmony_model(dest: Path, *, seed: int = 0) -> Path:
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-    assert next_id < VOCAB + len(added)
+    assert next_id < rows
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    # gpt-oss's generation_config.json: <|return|>, <|endoftext|>, <|call|>
+    generation = {"eos_token_id": [ids["<|return|>"], 0, ids["<|call|>"]]}
+    (dest / "generation_config.json").write_text(json.dumps(generation), encoding="utf-8")
     config["chat_template"] = TEMPLATE.read_text(encoding="utf-8")
     config["eos_token"] = "<|return|>"
     config["bos_token"] = "<|startoftext|>"

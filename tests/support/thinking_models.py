@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.support.tiny_models import VOCAB, make_model_dir
+from tests.support.tiny_models import VOCAB, make_model_dir, padded_vocab
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
 FAMILIES = {
@@ -107,6 +107,8 @@ MISTRAL_TOOL_TOKENS = (
     "[TOOL_CONTENT]",
     "[/TOOL_RESULTS]",
 )
+# Added tokens their real tokenizers mark special (Qwen's <think> and <tool_call> are not)
+SPECIAL = frozenset(LLAMA3_TOOL_TOKENS + MISTRAL_TOOL_TOKENS)
 DEEPSEEK_TOOL_TOKENS = (
     "<｜User｜>",
     "<｜Assistant｜>",
@@ -128,14 +130,20 @@ def build_thinking_model(
     architecture: str = "llama",
     seed: int = 0,
     tool_tokens: tuple[str, ...] = (),
+    vocab_size: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
     `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
     cannot be trimmed); `tool_tokens` adds these tags as tokens too, as the family's own
-    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there."""
+    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there; the ones the
+    real tokenizer marks special (Llama 3's header tokens, Mistral's controls) are special
+    here too. `vocab_size` sets the embedding rows (default: padded past the tokenizer's ids, as
+    real checkpoints are); `dtype` as `make_model_dir`'s."""
     added = THINK_TOKENS + tool_tokens
-    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(added))
+    rows = padded_vocab(VOCAB + len(added)) if vocab_size is None else vocab_size
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=rows, dtype=dtype)
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
@@ -151,11 +159,11 @@ def build_thinking_model(
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": False,
+            "special": text in SPECIAL,
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-    assert next_id < VOCAB + len(added)
+    assert next_id < rows
     config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -3,8 +3,16 @@
 `make_model_dir(dest, "gemma3_text")` writes what `mlx_lm.load` and `serve --model DIR` read: a
 ``config.json`` (``model_type`` plus tiny dimensions), ``model.safetensors`` with the parameters of
 ``mlx_lm.models.<type>.Model`` built from a fixed seed, and the default model's tokenizer files
-(SmolLM2's, 49152 tokens; every config's vocabulary covers it). Hidden size 64 and two to four
-layers, so a CPU serves them faster than the real default model.
+(SmolLM2's, 49152 tokens). Hidden size 64 and two to four layers, so a CPU serves them faster
+than the real default model.
+
+They carry the quirks real checkpoints ship with (the configs in tests/fixtures/configs): an
+embedding padded past the tokenizer (`ROWS` for its 49152 ids, as Qwen, Gemma 3, gpt-oss and
+DeepSeek-V3 pad theirs), tied (llama, Gemma 3: no ``lm_head`` weight at all) and untied (Qwen,
+DeepSeek, gpt-oss) output projections, several end-of-sequence ids (a list in Llama's and
+Gemma 3's config.json, a list in every ``generation_config.json``, Qwen3.5's own id inside its
+``text_config``), rope scaling (Llama 3's ``llama3``, Gemma 3's ``linear``, gpt-oss's and
+DeepSeek-V3's ``yarn``), and with ``dtype="bfloat16"`` the float32 tensors a conversion keeps.
 
 Each family keeps the cache types its real models build: ``llama`` plain ``KVCache``,
 ``qwen3_next`` / ``qwen3_5`` linear-attention ``ArraysCache`` layers with one full-attention
@@ -29,6 +37,17 @@ from typing import Any
 
 VOCAB = 49152  # SmolLM2's tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+EOS_IDS = [2, 0]  # SmolLM2's <|im_end|> and <|endoftext|>, as Qwen lists <|im_end|>, <|endoftext|>
+
+
+def padded_vocab(tokens: int) -> int:
+    """The embedding rows a checkpoint ships for a tokenizer of `tokens` ids: a multiple of 128
+    with at least 64 rows no token uses, as Qwen pads 151,669 tokens to 151,936 rows (Gemma 3,
+    gpt-oss and DeepSeek-V3 pad too). Those rows have logits like any other, and no text."""
+    return (tokens + 64 + 127) // 128 * 128
+
+
+ROWS = padded_vocab(VOCAB)
 
 _ATTN = {
     "hidden_size": 64,
@@ -37,7 +56,7 @@ _ATTN = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "rms_norm_eps": 1e-5,
-    "vocab_size": VOCAB,
+    "vocab_size": ROWS,
 }
 
 _QWEN_LINEAR = {
@@ -61,6 +80,8 @@ _GEMMA3_TEXT = {
     "sliding_window": 32,  # small, so a short conversation already slides
     "sliding_window_pattern": 3,  # layers 0-1 sliding (RotatingKVCache), layer 2 global
     "max_position_embeddings": 32768,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},  # Gemma 3's global layers
+    "tie_word_embeddings": True,  # written without lm_head, as Gemma 3 ships
 }
 
 # Per family: the config.json a conversion of a real checkpoint would carry, shrunk.
@@ -69,7 +90,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **_ATTN,
         "num_hidden_layers": 2,
         "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": True,  # as Llama 3.2 1B/3B (3.1 8B unties)
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "rope_type": "llama3",
+        },
+        "eos_token_id": EOS_IDS,  # a list, as Llama 3.1's config.json
     },
     "qwen3_next": {
         **_QWEN_LINEAR,
@@ -86,6 +115,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "text_config": {
             **_QWEN_LINEAR,
             "model_type": "qwen3_5_text",
+            "eos_token_id": EOS_IDS[0],  # where Qwen3.5 states it (mlx-lm reads the top level)
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -95,7 +125,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         },
     },
     "gemma3_text": dict(_GEMMA3_TEXT),
-    "gemma3": {"text_config": {**_GEMMA3_TEXT, "model_type": "gemma3_text"}, "vocab_size": VOCAB},
+    "gemma3": {
+        "text_config": {**_GEMMA3_TEXT, "model_type": "gemma3_text"},
+        "vocab_size": ROWS,
+        "eos_token_id": EOS_IDS,  # a list, as Gemma 3's config.json ([1, 106])
+    },
     "gpt_oss": {
         **_ATTN,
         "intermediate_size": 64,
@@ -105,6 +139,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "rope_theta": 150000,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "tie_word_embeddings": False,
         # As the real configs: no context field mlx-lm reads, but these two for the server.
         "max_position_embeddings": 131072,
         "initial_context_length": 4096,
@@ -126,11 +169,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 16,
         "v_head_dim": 16,
         "max_position_embeddings": 16384,
+        "rope_scaling": {  # DeepSeek-V3's YaRN (its factor 40 on 4096)
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
     },
     # DeepSeek-V4: mlx-lm keeps each layer's window and compressed groups in its own
     # `LayerCache`, whose `state` is read-only (the prompt cache turns itself off for it).
     "deepseek_v41": {
-        "vocab_size": VOCAB,
+        "vocab_size": ROWS,
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
@@ -149,7 +202,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 16384,
     },
     "mamba": {
-        "vocab_size": VOCAB,
+        "vocab_size": ROWS,
         "hidden_size": 64,
         "intermediate_size": 128,
         "state_size": 16,
@@ -161,7 +214,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "mamba2": {
-        "vocab_size": VOCAB,
+        "vocab_size": ROWS,
         "hidden_size": 64,
         "num_heads": 4,
         "head_dim": 16,
@@ -289,11 +342,17 @@ def make_model_dir(
 
     model.update(tree_map_with_path(cast, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
+    text = config.get("text_config", config)
+    if text.get("tie_word_embeddings") and model_type.startswith("gemma3"):
+        # Gemma 3 ships no lm_head: mlx-lm ties it to the embedding when the weight is absent
+        weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
     mx.eval(weights)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": 1, "eos_token_id": EOS_IDS}  # as Qwen's and Llama's lists
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2))
     source = default_tokenizer_dir()
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

@@ -237,7 +237,7 @@ def test_real_lazy_tool_grammar_pipelines_its_text_and_constrains_its_call(token
         tools=[Tool("get_weather", None, {"type": "object", "properties": {"city": {}}})],
         tool_choice=ToolChoice("auto"),
     )
-    compiler = GrammarCompiler(tokenizer, vocab)
+    compiler = GrammarCompiler(tokenizer)
     opening = len(tokenizer.encode(text.split("<tool_call>")[0], add_special_tokens=False))
 
     def run(lazy: bool) -> tuple[str, int, list[bool], str | None]:

@@ -109,7 +109,7 @@ def test_the_gate_keeps_a_grammar_out_of_the_reasoning(tokenizer) -> None:
     )
     prompt = render_chat(tokenizer, req)
     assert prompt.reasoning and prompt.markers is not None
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
     inner = compiler.constraint_for(req, HERMES)
     assert inner is not None
     gate = ReasoningGate(prompt.markers, reasoning=True, budget=2, inner=inner)

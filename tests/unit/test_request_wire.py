@@ -40,7 +40,7 @@ params = st.builds(
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
     tokenizer = load_tokenizer(default_tokenizer_dir())
-    return GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    return GrammarCompiler(tokenizer)
 
 
 def travel(wire: RequestWire, req: GenerationRequest) -> GenerationRequest:

@@ -289,7 +289,7 @@ def test_replayed_custom_call_renders_as_the_grammar_made_the_model_write_it(tok
         '<tool_call>\n{"name": "apply_patch"}\n'
         "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n\n</tool_call>"
     )
-    compiler = GrammarCompiler(tokenizer, 49152)
+    compiler = GrammarCompiler(tokenizer)
     matcher = llguidance.LLMatcher(
         compiler._llg_tokenizer(), compiler.grammar_for(chat, prompt.tool_format), log_level=0
     )

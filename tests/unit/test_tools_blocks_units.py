@@ -70,7 +70,7 @@ def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     fmt = tool_format_for(tokenizer)
     assert fmt.name == parser and fmt.constrained
     tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()))
+    compiler = GrammarCompiler(tokenizer)
 
     def accepts(mode: str, text: str, parallel: bool = False) -> bool:
         choice = ToolChoice(mode, parallel=parallel)
