@@ -7,7 +7,7 @@
 
 A `--no-cache` server answers the workload once (a few conversations sharing one system prompt,
 greedy, 8 tokens per answer): those are the reference outputs. Then `KillLoop` (from
-tests/server/test_crash_safety.py) starts a cache server with a small disk budget, sends requests,
+tests/support/kill_loop.py) starts a cache server with a small disk budget, sends requests,
 SIGKILLs it at a seeded random moment (right after an answer, mid-stream, mid-request, halfway
 through writing an entry file, or idle), restarts it on the same cache directory and goes on,
 `--iterations` times; a final clean run sends the interrupted request and the whole workload.
@@ -51,8 +51,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def soak(args: argparse.Namespace, workdir: Path) -> int:
     from mlx_kvserve.config.values import parse_size
-    from tests.server.test_crash_safety import KillLoop, build_workload
+    from tests.support.kill_loop import KillLoop
     from tests.support.servers import ServerProcess
+    from tests.support.soak_workload import build_workload
 
     started = time.monotonic()
 
