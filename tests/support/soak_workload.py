@@ -237,20 +237,30 @@ class Turn:
 def replies(expected: Answer, conversation: int, turn: int) -> list[dict]:
     """The history a client appends after an answer: the assistant message, then one tool
     result per call (the ids are the client's own, so the history does not depend on the
-    server's random ones)."""
+    server's random ones). A call cut off by the token limit is left out: its arguments are
+    not JSON, which no client could send back."""
     message: dict = {"role": "assistant", "content": expected.content}
-    if not expected.calls:
+    calls = [(name, args) for name, args in expected.calls if _is_json(args)]
+    if not calls:
         return [message]
-    ids = [f"call_{conversation}_{turn}_{k}" for k in range(len(expected.calls))]
+    ids = [f"call_{conversation}_{turn}_{k}" for k in range(len(calls))]
     message["tool_calls"] = [
         {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
-        for i, (name, args) in zip(ids, expected.calls, strict=True)
+        for i, (name, args) in zip(ids, calls, strict=True)
     ]
     results = [
         {"role": "tool", "tool_call_id": i, "content": RESULTS.get(name, "{}")}
-        for i, (name, _) in zip(ids, expected.calls, strict=True)
+        for i, (name, _) in zip(ids, calls, strict=True)
     ]
     return [message, *results]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def build_workload(reference_url: str, target: Target = DEFAULT) -> list[list[Turn]]:

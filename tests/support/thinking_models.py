@@ -128,14 +128,17 @@ def build_thinking_model(
     architecture: str = "llama",
     seed: int = 0,
     tool_tokens: tuple[str, ...] = (),
+    vocab_size: int | None = None,
 ) -> Path:
     """Write the tiny model of `family` (a FAMILIES key) into `dest`; return `dest`.
 
     `architecture` is any tests/support/tiny_models.py family (e.g. "qwen3_5" for caches that
     cannot be trimmed); `tool_tokens` adds these tags as tokens too, as the family's own
-    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there."""
+    tokenizer has them (TOOL_TOKENS: Qwen's), so calls tokenize as they do there; `vocab_size`
+    sets the embedding rows (default: exactly the tokenizer's ids)."""
     added = THINK_TOKENS + tool_tokens
-    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=VOCAB + len(added))
+    rows = VOCAB + len(added) if vocab_size is None else vocab_size
+    dest = make_model_dir(dest, architecture, seed=seed, vocab_size=rows)
     tokenizer = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))
     next_id = max(
@@ -155,7 +158,7 @@ def build_thinking_model(
         }
         tokenizer["added_tokens"].append(token)
         decoder[str(next_id)] = {k: v for k, v in token.items() if k != "id"}
-    assert next_id < VOCAB + len(added)
+    assert next_id < rows
     config["chat_template"] = (TEMPLATES / FAMILIES[family]).read_text(encoding="utf-8")
     (dest / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     (dest / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -30,6 +30,14 @@ from typing import Any
 VOCAB = 49152  # SmolLM2's tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
+
+def padded_vocab(tokens: int) -> int:
+    """The embedding rows a checkpoint ships for a tokenizer of `tokens` ids: a multiple of 128
+    with at least 64 rows no token uses, as Qwen pads 151,669 tokens to 151,936 rows (Gemma 3 and
+    DeepSeek-V3 pad too). Those rows have logits like any other, and no text."""
+    return (tokens + 64 + 127) // 128 * 128
+
+
 _ATTN = {
     "hidden_size": 64,
     "intermediate_size": 128,
