@@ -85,7 +85,7 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
     from tests.support.kill_loop import KillLoop
     from tests.support.servers import ServerProcess
     from tests.support.soak_models import BUILDS, rows, soak_target
-    from tests.support.soak_workload import build_workload
+    from tests.support.soak_workload import RequestFailed, build_workload
 
     started = time.monotonic()
 
@@ -102,6 +102,9 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
     reference = ServerProcess(workdir, "--no-cache", *target.server_args).wait_ready()
     try:
         workload = build_workload(reference.base_url, target)
+    except RequestFailed as exc:  # nothing to compare with: say so, not a traceback
+        print(f"the --no-cache reference server failed a request: {exc}", file=sys.stderr)
+        return 1
     finally:
         reference.stop()
     turns = [turn for conversation in workload for turn in conversation]

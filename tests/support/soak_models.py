@@ -78,7 +78,7 @@ def prone_to_call(model: Path, scale: float = CALL_SCALE) -> None:
     (call,) = (t["id"] for t in tokenizer["added_tokens"] if t["content"] == TOOL_TOKENS[0])
     path = str(model / "model.safetensors")
     weights = mx.load(path)
-    name = next(k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in weights)
+    name = output_weights(weights)
     head = weights[name]
     weights[name] = mx.concatenate([head[:call], head[call : call + 1] * scale, head[call + 1 :]])
     mx.save_safetensors(path, weights, metadata={"format": "mlx"})
@@ -93,3 +93,8 @@ def soak_target(kind: str, workdir: Path, *, tools: bool, padded: bool) -> Targe
     model = model_dir(kind, workdir, padded=padded)
     args = ("--model", str(model), "--served-model-name", kind, *build.server_args)
     return Target(kind, kind, args, tools=tools, max_tokens=build.max_tokens)
+
+
+def output_weights(weights: dict) -> str:
+    """The name of the output projection: `lm_head`, or the embedding when they are tied."""
+    return next(k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in weights)

@@ -9,7 +9,14 @@ import json
 import mlx.core as mx
 import pytest
 
-from tests.support.soak_models import CALL_SCALE, TOKENS, model_dir, rows, soak_target
+from tests.support.soak_models import (
+    CALL_SCALE,
+    TOKENS,
+    model_dir,
+    output_weights,
+    rows,
+    soak_target,
+)
 from tests.support.soak_workload import (
     DEFAULT,
     MODEL,
@@ -93,7 +100,8 @@ def test_the_window_model_has_the_rows_asked_for_and_a_louder_call_token(tmp_pat
     tokenizer = json.loads((model / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     assert max(ids.values()) == TOKENS - 1
-    head = mx.load(str(model / "model.safetensors"))["lm_head.weight"]
+    weights = mx.load(str(model / "model.safetensors"))
+    head = weights[output_weights(weights)]
     assert head.shape[0] == rows(padded)
     plain = build_thinking_model(  # the same model as built, before the scaling
         tmp_path / "plain",
@@ -102,7 +110,7 @@ def test_the_window_model_has_the_rows_asked_for_and_a_louder_call_token(tmp_pat
         tool_tokens=TOOL_TOKENS,
         vocab_size=rows(padded),
     )
-    original = mx.load(str(plain / "model.safetensors"))["lm_head.weight"]
+    original = mx.load(str(plain / "model.safetensors"))[output_weights(weights)]
     call = ids[TOOL_TOKENS[0]]
     assert mx.allclose(head[call], original[call] * CALL_SCALE).item()
     assert mx.array_equal(head[:call], original[:call]).item()
