@@ -4,18 +4,34 @@
     python scripts/soak.py                         # 100 kill/restart cycles, then the rebuild
     python scripts/soak.py --iterations 20 --seed 1 --budget 6MiB
     python scripts/soak.py --rebuild-only          # only the index rebuild timing
+    python scripts/soak.py --model-kind hybrid --tools --iterations 500 --no-rebuild
+    python scripts/soak.py --model-kind window --tools --no-padded-vocab --iterations 20
 
 A `--no-cache` server answers the workload once (a few conversations sharing one system prompt,
-greedy, 8 tokens per answer): those are the reference outputs. Then `KillLoop` (from
-tests/server/test_crash_safety.py) starts a cache server with a small disk budget, sends requests,
-SIGKILLs it at a seeded random moment (right after an answer, mid-stream, mid-request, halfway
-through writing an entry file, or idle), restarts it on the same cache directory and goes on,
-`--iterations` times; a final clean run sends the interrupted request and the whole workload.
+greedy): those are the reference outputs. Then `KillLoop` (tests/support/kill_loop.py) starts a
+cache server with a small disk budget on the same model, sends requests, SIGKILLs it at a
+seeded random moment (right after an answer, mid-stream, mid-request, halfway through writing
+an entry file, or idle), restarts it on the same cache directory and goes on, `--iterations`
+times; a final clean run sends the interrupted request and the whole workload.
+
+`--model-kind` picks the model (tests/support/soak_models.py):
+  default  the embedded SmolLM2-135M (plain attention, trimmable KV), 8 tokens per answer;
+  hybrid   a tiny random-weight Qwen3-Next layout (Gated DeltaNet recurrent layers and one
+           attention layer) with Qwen3.5's chat template and a thinking budget of 4;
+  window   a tiny random-weight Gemma 3 layout (sliding windows of 32 tokens and a global
+           layer) with Qwen3's chat template.
+Both tiny models are built into the work directory (kept there for the next run with the same
+--workdir), answer 48 tokens, and have their `<tool_call>` output row scaled so that about
+half their greedy answers open a call. `--padded-vocab` (on by default for them) gives the
+embedding more rows than the tokenizer has ids, as Qwen and Gemma 3 checkpoints ship.
+`--tools` puts two function tools (tool_choice "auto") in every request; answers are then
+compared as content, reasoning and each call's name and arguments, streamed or not.
 
 Printed: kills, requests, failed requests, wrong outputs (differing from the no-cache answer),
 entries recovered at restarts, entries evicted (for failure, and for the budget), temporary files
-found after restarts. Exit status 1 if any request failed, any answer was wrong, or any restart
-check (unclean-shutdown log line, temporary files, disk budget) did not hold.
+found after restarts, and the seconds per kill cycle. Exit status 1 if any request failed, any
+answer was wrong, or any restart check (unclean-shutdown log line, temporary files, disk budget)
+did not hold.
 
 The rebuild timing writes 1,000 entries (100 conversations x 10 chained deltas, 30 layers like
 the default model but tiny heads so the directory stays ~200 MB) and times PromptCache's start-up
@@ -40,7 +56,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--iterations", type=int, default=100, help="kill/restart cycles (100)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (0)")
-    p.add_argument("--budget", default="6MiB", help="disk budget of the cache server (6MiB)")
+    p.add_argument(
+        "--budget",
+        help="disk budget of the cache server (default 6MiB; hybrid 512KiB, window 256KiB)",
+    )
+    p.add_argument(
+        "--model-kind",
+        choices=("default", "hybrid", "window"),
+        default="default",
+        help="the model the servers load (default: the embedded one)",
+    )
+    p.add_argument("--tools", action="store_true", help="two function tools in every request")
+    p.add_argument(
+        "--padded-vocab",
+        action=argparse.BooleanOptionalAction,
+        help="embedding rows past the tokenizer's ids (default: on for hybrid and window)",
+    )
     p.add_argument("--workdir", type=Path, help="keep logs and the cache here (default: temp)")
     p.add_argument("--rebuild-entries", type=int, default=1000, help="entries to rebuild (1000)")
     p.add_argument("--rebuild-only", action="store_true", help="only time the index rebuild")
@@ -51,8 +82,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def soak(args: argparse.Namespace, workdir: Path) -> int:
     from mlx_kvserve.config.values import parse_size
-    from tests.server.test_crash_safety import KillLoop, build_workload
+    from tests.support.kill_loop import KillLoop
     from tests.support.servers import ServerProcess
+    from tests.support.soak_models import BUILDS, rows, soak_target
+    from tests.support.soak_workload import RequestFailed, build_workload
 
     started = time.monotonic()
 
@@ -60,17 +93,37 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
         if not args.quiet:
             print(f"[{time.monotonic() - started:8.1f}s] {message}", flush=True)
 
-    reference = ServerProcess(workdir, "--no-cache").wait_ready()
+    kind = args.model_kind
+    padded = kind != "default" if args.padded_vocab is None else args.padded_vocab
+    budget = args.budget or (BUILDS[kind].budget if kind in BUILDS else "6MiB")
+    target = soak_target(kind, workdir, tools=args.tools, padded=padded)
+    model = f"{kind} ({rows(padded)} embedding rows)" if kind in BUILDS else kind
+    log(f"model {model}, tools {'on' if args.tools else 'off'}")
+    reference = ServerProcess(workdir, "--no-cache", *target.server_args).wait_ready()
     try:
-        workload = build_workload(reference.base_url)
+        workload = build_workload(reference.base_url, target)
+    except RequestFailed as exc:  # nothing to compare with: say so, not a traceback
+        print(f"the --no-cache reference server failed a request: {exc}", file=sys.stderr)
+        return 1
     finally:
         reference.stop()
-    log(f"reference answers: {sum(len(t) for t in workload)} requests")
-    loop = KillLoop(workdir, workload, seed=args.seed, budget=parse_size(args.budget), log=log)
+    turns = [turn for conversation in workload for turn in conversation]
+    calling = sum(bool(turn.expected.calls) for turn in turns)
+    log(f"reference answers: {len(turns)} requests, {calling} with tool calls")
+    loop = KillLoop(
+        workdir, workload, seed=args.seed, budget=parse_size(budget), log=log, target=target
+    )
+    looped = time.monotonic()
     report = loop.run(args.iterations, final_pass=True)
-    print(f"\nsoak: {args.iterations} iterations, seed {args.seed}, budget {args.budget}")
+    per_kill = (time.monotonic() - looped) / max(report.kills, 1)
+    print(
+        f"\nsoak: {args.iterations} iterations, seed {args.seed}, budget {budget}, model {model}, "
+        f"tools {'on' if args.tools else 'off'}"
+    )
+    print(f"reference answers with calls:   {calling} of {len(turns)}")
     print("\n".join(report.lines()))
     print(f"wall time:                      {time.monotonic() - started:.0f} s")
+    print(f"per kill cycle:                 {per_kill:.1f} s (the loop and the final pass)")
     for problem in report.problems:
         print("PROBLEM:", problem)
     return 1 if report.problems or report.failed_requests or report.wrong_outputs else 0
@@ -119,6 +172,9 @@ def rebuild_timing(n_entries: int, workdir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.model_kind == "default" and args.padded_vocab:
+        print("--padded-vocab: the default model is a real checkpoint", file=sys.stderr)
+        return 2
     # SIGTERM unwinds like Ctrl-C, so the server the loop is running is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from mlx_kvserve.blas import preload_optimised_blas

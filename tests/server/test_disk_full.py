@@ -26,19 +26,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.test_crash_safety import (
-    Turn,
-    answer,
-    build_workload,
+from tests.support.kill_loop import (
     cache_env,
     cache_stats,
-    chat,
     entry_files,
     log_lines,
     temp_files,
     wait_for_writes,
 )
 from tests.support.servers import ServerProcess
+from tests.support.soak_workload import Turn, answer, build_workload, chat
 
 FLAGS = ("--cache-budget", "8MiB", "--live-budget", "0")
 

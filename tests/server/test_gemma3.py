@@ -20,7 +20,7 @@ import pytest
 
 from mlx_kvserve import paths
 from mlx_kvserve.models import GEMMA3_270M, ensure_model, verify_manifest
-from tests.server.test_crash_safety import cache_stats, temp_files, wait_for_writes
+from tests.support.kill_loop import cache_stats, temp_files, wait_for_writes
 from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow

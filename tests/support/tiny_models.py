@@ -49,6 +49,7 @@ def padded_vocab(tokens: int) -> int:
 
 ROWS = padded_vocab(VOCAB)
 
+
 _ATTN = {
     "hidden_size": 64,
     "intermediate_size": 128,
