@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.resolve import load_settings
+from mlx_kvserve.config.precedence import load_settings
 from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.config.values import check_value
 from mlx_kvserve.engine import Engine
