@@ -20,13 +20,12 @@ and the soak compares answers with calls, streamed and not, and histories holdin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tests.support.soak_workload import DEFAULT, Target
 from tests.support.thinking_models import THINK_TOKENS, TOOL_TOKENS, VOCAB, build_thinking_model
-from tests.support.tiny_models import padded_vocab
+from tests.support.tiny_models import padded_vocab, scale_output_row
 
 KINDS = ("default", "hybrid", "window")
 TOKENS = VOCAB + len(THINK_TOKENS) + len(TOOL_TOKENS)  # the tokenizer's ids
@@ -72,16 +71,7 @@ def model_dir(kind: str, workdir: Path, *, padded: bool) -> Path:
 
 def prone_to_call(model: Path, scale: float = CALL_SCALE) -> None:
     """Scale the output row of `<tool_call>` in `model`'s weights (in place)."""
-    import mlx.core as mx
-
-    tokenizer = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))
-    (call,) = (t["id"] for t in tokenizer["added_tokens"] if t["content"] == TOOL_TOKENS[0])
-    path = str(model / "model.safetensors")
-    weights = mx.load(path)
-    name = output_weights(weights)
-    head = weights[name]
-    weights[name] = mx.concatenate([head[:call], head[call : call + 1] * scale, head[call + 1 :]])
-    mx.save_safetensors(path, weights, metadata={"format": "mlx"})
+    scale_output_row(model, TOOL_TOKENS[0], scale)
 
 
 def soak_target(kind: str, workdir: Path, *, tools: bool, padded: bool) -> Target:
@@ -93,8 +83,3 @@ def soak_target(kind: str, workdir: Path, *, tools: bool, padded: bool) -> Targe
     model = model_dir(kind, workdir, padded=padded)
     args = ("--model", str(model), "--served-model-name", kind, *build.server_args)
     return Target(kind, kind, args, tools=tools, max_tokens=build.max_tokens)
-
-
-def output_weights(weights: dict) -> str:
-    """The name of the output projection: `lm_head`, or the embedding when they are tied."""
-    return next(k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in weights)

@@ -359,3 +359,23 @@ def make_model_dir(
         if (source / name).is_file():
             shutil.copyfile(source / name, dest / name)
     return dest
+
+
+def scale_output_row(model: Path, token: str, scale: float) -> None:
+    """Scale the output row of the added token `token` in `model`'s weights (in place), so a
+    random model writes it often: a tool call's opener, or an end that comes early."""
+    import mlx.core as mx
+
+    tokenizer = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))
+    (row,) = (t["id"] for t in tokenizer["added_tokens"] if t["content"] == token)
+    path = str(model / "model.safetensors")
+    weights = mx.load(path)
+    name = output_weights(weights)
+    head = weights[name]
+    weights[name] = mx.concatenate([head[:row], head[row : row + 1] * scale, head[row + 1 :]])
+    mx.save_safetensors(path, weights, metadata={"format": "mlx"})
+
+
+def output_weights(weights: dict) -> str:
+    """The name of the output projection: `lm_head`, or the embedding when they are tied."""
+    return next(k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in weights)
