@@ -188,7 +188,10 @@ def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
 
 def test_a_config_without_a_context_length_is_said_at_start(tmp_path):
     """No window stated anywhere: the server starts, says so, and still answers."""
-    model_dir = make_model_dir(tmp_path / "model", "llama", max_position_embeddings=None)  # omitted
+    # omitted, and no rope scaling to derive one from (models/context.py)
+    model_dir = make_model_dir(
+        tmp_path / "model", "llama", max_position_embeddings=None, rope_scaling=None
+    )
     server = ServerProcess(tmp_path, "--model", str(model_dir)).wait_ready()
     try:
         assert "states no context length" in server.log()

@@ -199,3 +199,18 @@ def test_a_block_cut_short_names_only_declared_tools(tokenizer):
             if event[0] in ("ToolCallStarted", "ToolCallFinished"):
                 names.add(event[3])
     assert names == {"get_weather", "ping"}
+
+
+def test_calls_the_model_numbered_alike_get_ids_of_their_own(tokenizer, family):
+    """Kimi K2 writes its calls' ids (`functions.NAME:IDX`); a random model may number two
+    calls of a section alike. A turn's calls must still be told apart: the later one takes the
+    next free index, and an id the model gave once stays its own."""
+    if family != "kimi-k2":
+        pytest.skip("the server names this family's calls")
+    ping = {"host": "localhost"}
+    block = _block(tokenizer, [("ping", ping), ("ping", ping), ("get_weather", {})])
+    block = block.replace("functions.ping:1", "functions.ping:0")
+    block = block.replace("functions.get_weather:2", "functions.get_weather:0")
+    started = [e for e in _events(tokenizer, [block]) if e[0] == "ToolCallStarted"]
+    ids = [e[2] for e in started]
+    assert ids == ["functions.ping:0", "functions.ping:1", "functions.get_weather:0"]

@@ -7,7 +7,9 @@ Kimi K2 writes every call of a turn in one section of special tokens, each call 
     {"key": "value"}<|tool_call_end|>...<|tool_calls_section_end|>
 
 Its template renders a past call's id where the model wrote it, so the call's id is the one the
-model wrote (the stream passes it on) and a tool loop re-renders what was sampled. The arguments
+model wrote (the stream passes it on) and a tool loop re-renders what was sampled. Only when the
+model numbers two calls of a section alike does the later one get the next free index: clients
+tell a turn's calls (and their results) apart by id. The arguments
 are JSON following the tool's schema in the canonical form the template's `tojson` writes.
 """
 
@@ -90,6 +92,7 @@ class KimiStream:
 
     def __init__(self) -> None:
         self._sent: list[str] = []  # per call: the argument text passed on so far
+        self._ids: set[str] = set()  # the ids given so far
 
     def feed(self, text: str) -> list[CallPiece]:
         out: list[CallPiece] = []
@@ -99,7 +102,7 @@ class KimiStream:
                 return out
             if slot == len(self._sent):
                 self._sent.append("")
-                out.append(CallPiece(slot, head.group(2), id=head.group(1)))
+                out.append(CallPiece(slot, head.group(2), id=self._unique(head.group(1))))
             body = part[head.end() :]
             closed = body.find(END)
             body = body[:closed] if closed >= 0 else body[: len(body) - _partial_suffix(body, END)]
@@ -108,6 +111,15 @@ class KimiStream:
                 out.append(CallPiece(slot, fragment=body[len(self._sent[slot]) :]))
                 self._sent[slot] = body
         return out
+
+    def _unique(self, call_id: str) -> str:
+        """The model's id, or (for one it already gave a call of this section) its name with
+        the next index none of them has."""
+        if call_id in self._ids:
+            used = [int(i.rpartition(":")[2]) for i in self._ids]
+            call_id = f"{call_id.rpartition(':')[0]}:{max(used) + 1}"
+        self._ids.add(call_id)
+        return call_id
 
     def finish(self, slot: int, arguments: JSON) -> tuple[str, str]:
         """The arguments are the text streamed (what the parser read), or `{}` for a call whose
