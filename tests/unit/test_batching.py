@@ -218,6 +218,9 @@ def serve_together(model, reqs, **engine_args) -> dict[str, int]:
         peaks[req.request_id] = timings.batch_peak if timings else 0
         finished.release()
 
+    # A model loaded on this thread may hold lazy arrays that are not parameters (rope scaling's
+    # frequencies): one pass here makes them, since MLX's streams belong to a thread.
+    mx.eval(model(mx.array([[0]])))
     engine = Engine(lambda: (model, StubTokenizer()), cache_enabled=False, **engine_args)
     engine.add_observer(observe)
     engine.start()

@@ -13,7 +13,6 @@ from tests.support.soak_models import (
     CALL_SCALE,
     TOKENS,
     model_dir,
-    output_weights,
     rows,
     soak_target,
 )
@@ -26,6 +25,7 @@ from tests.support.soak_workload import (
     replies,
 )
 from tests.support.thinking_models import TOOL_TOKENS, build_thinking_model
+from tests.support.tiny_models import output_weights
 
 
 def _message(content, *calls: tuple[str, str], reasoning: str | None = None) -> dict:
