@@ -6,10 +6,10 @@ The model: the tiny random-weight Qwen3.5 of model seed 2 (tests/support/thinkin
 decoding greedily. Its generation prompt opens `<think>`; the server's thinking budget of BUDGET
 tokens ends the reasoning by forcing `\\n`, `</think>`, `\\n\\n`, then the model answers until
 max_tokens (every request asks `ignore_eos`, so no answer ends before). For the questions asked
-here its greedy reasoning ("icrob" or "Web", six times) starts with a letter and re-encodes to the
-very tokens sampled, so a faithful replay can reuse all of it ("token" six times, for other
-questions, re-encodes differently and would reuse none). Each test asks its own question: the
-cache then holds nothing of another test's conversation.
+here its greedy reasoning ("opods", six times) starts with a letter and re-encodes to the very
+tokens sampled, so a faithful replay can reuse all of it (" IPS" six times, for other questions,
+loses its leading space to the template and re-encodes differently, so it would reuse none).
+Each test asks its own question: the cache then holds nothing of another test's conversation.
 
 What the Qwen3.5 template does with past reasoning decides how far a replayed history can match:
 * by default it drops the reasoning of turns before the last user message, so a new user
@@ -145,7 +145,7 @@ def test_anthropic_replay_reuses_the_turn_and_never_trusts_a_bad_signature(
     `display: "omitted"` hands it out) or rewritten, the next turn reuses KEPT_EXTRA tokens of
     the turn. A signature changed by one character is ignored: the block renders from its visible
     text, so the prompt is the one a foreign signature gives and departs at that text."""
-    question = user("What does a signature prove?")
+    question = user("What does the signature prove?")
     first = ask(kept, [question])
     thinking, text = blocks(first)
     cached, prompt = replay(kept, question, [thinking, text])
