@@ -18,6 +18,7 @@ import importlib
 import os
 import select
 import selectors
+import shutil
 from pathlib import Path
 
 ENV = "MLX_KVSERVE_TEST_MACOS_OS"
@@ -94,6 +95,11 @@ def apply() -> list[str]:
         del selectors.EpollSelector
         selectors.DefaultSelector = selectors.PollSelector
         removed.append("selectors.EpollSelector")
+    # `shutil` chose its extended-attribute copy when it was imported; on a Mac it has none
+    # (CPython defines `_copyxattr` as a no-op where `os.listxattr` is missing).
+    if getattr(shutil, "_copyxattr", None) is not None and not hasattr(os, "listxattr"):
+        shutil._copyxattr = lambda *args, **kwargs: None
+        removed.append("shutil._copyxattr")
     for module_name, attr in PROC_PATHS.items():
         module = importlib.import_module(module_name)
         setattr(module, attr, Path("/nonexistent-on-macos") / Path(getattr(module, attr)).name)
