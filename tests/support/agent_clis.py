@@ -29,6 +29,9 @@ from tests.support.tiny_models import make_model_dir
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.169.0"
 EOS_EMBEDDING_SCALE = 12.0  # answers of about 5-20 tokens at temperature 1 (padded weights)
+# The thinking model samples its end less eagerly: at 12 it often ends inside the reasoning at
+# its first token (a Codex turn with no reasoning to replay); at 7 it reasons, then ends.
+THINKING_EOS_SCALE = 7.0
 AGENT_CONTEXT = 131072
 NPM_TIMEOUT = 600
 
@@ -93,7 +96,8 @@ def agent_model_dir(dest: Path, *, thinking: bool = False) -> Path:
     weights = mx.load(str(weights_path))
     eos = _eos_id(model_dir)
     embed = weights["model.embed_tokens.weight"]  # tied: the output projection too
-    weights["model.embed_tokens.weight"] = embed.at[eos].multiply(EOS_EMBEDDING_SCALE)
+    scale = THINKING_EOS_SCALE if thinking else EOS_EMBEDDING_SCALE
+    weights["model.embed_tokens.weight"] = embed.at[eos].multiply(scale)
     mx.save_safetensors(str(weights_path), weights, metadata={"format": "mlx"})
     return model_dir
 
