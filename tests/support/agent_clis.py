@@ -24,7 +24,7 @@ from typing import Any
 import platformdirs
 
 from tests.support.thinking_models import build_thinking_model
-from tests.support.tiny_models import make_model_dir
+from tests.support.tiny_models import make_model_dir, scale_output_row
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.169.0"
@@ -83,8 +83,6 @@ def install_clis() -> Clis | str:
 def agent_model_dir(dest: Path, *, thinking: bool = False) -> Path:
     """A tiny llama with a 128k context whose answers end after a few tokens; `thinking` gives it
     `<think>` tokens and Qwen3.5's real template, whose generation prompt opens the reasoning."""
-    import mlx.core as mx
-
     if thinking:
         model_dir = build_thinking_model(dest, "qwen3.5", architecture="llama")
         config_path = model_dir / "config.json"
@@ -92,22 +90,15 @@ def agent_model_dir(dest: Path, *, thinking: bool = False) -> Path:
         config_path.write_text(json.dumps({**config, "max_position_embeddings": AGENT_CONTEXT}))
     else:
         model_dir = make_model_dir(dest, "llama", max_position_embeddings=AGENT_CONTEXT)
-    weights_path = model_dir / "model.safetensors"
-    weights = mx.load(str(weights_path))
-    eos = _eos_id(model_dir)
-    embed = weights["model.embed_tokens.weight"]  # tied: the output projection too
     scale = THINKING_EOS_SCALE if thinking else EOS_EMBEDDING_SCALE
-    weights["model.embed_tokens.weight"] = embed.at[eos].multiply(scale)
-    mx.save_safetensors(str(weights_path), weights, metadata={"format": "mlx"})
+    scale_output_row(model_dir, _eos_token(model_dir), scale)  # tied: the embedding row too
     return model_dir
 
 
-def _eos_id(model_dir: Path) -> int:
+def _eos_token(model_dir: Path) -> str:
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     eos = config["eos_token"]
-    eos = eos["content"] if isinstance(eos, dict) else eos
-    return next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == eos)
+    return eos["content"] if isinstance(eos, dict) else eos
 
 
 @dataclass
