@@ -1,7 +1,8 @@
 """Hypothesis strategies for hostile values: text with lone surrogates and template markup,
 integers past 2^64, anything nested, and the shared shapes of messages, schemas and tools.
 
-Used by tests/support/fuzz_shapes.py and tests/support/fuzzing.py; needs hypothesis.
+Used by tests/support/fuzz_shapes.py, tests/support/fuzzing.py and the tool-format tests' hostile
+tools; needs hypothesis.
 """
 
 from __future__ import annotations
@@ -112,3 +113,44 @@ template_key = st.one_of(
     text,
 )
 effort = st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max", "extreme"])
+
+
+def hostile_property(
+    leaf: st.SearchStrategy, *others: st.SearchStrategy, **bounds: st.SearchStrategy
+) -> st.SearchStrategy:
+    """A parameter's schema as hostile clients write it: one of `schema`'s, or typed with odd
+    bounds (more in `bounds`) and list items of `leaf`'s shape, or one of `others`."""
+    typed = st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "array"])},
+        optional={
+            "enum": st.lists(st.text(max_size=8), max_size=3),
+            "maxLength": st.integers(-2, 5),
+            **bounds,
+            "items": leaf,
+        },
+    )
+    return st.one_of(schema, typed, *others)
+
+
+def hostile_tool(
+    key: st.SearchStrategy, prop: st.SearchStrategy, odd_names: list[str]
+) -> st.SearchStrategy:
+    """Function tools as hostile clients write them for one call syntax: names it cannot hold
+    (`odd_names`), schemas of every shape, and parameters under `key`s of `prop`'s shapes."""
+    tool_name = st.one_of(
+        st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
+        st.sampled_from(odd_names),
+        name,
+    )
+    parameters = st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(key, prop, max_size=3)},
+        optional={"required": st.lists(key, max_size=3)},
+    )
+    return st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": tool_name}, optional={"parameters": st.one_of(schema, parameters)}
+            ),
+        }
+    )

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -106,3 +107,11 @@ def client_for(server: ServerProcess):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def serve_model(model_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A ready server of one model directory (its data directory the model's parent), stopped
+    when resumed: a module fixture's body, `yield from serve_model(...)`."""
+    proc = ServerProcess(model_dir.parent, "--model", str(model_dir), *flags)
+    yield proc.wait_ready()
+    proc.stop()

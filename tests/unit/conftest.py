@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support import macos_surface
+from tests.support.model_fixtures import tokenizer  # noqa: F401 (fixture)
 
 if macos_surface.requested():
     macos_surface.apply()
