@@ -24,29 +24,40 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.call_formats import (
-    ASK,
     AT_START,
     FAMILIES,
     HISTORY,
     KWARGS,
-    NAMED,
     NINE_CHAR_IDS,
     ONE_CALL,
-    PING,
-    SCHEMAS,
-    TOOLS,
     history_for,
     kw_tool,
 )
-from tests.support.fuzzing import check
-from tests.support.servers import ServerProcess, client_for
+from tests.support.servers import ServerProcess, serve_model
 from tests.support.thinking_models import build_thinking_model
+from tests.support.tool_checks import (
+    BAD_TOOLS,
+    SERVED_FUZZ,
+    answer_call,
+    assert_bad_tools_400,
+    assert_format_named_once,
+    forced_replies,
+    loop_turn,
+    model_id,
+    named_arguments,
+    next_usage,
+    post_fuzzed,
+    streamed_calls,
+    tokens_alike,
+    valid,
+)
+from tests.support.tool_parsing import acceptor, assert_admits_only_declared_tools, server_prompt
+from tests.support.tool_schemas import ASK, NAMED, PING, TOOLS
 
 pytestmark = pytest.mark.slow
 
@@ -63,58 +74,16 @@ def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path):
-    from mlx_lm import load
-
-    return load(str(model_dir))[1]
-
-
-@pytest.fixture(scope="module")
 def served(model_dir: Path, family: str) -> Iterator[ServerProcess]:
-    kwargs = json.dumps(KWARGS.get(family, {}))
-    proc = ServerProcess(
-        model_dir.parent, "--model", str(model_dir), "--chat-template-kwargs", kwargs
-    )
-    yield proc.wait_ready()
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served: ServerProcess):
-    return client_for(served)
+    yield from serve_model(model_dir, "--chat-template-kwargs", json.dumps(KWARGS.get(family, {})))
 
 
 def test_the_format_is_named_once_at_start_up(served, family):
-    notice = f"tool calls: {FAMILIES[family][1]} format, constrained and streamed"
-    assert served.log().count(notice) == 1
-
-
-def _model(client) -> str:
-    return client.models.list().data[0].id
-
-
-def _valid(call) -> dict:
-    assert call.type == "function" and call.function.name in SCHEMAS
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, SCHEMAS[call.function.name])
-    return args
-
-
-def _request(messages: list[dict], choice: object = "required"):
-    from mlx_kvserve.api.openai_chat import to_chat_request
-    from mlx_kvserve.api.schemas import ChatCompletionRequest
-
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": choice}
-    )
-    return to_chat_request(body)
+    assert_format_named_once(served, FAMILIES[family][1])
 
 
 def _prompt(tokenizer, messages: list[dict], family: str) -> list[int]:
-    """The prompt the server renders for these messages (its own request parsing and render)."""
-    from mlx_kvserve.chat.render import render_chat
-
-    return render_chat(tokenizer, _request(messages), KWARGS.get(family, {})).tokens
+    return server_prompt(tokenizer, messages, "required", KWARGS.get(family, {}))
 
 
 def test_history_renders_as_the_template_renders_it(tokenizer, family):
@@ -159,25 +128,7 @@ def _as_objects(call: dict) -> dict:
 def test_forced_calls_always_validate(client, named):
     """20 seeds per mode at temperature 1: every call is a declared tool with valid arguments,
     and nothing of the call's syntax leaks into content."""
-    for seed in range(20):
-        reply = client.chat.completions.create(
-            model=_model(client),
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=NAMED if named else "required",
-            parallel_tool_calls=False,
-            temperature=1.0,
-            seed=seed,
-            max_tokens=120,
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        assert not choice.message.content
-        assert len(choice.message.tool_calls) == 1
-        call = choice.message.tool_calls[0]
-        _valid(call)
-        if named:
-            assert call.function.name == "get_weather"
+    forced_replies(client, named, max_tokens=120)
 
 
 def test_parallel_forced_calls_validate(client):
@@ -185,7 +136,7 @@ def test_parallel_forced_calls_validate(client):
     each is declared and valid."""
     for seed in range(6):
         reply = client.chat.completions.create(
-            model=_model(client),
+            model=model_id(client),
             messages=ASK,
             tools=TOOLS,
             tool_choice="required",
@@ -196,13 +147,13 @@ def test_parallel_forced_calls_validate(client):
         calls = reply.choices[0].message.tool_calls
         assert calls and len(calls) <= 4
         for call in calls:
-            _valid(call)
+            valid(call)
         assert len({c.id for c in calls}) == len(calls)
 
 
 def test_streamed_call_reassembles_to_the_non_streamed_one(client, family):
     kwargs = dict(
-        model=_model(client),
+        model=model_id(client),
         messages=ASK,
         tools=TOOLS,
         tool_choice=NAMED,
@@ -211,25 +162,11 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(client, family):
         max_tokens=120,
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    calls: dict[int, dict] = {}
-    fragments = 0
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        choice = chunk.choices[0]
-        assert not choice.delta.content
-        for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
-            if delta.id:
-                assert entry["name"] is None and entry["arguments"] == ""  # id and name first
-                entry["name"] = delta.function.name
-            if delta.function and delta.function.arguments:
-                entry["arguments"] += delta.function.arguments
-                fragments += 1
+    streamed = streamed_calls(client, **kwargs)
     if family != "mistral-v7":  # v7's call id follows its arguments: they come whole
         # `{"key": ` and the value per parameter as each is written (three required ones)
-        assert fragments >= 6
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole
-    ]
+        assert streamed.fragments >= 6
+    assert [c[1:] for c in streamed.calls] == named_arguments(whole)
 
 
 def test_tool_loop_hits_the_cache(client, tokenizer, family):
@@ -239,28 +176,13 @@ def test_tool_loop_hits_the_cache(client, tokenizer, family):
     messages = list(ASK)
     for turn in range(4):
         forced = turn % 2 == 0
-        reply = client.chat.completions.create(
-            model=_model(client),
-            messages=messages,
-            tools=TOOLS,
-            tool_choice={"type": "function", "function": {"name": "ping"}}
-            if forced
-            else "required",
-            parallel_tool_calls=False,
-            temperature=1.0,
-            seed=turn,
-            max_tokens=120,
-            logprobs=True,
-        )
+        reply = loop_turn(client, messages, turn, max_tokens=120, forced=forced)
         choice = reply.choices[0]
         prompt = _prompt(tokenizer, messages, family)
         if turn == 0:  # later prompts hold replayed calls as sampled (chat.reasoning.sampled_turns)
             assert len(prompt) == reply.usage.prompt_tokens
         sampled = [bytes(t.bytes) for t in choice.logprobs.content]
-        call = choice.message.tool_calls[0]
-        _valid(call)
-        messages.append(choice.message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
+        call = answer_call(messages, choice)
         following = _prompt(tokenizer, messages, family)
         shared = _shared(prompt, following)
         if shared < len(prompt):
@@ -274,12 +196,7 @@ def test_tool_loop_hits_the_cache(client, tokenizer, family):
             rest = rest[next(k for k in range(len(rest)) if tokenizer.decode(rest[:k]) == tail) :]
         text = tokenizer.decode(rest).encode()
         assert text.startswith(b"".join(sampled)), (text, sampled)  # byte for byte
-        same = 0
-        while (
-            same < min(len(rest), len(sampled))
-            and tokenizer.decode([rest[same]]).encode() == sampled[same]
-        ):
-            same += 1
+        same = tokens_alike(tokenizer, rest, sampled)
         if forced and family in NINE_CHAR_IDS:
             # the nine-character id is the model's to choose, its tokens too (the re-render
             # may spell it otherwise): everything before it was forced
@@ -287,10 +204,7 @@ def test_tool_loop_hits_the_cache(client, tokenizer, family):
             assert len(b"".join(sampled[:same])) >= before, (sampled, same)
         elif forced:
             assert same == len(sampled), (sampled, [tokenizer.decode([t]) for t in rest])
-        nxt = client.chat.completions.create(
-            model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
-        )
-        cached = nxt.usage.prompt_tokens_details.cached_tokens
+        cached = next_usage(client, messages).prompt_tokens_details.cached_tokens
         kept = reply.usage.prompt_tokens - (len(prompt) - shared)  # the server's own count
         assert cached >= kept + min(same, len(sampled) - 1), (turn, same, shared, len(prompt))
 
@@ -308,24 +222,7 @@ def _shared(prompt: list[int], following: list[int]) -> int:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        (
-            {
-                "tools": [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": "f",
-                            "parameters": {
-                                "type": "object",
-                                "properties": {"n": {"type": "integer", "minimum": "x"}},
-                            },
-                        },
-                    }
-                ]
-            },
-            "tools[0].function.parameters",
-        ),
+        *BAD_TOOLS,
         (
             {"tools": [{"type": "function", "function": {"name": 'a "b', "parameters": PING}}]},
             "tools",
@@ -333,78 +230,23 @@ def _shared(prompt: list[int], following: list[int]) -> int:
     ],
 )
 def test_bad_tools_are_400s_naming_the_field(served, body, param):
-    payload = {
-        "model": "m",
-        "messages": ASK,
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "max_tokens": 8,
-        **body,
-    }
-    reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=payload, timeout=60)
-    assert reply.status_code == 400, reply.text
-    assert param in reply.json()["error"]["param"]
+    assert_bad_tools_400(served, body, param)
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@SERVED_FUZZ
 @given(
     tools=st.lists(kw_tool, min_size=1, max_size=2), choice=st.sampled_from(["auto", "required"])
 )
 def test_fuzzed_tools_never_break_the_grammar(served, tools, choice):
-    body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4}
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = json.dumps(body, ensure_ascii=True).encode()
-    r = httpx.post(
-        f"{served.base_url}/v1/chat/completions",
-        content=content,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
-    assert check(r.status_code, r.content, False, "/v1/chat/completions") is None, (
-        body,
-        r.text[:300],
-    )
+    post_fuzzed(served, {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4})
 
 
 def test_the_grammar_admits_only_declared_tools(tokenizer, family):
     """In `auto` the text is free until the opening marker; from there only a declared
     function's name and its declared parameters can follow (an invented tool is impossible)."""
-    import llguidance
-
-    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
-    from mlx_kvserve.chat.formats import tool_format_for
-    from mlx_kvserve.chat.grammar import GrammarCompiler
-
     _, parser, call, invented, undeclared, missing, _ = FAMILIES[family]
-    fmt = tool_format_for(tokenizer)
-    assert fmt.name == parser and fmt.constrained
-    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    compiler = GrammarCompiler(tokenizer)
-
-    def accepts(mode: str, text: str) -> bool:
-        req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice(mode))
-        grammar = compiler.grammar_for(req, fmt)
-        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return all(matcher.consume_token(t) for t in ids)
-
-    if family in AT_START:  # a call is the whole answer: text first means no call follows
-        assert accepts("auto", call) and accepts("auto", "Let me check." + call)
-        assert not accepts("auto", invented) and not accepts("auto", " " + call)
-    else:
-        assert accepts("auto", "Let me check." + call)
-        assert not accepts("auto", "Let me check." + invented)
-    assert accepts("required", call)
-    assert not accepts("required", invented)
-    assert not accepts("required", undeclared)
-    assert not accepts("required", missing)
+    texts = (call, "", invented, undeclared, missing, None)
+    assert_admits_only_declared_tools(tokenizer, parser, texts, at_start=family in AT_START)
 
 
 @settings(max_examples=200, deadline=None, database=None)
@@ -476,7 +318,7 @@ def test_older_mistral_layouts_call_with_ids_their_templates_accept(client, fami
     messages = list(ASK)
     for seed in range(3):
         reply = client.chat.completions.create(
-            model=_model(client),
+            model=model_id(client),
             messages=messages,
             tools=TOOLS,
             tool_choice="required",
@@ -529,23 +371,11 @@ def test_function_gemma_writes_sorted_keys_and_flat_values_only(tokenizer, famil
     grammar allows exactly that (a list-valued parameter is left out)."""
     if family != "function-gemma":
         pytest.skip("FunctionGemma's layout")
-    import llguidance
-
-    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
-    from mlx_kvserve.chat.formats import tool_format_for
-    from mlx_kvserve.chat.grammar import GrammarCompiler
-
-    fmt = tool_format_for(tokenizer)
-    compiler = GrammarCompiler(tokenizer)
-    tools = [Tool("get_weather", None, SCHEMAS["get_weather"])]
-    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=ToolChoice("required"))
-    grammar = compiler.grammar_for(req, fmt)
+    call = acceptor(tokenizer, TOOLS[:1], complete=True)  # get_weather alone
 
     def accepts(args: str) -> bool:
         text = f"<start_function_call>call:get_weather{{{args}}}<end_function_call>"
-        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+        return call("required", text)
 
     city, unit = "city:<escape>Paris<escape>", "unit:<escape>celsius<escape>"
     assert accepts(f"{city},days:3,{unit}")

@@ -1,5 +1,6 @@
-"""The tool-call families tests/server/test_tools_formats.py runs: their tools, sample call texts,
-history and hostile tool strategies (a module of data, so the test file stays readable)."""
+"""The tool-call families tests/server/test_tools_formats.py runs: sample call texts, history and
+hostile tool strategies (a module of data, so the test file stays readable; the tools they call
+are tests/support/tool_schemas.py's)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 from hypothesis import strategies as st
 
-from tests.support.fuzz_values import name, schema
+from tests.support.fuzz_values import hostile_property, hostile_tool
 from tests.support.thinking_models import (
     DEEPSEEK_TOOL_TOKENS,
     FUNCTION_GEMMA_TOOL_TOKENS,
@@ -16,43 +17,8 @@ from tests.support.thinking_models import (
     LLAMA3_TOOL_TOKENS,
     MISTRAL_TOOL_TOKENS,
 )
+from tests.support.tool_schemas import ASK
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "detailed": {"type": "boolean"},
-        "hours": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0, "maximum": 23},
-            "maxItems": 3,
-        },
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,  # strict, as the Agents SDK sends: a JSON call is bounded
-}
-PING = {  # a call with nothing left to choose: every token of it is forced
-    "type": "object",
-    "properties": {"host": {"type": "string", "enum": ["localhost"]}},
-    "required": ["host"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-    {"type": "function", "function": {"name": "ping", "parameters": PING}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 Q = '<|"|>'
 DS_BLOCK, DS_BLOCK_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -211,36 +177,12 @@ kw_leaf = st.fixed_dictionaries({"type": st.sampled_from(["integer", "string", "
 kw_key = st.one_of(
     st.just("k"), st.sampled_from(["class", "None", "a-b"]), st.text("ab _<>'=:{\n", max_size=6)
 )
-kw_property = st.one_of(
-    schema,
-    st.fixed_dictionaries(
-        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "array"])},
-        optional={
-            "enum": st.lists(st.text(max_size=8), max_size=3),
-            "maxLength": st.integers(-2, 5),
-            "minItems": st.integers(-1, 3),
-            "maxItems": st.integers(-1, 3),
-            "items": kw_leaf,
-        },
-    ),
+kw_property = hostile_property(
+    kw_leaf,
     st.fixed_dictionaries(
         {"type": st.just("object"), "properties": st.dictionaries(kw_key, kw_leaf, max_size=2)}
     ),
+    minItems=st.integers(-1, 3),
+    maxItems=st.integers(-1, 3),
 )
-kw_name = st.one_of(
-    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True),
-    st.sampled_from(["a b", "x.y", "def", "1st", "call:x", "<tool_call|>"]),
-    name,
-)
-kw_parameters = st.fixed_dictionaries(
-    {"type": st.just("object"), "properties": st.dictionaries(kw_key, kw_property, max_size=3)},
-    optional={"required": st.lists(kw_key, max_size=3)},
-)
-kw_tool = st.fixed_dictionaries(
-    {
-        "type": st.just("function"),
-        "function": st.fixed_dictionaries(
-            {"name": kw_name}, optional={"parameters": st.one_of(schema, kw_parameters)}
-        ),
-    }
-)
+kw_tool = hostile_tool(kw_key, kw_property, ["a b", "x.y", "def", "1st", "call:x", "<tool_call|>"])
