@@ -38,16 +38,34 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.test_tools_blocks import hostile_tool
-from tests.support.block_tools import ASK, HISTORY, NAMED, SCHEMAS, TOOLS, render_prompt
-from tests.support.fuzzing import check
-from tests.support.servers import ServerProcess, client_for
+from tests.support.block_tools import assert_renders_as_the_template, hostile_block_tool
+from tests.support.servers import ServerProcess, serve_model
 from tests.support.thinking_models import (
     GLM_TOOL_TOKENS,
     KIMI_K3_TOOL_TOKENS,
     LONGCAT_TOOL_TOKENS,
     build_thinking_model,
 )
+from tests.support.tool_checks import (
+    SERVED_FUZZ,
+    answer_call,
+    assert_format_named_once,
+    forced_replies,
+    loop_turn,
+    model_id,
+    named_arguments,
+    post_fuzzed,
+    streamed_calls,
+)
+from tests.support.tool_parsing import (
+    acceptor,
+    assert_admits_only_declared_tools,
+    assert_any_split_streams_the_same_calls,
+    server_prompt,
+    template_text,
+    weather_calls,
+)
+from tests.support.tool_schemas import ASK, NAMED, TOOLS
 
 pytestmark = pytest.mark.slow
 
@@ -137,86 +155,28 @@ def model_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path):
-    from mlx_lm import load
-
-    return load(str(model_dir))[1]
-
-
-@pytest.fixture(scope="module")
 def served(model_dir: Path, family: str) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir.parent, "--model", str(model_dir), *FAMILIES[family][2])
-    yield proc.wait_ready()
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served: ServerProcess):
-    return client_for(served)
-
-
-def _model(client) -> str:
-    return client.models.list().data[0].id
-
-
-def _valid(call) -> dict:
-    assert call.type == "function" and call.function.name in SCHEMAS
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, SCHEMAS[call.function.name])
-    return args
+    yield from serve_model(model_dir, *FAMILIES[family][2])
 
 
 # -- with a server -----------------------------------------------------------------------------
 def test_the_format_is_named_once_at_start_up(served, family):
-    notice = f"tool calls: {FAMILIES[family][1]} format, constrained and streamed"
-    assert served.log().count(notice) == 1
+    assert_format_named_once(served, FAMILIES[family][1])
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
 def test_forced_calls_always_validate(client, named):
     """20 seeds per mode at temperature 1: every call is a declared tool with valid arguments,
     and nothing of the block leaks into content."""
-    names = set()
-    for seed in range(20):
-        reply = client.chat.completions.create(
-            model=_model(client),
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=NAMED if named else "required",
-            temperature=1.0,
-            seed=seed,
-            max_tokens=400,  # room for four calls in the wordiest format (Muse Spark's XML)
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        assert not choice.message.content
-        assert len(choice.message.tool_calls) >= 1
-        for call in choice.message.tool_calls:
-            _valid(call)
-            names.add(call.function.name)
-    assert names == ({"get_weather"} if named else names)
-
-
-def _streamed(client, **kwargs) -> list[tuple[str, str]]:
-    calls: dict[int, dict] = {}
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        choice = chunk.choices[0]
-        assert not choice.delta.content
-        for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
-            if delta.function and delta.function.name:
-                assert entry["name"] is None and entry["arguments"] == ""  # the name first
-                entry["name"] = delta.function.name
-            if delta.function and delta.function.arguments:
-                entry["arguments"] += delta.function.arguments
-    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+    # room for four calls in the wordiest format (Muse Spark's XML)
+    forced_replies(client, named, max_tokens=400, parallel=None)
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
     for seed in range(3):
         kwargs = dict(
-            model=_model(client),
+            model=model_id(client),
             messages=ASK,
             tools=TOOLS,
             tool_choice=NAMED if choice == "named" else "required",
@@ -225,8 +185,8 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
             max_tokens=300,
         )
         whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-        streamed = _streamed(client, **kwargs)
-        assert streamed == [(c.function.name, c.function.arguments) for c in whole]
+        streamed = streamed_calls(client, **kwargs).calls
+        assert [c[1:] for c in streamed] == named_arguments(whole)
 
 
 def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer):
@@ -237,27 +197,14 @@ def test_a_tool_loop_re_renders_what_the_model_sampled(client, tokenizer):
     messages = list(ASK)
     opening = tool_format_for(tokenizer).start.encode()
     for turn in range(3):
-        reply = client.chat.completions.create(
-            model=_model(client),
-            messages=messages,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=1.0,
-            seed=turn,
-            max_tokens=200,
-            logprobs=True,
-        )
+        reply = loop_turn(client, messages, turn, max_tokens=200)
         choice = reply.choices[0]
-        prompt = render_prompt(tokenizer, messages)
+        prompt = server_prompt(tokenizer, messages)
         if turn == 0:  # later prompts hold replayed calls as sampled (chat.reasoning.sampled_turns)
             assert len(prompt) == reply.usage.prompt_tokens
         sampled = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
-        call = choice.message.tool_calls[0]
-        _valid(call)
-        messages.append(choice.message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
-        following = render_prompt(tokenizer, messages)
+        answer_call(messages, choice)
+        following = server_prompt(tokenizer, messages)
         assert following[: len(prompt)] == prompt
         text = tokenizer.decode(following[len(prompt) :]).encode()
         block = sampled[sampled.index(opening) :]
@@ -292,80 +239,27 @@ def test_a_tool_without_arguments_is_a_400_or_never_called_bare(served, family):
             jsonschema.validate(args, optional)
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(SERVED_FUZZ, max_examples=40)
 @given(
-    tools=st.lists(hostile_tool, min_size=1, max_size=2),
+    tools=st.lists(hostile_block_tool, min_size=1, max_size=2),
     choice=st.sampled_from(["auto", "required"]),
 )
 def test_fuzzed_tools_never_break_the_grammar(served, tools, choice):
-    body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4}
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = json.dumps(body, ensure_ascii=True).encode()
-    r = httpx.post(
-        f"{served.base_url}/v1/chat/completions",
-        content=content,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
-    assert check(r.status_code, r.content, False, "/v1/chat/completions") is None, (
-        body,
-        r.text[:300],
-    )
+    post_fuzzed(served, {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 4})
 
 
 # -- without a server: rendering, the grammar, the stream ------------------------------------
 def test_rendering_equals_the_templates_own(tokenizer):
-    own = json.loads(json.dumps(HISTORY))
-    for message in own:
-        for call in message.get("tool_calls", []):
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    expected = tokenizer.apply_chat_template(
-        own, tools=TOOLS, add_generation_prompt=True, tokenize=False
-    )
-    ours = tokenizer.decode(render_prompt(tokenizer, HISTORY))
-    assert ours == expected
-    assert "get_weather" in ours and "14:05" in ours
+    assert_renders_as_the_template(tokenizer)
 
 
-def _accepts(
-    tokenizer, tools_json: list[dict], mode: str, text: str, parallel: bool = True
-) -> bool:
-    import llguidance
-
-    from mlx_kvserve.chat import ChatRequest, Message, Tool, ToolChoice
-    from mlx_kvserve.chat.formats import tool_format_for
-    from mlx_kvserve.chat.grammar import GrammarCompiler
-
-    tools = [Tool(t["function"]["name"], None, t["function"].get("parameters")) for t in tools_json]
-    compiler = GrammarCompiler(tokenizer)
-    choice = ToolChoice(mode, parallel=parallel)
-    req = ChatRequest([Message("user", "hi")], tools=tools, tool_choice=choice)
-    grammar = compiler.grammar_for(req, tool_format_for(tokenizer))
-    matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return all(matcher.consume_token(t) for t in ids) and not matcher.is_error()
+def _accepts(tokenizer, tools: list[dict], mode: str, text: str, parallel: bool = True) -> bool:
+    return acceptor(tokenizer, tools)(mode, text, parallel)
 
 
 def test_the_grammar_admits_only_declared_tools(tokenizer, family):
-    from mlx_kvserve.chat.formats import tool_format_for
-
-    _, parser, _, call, close, invented, undeclared, missing, (value, unread) = FAMILIES[family]
-    fmt = tool_format_for(tokenizer)
-    assert fmt.name == parser and fmt.constrained
-    assert _accepts(tokenizer, TOOLS, "auto", "Let me check." + call + close)
-    assert _accepts(tokenizer, TOOLS, "required", call + close)
-    assert not _accepts(tokenizer, TOOLS, "auto", "Let me check." + invented)
-    assert not _accepts(tokenizer, TOOLS, "required", invented)
-    assert not _accepts(tokenizer, TOOLS, "required", undeclared)
-    assert not _accepts(tokenizer, TOOLS, "required", missing)
-    assert not _accepts(tokenizer, TOOLS, "required", call.replace(value, unread) + close)
+    _, parser, _, *texts = FAMILIES[family]
+    assert_admits_only_declared_tools(tokenizer, parser, tuple(texts), unread_closed=True)
 
 
 def test_laguna_is_read_by_its_own_parser_module_in_its_templates_layout(
@@ -477,61 +371,9 @@ def _block(tokenizer, calls: list[tuple[str, dict]]) -> str:
     from mlx_kvserve.chat.formats import tool_format_for
 
     fmt = tool_format_for(tokenizer)
-    message = {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
-            for i, (n, a) in enumerate(calls)
-        ],
-    }
-    text = tokenizer.apply_chat_template([ASK[0], message], tools=TOOLS, tokenize=False)
+    text = template_text(tokenizer, calls, lambda i, _: f"call_{i}")
     start = text.index(fmt.start, text.rindex(ASK[0]["content"]))  # after the instructions
     return text[start : text.rindex(fmt.end) + len(fmt.end)]
-
-
-def _events(tokenizer, chunks: list[str]) -> list[tuple]:
-    from mlx_kvserve.chat import Tool
-    from mlx_kvserve.chat.formats import tool_format_for
-    from mlx_kvserve.chat.output import OutputParser
-
-    tools = [Tool(t["function"]["name"], None, t["function"]["parameters"]) for t in TOOLS]
-    parser = OutputParser(tool_format_for(tokenizer), tools)
-    events = [e for c in chunks for e in parser.feed(c)] + parser.finish()
-    out: list[tuple] = []
-    args: dict[int, str] = {}
-    for e in events:
-        kind = type(e).__name__
-        if kind == "ToolCallDelta":
-            args[e.index] = args.get(e.index, "") + e.arguments
-        elif kind == "ToolCallStarted":
-            out.append((kind, e.index, e.name))
-        elif kind == "ToolCallFinished":
-            out.append((kind, e.index, e.call.name, e.call.arguments, args.get(e.index, "")))
-        elif out and out[-1][0] == kind:  # text arrives in chunks of any size
-            out[-1] = (kind, out[-1][1] + e.text)
-        else:
-            out.append((kind, e.text))
-    return out
-
-
-_text = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12)
-_weather = st.fixed_dictionaries(
-    {
-        "city": _text.filter(lambda s: s == s.strip() and s and s.lower() != "null"),
-        "unit": st.sampled_from(["celsius", "fahrenheit"]),
-        "days": st.integers(1, 7),
-    },
-    optional={"hours": st.lists(st.integers(0, 23), max_size=3), "detailed": st.booleans()},
-)
-_calls = st.lists(
-    st.one_of(
-        st.tuples(st.just("get_weather"), _weather),
-        st.tuples(st.just("ping"), st.just({"host": "localhost"})),
-    ),
-    min_size=1,
-    max_size=3,
-)
 
 
 def _json_like(text: str) -> bool:
@@ -548,7 +390,7 @@ def _json_like(text: str) -> bool:
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(calls=_calls, cuts=st.lists(st.integers(0, 400), max_size=12))
+@given(calls=weather_calls(detailed=True), cuts=st.lists(st.integers(0, 400), max_size=12))
 def test_any_split_of_a_block_streams_the_same_calls(tokenizer, family, calls, cuts):
     """Whatever chunks valid calls arrive in, the same calls are announced and finished, and
     each call's streamed fragments concatenate to its final arguments, which are the ones the
@@ -559,11 +401,6 @@ def test_any_split_of_a_block_streams_the_same_calls(tokenizer, family, calls, c
         calls = [(n, a) for n, a in calls if not _json_like(a.get("city", "x"))]
     if not calls:
         return
-    text = "Sure." + _block(tokenizer, calls)
-    points = sorted({c % (len(text) + 1) for c in cuts})
-    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    whole = _events(tokenizer, [text])
-    assert _events(tokenizer, [c for c in chunks if c]) == whole
-    finished = [e for e in whole if e[0] == "ToolCallFinished"]
-    assert [(e[2], json.loads(e[3])) for e in finished] == calls
-    assert all(e[3] == e[4] for e in finished)  # the fragments make the arguments
+    assert_any_split_streams_the_same_calls(
+        tokenizer, "Sure." + _block(tokenizer, calls), calls, cuts
+    )

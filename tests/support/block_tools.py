@@ -1,53 +1,22 @@
-"""Shared parts of the block-format tool-call tests (MiniMax-M2, Kimi K2): tools, the families'
-tiny models and sample call texts, and the server's own render of a conversation."""
+"""Shared parts of the block-format tool-call tests (MiniMax-M2, Kimi K2; the tagged formats'
+tests use the history, the render check and the hostile tools too): the families' tiny models
+and sample call texts, a history with two calls in one turn, and hostile tools."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from hypothesis import strategies as st
+
+from tests.support.fuzz_values import hostile_tool, schema
 from tests.support.thinking_models import (
     KIMI_TOOL_TOKENS,
     MINIMAX_TOOL_TOKENS,
     build_thinking_model,
 )
-
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "detailed": {"type": "boolean"},
-        "hours": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0, "maximum": 23},
-            "maxItems": 3,
-        },
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,  # a JSON-body call (Kimi's) is bounded only so
-}
-PING = {  # a call with nothing left to choose but its index: (almost) every token is forced
-    "type": "object",
-    "properties": {"host": {"type": "string", "enum": ["localhost"]}},
-    "required": ["host"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-    {"type": "function", "function": {"name": "ping", "parameters": PING}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+from tests.support.tool_parsing import server_prompt
+from tests.support.tool_schemas import TOOLS
 
 _MM_OPEN = "\n<minimax:tool_call>\n"
 _KIMI_OPEN = "<|tool_calls_section_begin|><|tool_call_begin|>"
@@ -114,13 +83,42 @@ def build_family_model(dest: Path, family: str) -> Path:
     return build_thinking_model(dest, family, tool_tokens=FAMILIES[family][0])
 
 
-def render_prompt(tokenizer, messages: list[dict], choice: str = "auto") -> list[int]:
-    """The prompt the server renders for these messages (its own request parsing and render)."""
-    from mlx_kvserve.api.openai_chat import to_chat_request
-    from mlx_kvserve.api.schemas import ChatCompletionRequest
-    from mlx_kvserve.chat.render import render_chat
-
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": choice}
+def assert_renders_as_the_template(tokenizer) -> None:
+    """Tools, calls (two in one turn) and their results render as the template itself renders
+    them when handed the arguments as objects."""
+    own = json.loads(json.dumps(HISTORY))
+    for message in own:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    expected = tokenizer.apply_chat_template(
+        own, tools=TOOLS, add_generation_prompt=True, tokenize=False
     )
-    return render_chat(tokenizer, to_chat_request(body), {}).tokens
+    ours = tokenizer.decode(server_prompt(tokenizer, HISTORY))
+    assert ours == expected
+    assert "get_weather" in ours and "14:05" in ours
+
+
+# tools as hostile clients write them: names the formats cannot hold, schemas of every shape,
+# property names with spaces, quotes and markup, typed and untyped properties
+_leaf = st.fixed_dictionaries({"type": st.sampled_from(["integer", "string"])})
+_key = st.one_of(st.just("k"), st.text(alphabet='ab _<>/="|\n', min_size=1, max_size=6))
+_property = st.one_of(
+    schema,
+    st.fixed_dictionaries(
+        {
+            "type": st.one_of(
+                st.sampled_from(["string", "integer", "number", "boolean", "null", "array"]),
+                st.lists(st.sampled_from(["string", "integer", "null"]), max_size=2),
+            )
+        },
+        optional={
+            "enum": st.lists(st.one_of(st.text(max_size=8), st.integers()), max_size=3),
+            "maxLength": st.integers(-2, 5),
+            "items": _leaf,
+            "anyOf": st.lists(_leaf, max_size=2),
+        },
+    ),
+)
+hostile_block_tool = hostile_tool(
+    _key, _property, ['a"b', "x>y", "a|b", "f:1", "</invoke>", "<|tool_call_end|>"]
+)
