@@ -23,13 +23,21 @@ import httpx
 import jinja2
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.fuzz_values import name, schema
 from tests.support.fuzzing import check, json_body
 from tests.support.harmony_model import TEMPLATE, build_harmony_model
-from tests.support.servers import ServerProcess, client_for
+from tests.support.servers import ServerProcess, serve_model
+from tests.support.tool_checks import (
+    SERVED_FUZZ,
+    assert_format_named_once,
+    forced_replies,
+    post_fuzzed,
+    valid,
+)
+from tests.support.tool_parsing import server_render
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +64,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "ping", "description": "Ping.", "parameters": PING}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "ping": PING}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
@@ -78,14 +85,7 @@ def tokenizer(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir.parent, "--model", str(model_dir), "--thinking-budget", "8")
-    yield proc.wait_ready()
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served: ServerProcess):
-    return client_for(served)
+    yield from serve_model(model_dir, "--thinking-budget", "8")
 
 
 def claude(server: ServerProcess) -> anthropic.Anthropic:
@@ -96,16 +96,9 @@ def _clean(text: str | None) -> None:
     assert not any(token in (text or "") for token in CONTROL), text
 
 
-def _valid(call: Any) -> dict:
-    assert call.type == "function" and call.function.name in SCHEMAS
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, SCHEMAS[call.function.name])
-    return args
-
-
 # -- start-up and rendering
 def test_the_format_is_named_once_at_start_up(served: ServerProcess) -> None:
-    assert served.log().count("tool calls: harmony format, constrained and streamed") == 1
+    assert_format_named_once(served, "harmony")
 
 
 def _template(messages: list[dict], **kwargs: Any) -> str:
@@ -122,15 +115,6 @@ def _template(messages: list[dict], **kwargs: Any) -> str:
     env.globals["strftime_now"] = lambda fmt: date.today().strftime(fmt)
     source = TEMPLATE.read_text(encoding="utf-8")
     return env.from_string(source).render(messages=messages, add_generation_prompt=True, **kwargs)
-
-
-def _render(tokenizer: Any, body: dict) -> list[int]:
-    from mlx_kvserve.api.openai_chat import to_chat_request
-    from mlx_kvserve.api.schemas import ChatCompletionRequest
-    from mlx_kvserve.chat.render import render_chat
-
-    request = ChatCompletionRequest.model_validate({"model": "m", **body})
-    return render_chat(tokenizer, to_chat_request(request)).tokens
 
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
@@ -160,7 +144,9 @@ def test_our_prompt_is_the_templates_own(tokenizer) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": "pong"},
     ]
-    ours = _render(tokenizer, {"messages": history, "tools": TOOLS, "reasoning_effort": "high"})
+    ours = server_render(
+        tokenizer, {"messages": history, "tools": TOOLS, "reasoning_effort": "high"}
+    )
     tools = [
         {
             "type": "function",
@@ -255,24 +241,12 @@ def test_forced_calls_always_validate(client, named: bool) -> None:
     """20 seeds at temperature 1: one declared tool, valid arguments, the analysis (if the model
     opened one) apart, and no control token anywhere."""
     reasoned = 0
-    for seed in range(20):
-        reply = client.chat.completions.create(
-            model="m",
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=NAMED if named else "required",
-            temperature=1.0,
-            seed=seed,
-            max_tokens=80,
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        assert not choice.message.content
+    choices = forced_replies(
+        client, named, max_tokens=80, schemas=SCHEMAS, tools=TOOLS, parallel=None, model="m"
+    )
+    for choice in choices:
         assert len(choice.message.tool_calls) == 1
         call = choice.message.tool_calls[0]
-        _valid(call)
-        if named:
-            assert call.function.name == "get_weather"
         reasoning = getattr(choice.message, "reasoning_content", None)
         _clean(reasoning)
         _clean(call.function.arguments)
@@ -501,7 +475,7 @@ def test_a_tool_loop_hits_the_cache(client, tokenizer) -> None:
             assert cached >= prompt_tokens + completion - 1, (turn, cached, previous)
         message = reply.choices[0].message
         call = message.tool_calls[0]
-        _valid(call)
+        valid(call, SCHEMAS)
         assert message.reasoning_content  # the analysis is replayed: the template keeps it
         messages.append(message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "pong"})
@@ -594,12 +568,7 @@ history_message = st.one_of(
 )
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@SERVED_FUZZ
 @given(
     tools=st.lists(harmony_tool, max_size=2),
     choice=st.sampled_from(["auto", "required", "none"]),
@@ -612,32 +581,14 @@ def test_fuzzed_requests_never_break_harmony(served: ServerProcess, tools, choic
         body |= {"tools": tools, "tool_choice": choice}
     if effort is not None:
         body["reasoning_effort"] = effort
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = json.dumps(body, ensure_ascii=True).encode()
-    r = httpx.post(
-        f"{served.base_url}/v1/chat/completions",
-        content=content,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
-    assert check(r.status_code, r.content, False, "/v1/chat/completions") is None, (
-        body,
-        r.text[:300],
-    )
+    r = post_fuzzed(served, body)
     if r.status_code == 200:
         message = r.json()["choices"][0]["message"]
         _clean(message.get("content"))
         _clean(message.get("reasoning_content"))
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(SERVED_FUZZ, max_examples=30)
 @given(data=st.data())
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
 def test_fuzzed_bodies_never_break_harmony(served: ServerProcess, path: str, data) -> None:
