@@ -13,23 +13,16 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.support import tool_schemas
+from tests.support.tool_checks import forced_choice, named_arguments, streamed_calls
+from tests.support.tool_schemas import TIME
+
 MODEL = "SmolLM2-135M-Instruct"
 
+# SmolLM2's weather tool: the shared one without its optional parameters
 WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 20}},
-    "required": ["timezone"],
-    "additionalProperties": False,  # strict, as the Agents SDK sends: every call is bounded
+    **tool_schemas.WEATHER,
+    "properties": {k: tool_schemas.WEATHER["properties"][k] for k in ("city", "unit", "days")},
 }
 TOOLS = [
     {
@@ -70,20 +63,16 @@ def assert_valid_call(call) -> dict:
 @pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
 def test_forced_calls_always_validate(openai_client, named):
     """20 prompt and seed pairs per mode at temperature 1: every forced call is valid."""
-    choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
     for seed, prompt in enumerate(PROMPTS * 2):
-        reply = openai_client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": prompt}],
-            tools=TOOLS,
-            tool_choice=choice,
-            parallel_tool_calls=False,
-            temperature=1.0,
+        choice0 = forced_choice(
+            openai_client,
+            named=named,
             seed=seed,
             max_tokens=80,
+            messages=[{"role": "user", "content": prompt}],
+            tools=TOOLS,
+            model=MODEL,
         )
-        choice0 = reply.choices[0]
-        assert choice0.finish_reason == "tool_calls", choice0
         assert choice0.message.content is None  # no tool markup left in content
         assert len(choice0.message.tool_calls) == 1
         call = choice0.message.tool_calls[0]
@@ -126,26 +115,10 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(openai_client):
         max_tokens=120,
     )
     whole = openai_client.chat.completions.create(**kwargs).choices[0]
-    calls: dict[int, dict] = {}
-    finish = None
-    argument_chunks = 0
-    for chunk in openai_client.chat.completions.create(**kwargs, stream=True):
-        choice = chunk.choices[0]
-        finish = choice.finish_reason or finish
-        assert not choice.delta.content  # nothing of the call leaks into content
-        for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-            if delta.id:
-                assert entry["id"] is None and entry["arguments"] == ""  # id and name first
-                entry["id"], entry["name"] = delta.id, delta.function.name
-            if delta.function and delta.function.arguments:
-                entry["arguments"] += delta.function.arguments
-                argument_chunks += 1
-    assert finish == "tool_calls"
-    assert argument_chunks > 2  # arguments arrive in fragments as they are generated
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
-    ]
+    streamed = streamed_calls(openai_client, **kwargs)  # nothing of the call leaks into content
+    assert streamed.finish == "tool_calls"
+    assert streamed.fragments > 2  # arguments arrive in fragments as they are generated
+    assert [c[1:] for c in streamed.calls] == named_arguments(whole.message.tool_calls)
 
 
 def test_tool_loop_reuses_the_previous_turn(openai_client):
