@@ -128,6 +128,8 @@ def forced_replies(
 
 @dataclass
 class Streamed:
+    """A streamed reply's calls as `streamed_calls` reassembles them."""
+
     calls: list[tuple[str | None, str | None, str]]  # id, name, arguments, in the order opened
     fragments: int  # argument deltas
     finish: str | None
