@@ -13,6 +13,8 @@ import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from tests.support.concurrently import concurrently
+
 MODEL = "gpt-5.1-codex"
 PATCH_GRAMMAR = (
     Path(__file__).parents[1] / "fixtures" / "codex" / "tool_apply_patch.lark"
@@ -209,16 +211,20 @@ def test_forced_custom_calls_follow_the_lark_grammar_at_temperature_1(server, pa
     max_output_tokens (the 135M model often rambles on at temperature 1 past any budget a test can
     afford; nothing makes a grammar end) is a valid beginning of one, never anything else. That a
     forced freeform call does end, whole, is shown on a grammar that ends by itself: 8/8 calls at
-    temperature 1 complete with an input the grammar accepts."""
-    for seed in range(8):  # a grammar mask per token is slow on a CPU: 8 keep the suite short
-        reply = forced(
+    temperature 1 complete with an input the grammar accepts. Each set of 8 is sent at once, so
+    the grammars are also checked side by side in one batch (seeded rows draw alike either way)."""
+    patches = concurrently(
+        lambda seed: forced(
             server,
             {"type": "custom", "name": "apply_patch"},
             max_tokens=160,
             temperature=1.0,
             seed=seed,
             input=[DEVELOPER, user(f"Add a file note{seed}.txt that says hi.")],
-        )
+        ),
+        range(8),
+    )
+    for reply in patches:
         calls = [i for i in reply["output"] if i["type"] == "custom_tool_call"]
         assert len(calls) == 1, reply["output"]
         verdict = patch_check(calls[0]["input"])
@@ -234,15 +240,18 @@ def test_forced_custom_calls_follow_the_lark_grammar_at_temperature_1(server, pa
             "definition": 'start: ("applies" | "conflicts") " at line " /[1-9][0-9]?/',
         },
     }
-    for seed in range(8):
-        reply = forced(
+    verdicts = concurrently(
+        lambda seed: forced(
             server,
             {"type": "custom", "name": "verdict"},
             max_tokens=40,
             temperature=1.0,
             seed=seed,
             tools=[*CODEX_TOOLS, verdict_tool],
-        )
+        ),
+        range(8),
+    )
+    for reply in verdicts:
         calls = [i for i in reply["output"] if i["type"] == "custom_tool_call"]
         assert reply["status"] == "completed" and len(calls) == 1, reply
         assert re.fullmatch(r"(applies|conflicts) at line [1-9][0-9]?", calls[0]["input"]), calls
