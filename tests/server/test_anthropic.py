@@ -11,6 +11,8 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.support.concurrently import concurrently
+
 MODEL = "claude-opus-4-7"  # any name is served by the loaded model
 SERVED = "SmolLM2-135M-Instruct"
 WEATHER = {
@@ -150,15 +152,20 @@ def test_stream_event_sequence(server, client):
 
 
 def test_forced_tool_input_validates(client):
-    for i, prompt in enumerate(PROMPTS * 2):
+    """20 forced calls, "any" and named in turn, sent 8 at a time (one batch, as agents' are)."""
+
+    def ask(pair: tuple[int, str]):
+        i, prompt = pair
         choice = {"type": "tool", "name": "get_weather"} if i % 2 else {"type": "any"}
-        reply = client.messages.create(
+        return client.messages.create(
             model=MODEL,
             max_tokens=60,
             messages=[{"role": "user", "content": prompt}],
             tools=TOOLS,
             tool_choice={**choice, "disable_parallel_tool_use": True},
         )
+
+    for reply in concurrently(ask, enumerate(PROMPTS * 2)):
         assert reply.stop_reason == "tool_use"
         uses = [b for b in reply.content if b.type == "tool_use"]
         assert len(uses) == 1 and uses[0].id.startswith("toolu_")
