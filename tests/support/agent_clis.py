@@ -26,8 +26,8 @@ import platformdirs
 from tests.support.thinking_models import build_thinking_model
 from tests.support.tiny_models import make_model_dir, scale_output_row
 
-CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
-CODEX = "@openai/codex@0.169.0"
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.332"
+CODEX = "@openai/codex@0.171.0"
 EOS_EMBEDDING_SCALE = 12.0  # answers of about 5-20 tokens at temperature 1 (padded weights)
 # The thinking model samples its end less eagerly: at 12 it often ends inside the reasoning at
 # its first token (a Codex turn with no reasoning to replay); at 7 it reasons, then ends.
