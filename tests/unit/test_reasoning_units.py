@@ -119,7 +119,8 @@ def test_the_gate_keeps_a_grammar_out_of_the_reasoning(tokenizer) -> None:
     gate.advance(free)
     closing = gate.forced(100)
     assert tokenizer.decode(closing) == "\n</think>\n\n"
-    mask = gate.allowed(len(tokenizer.get_vocab()))
+    vocab = len(tokenizer.get_vocab())  # once: the tokenizer builds the whole dict per call
+    mask = gate.allowed(vocab)
     assert mask is not None and not mask[free]  # the call's grammar now rules
     out = []
     for _ in range(200):
@@ -128,7 +129,7 @@ def test_the_gate_keeps_a_grammar_out_of_the_reasoning(tokenizer) -> None:
         if gate.finished:
             break
         if not forced:
-            token = int(gate.allowed(len(tokenizer.get_vocab())).nonzero()[0][0])
+            token = int(gate.allowed(vocab).nonzero()[0][0])
             gate.advance(token)
             out.append(token)
     assert tokenizer.decode(out).startswith("<tool_call>")
