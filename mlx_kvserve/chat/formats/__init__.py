@@ -40,6 +40,7 @@ from mlx_kvserve.chat.formats import (
 )
 from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.vocabulary import token_ids
 
 FORMATS = (
     harmony,
@@ -90,7 +91,7 @@ def add_end_tokens(tokenizer: Tokenizer) -> None:
     add = getattr(tokenizer, "add_eos_token", None)
     if not tokens or add is None:
         return
-    vocab = tokenizer.get_vocab()
+    vocab = token_ids(tokenizer)
     for token in tokens:
         if token in vocab:
             add(token)

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.grammar import Constraint
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.vocabulary import token_ids
 
 
 class HarmonyGate:
@@ -29,7 +30,7 @@ class HarmonyGate:
         inner: Constraint | None = None,
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
-        vocab = tokenizer.get_vocab()
+        vocab = token_ids(tokenizer)
         self.channel = vocab[channels.CHANNEL]
         self.message = vocab[channels.MESSAGE]
         self.end = vocab[channels.END]

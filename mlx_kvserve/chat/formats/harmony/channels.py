@@ -8,6 +8,7 @@ from typing import Any
 
 from mlx_kvserve.chat.formats.tool_format import per_tokenizer
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.vocabulary import token_ids
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -23,10 +24,7 @@ def is_harmony(tokenizer: Tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or f"{CHANNEL}commentary" not in template:
         return False
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:  # a tokenizer without a vocabulary to show: not harmony
-        return False
+    vocab = token_ids(tokenizer)  # empty for a tokenizer without one: not harmony
     return all(token in vocab for token in (START, END, MESSAGE, CHANNEL, CALL))
 
 
