@@ -28,8 +28,7 @@ _vocabs_lock = threading.Lock()
 
 def _vocabulary(tokenizer: object) -> _Vocabulary:
     """Read once per tokenizer: `get_vocab()` builds the whole map on every call (60 ms for
-    SmolLM2's 49k tokens, about 250 ms for gpt-oss's 200k), and tokens are looked up on every
-    request."""
+    SmolLM2's 49k tokens; gpt-oss has 200k), and tokens are looked up on every request."""
     try:
         with _vocabs_lock:
             return _vocabs[tokenizer]
