@@ -2,11 +2,12 @@
 against a real server.
 
 The model is a tiny random-weight llama with a 128k context (tests/support/agent_clis.py): these
-agents' prompts (10k-20k tokens) do not fit the default model. A recording proxy between CLI and
+agents' prompts (8k-20k tokens) do not fit the default model. A recording proxy between CLI and
 server sees every request: each must be answered 2xx, each CLI run must end without an API error,
 and the prompt cache must serve what the agents resend (a second session's shared system prompt and
 tools; a continued session's history). Run with MLX_KVSERVE_RECORD_CLI_SHAPES=1 to rewrite the
-redacted request fixtures that tests/clients/test_cli_shapes.py replays without npm.
+redacted request fixtures of Claude Code and Codex that tests/clients/test_cli_shapes.py replays
+without npm.
 """
 
 from __future__ import annotations
