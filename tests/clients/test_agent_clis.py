@@ -1,15 +1,18 @@
-"""The real Claude Code and Codex CLIs, installed from npm, run headless against a real server.
+"""The real Claude Code, Codex, opencode and Qwen Code CLIs, installed from npm, run headless
+against a real server.
 
 The model is a tiny random-weight llama with a 128k context (tests/support/agent_clis.py): these
-agents' prompts (10k-20k tokens) do not fit the default model. A recording proxy between CLI and
+agents' prompts (8k-20k tokens) do not fit the default model. A recording proxy between CLI and
 server sees every request: each must be answered 2xx, each CLI run must end without an API error,
 and the prompt cache must serve what the agents resend (a second session's shared system prompt and
 tools; a continued session's history). Run with MLX_KVSERVE_RECORD_CLI_SHAPES=1 to rewrite the
-redacted request fixtures that tests/clients/test_cli_shapes.py replays without npm.
+redacted request fixtures of Claude Code and Codex that tests/clients/test_cli_shapes.py replays
+without npm.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 
@@ -23,6 +26,8 @@ from tests.support.agent_clis import (
     install_clis,
     run_claude,
     run_codex,
+    run_opencode,
+    run_qwen,
 )
 from tests.support.cli_proxy import Exchange, RecordingProxy
 from tests.support.cli_shapes import write_fixture
@@ -106,6 +111,53 @@ def test_codex_exec_and_resume_are_served_and_cached(clis, agent_server, tmp_pat
         usages.append(next(e["usage"] for e in reversed(events) if e["type"] == "turn.completed"))
     first_usage, resumed_usage = usages
     assert resumed_usage["cached_input_tokens"] >= 0.9 * first_usage["input_tokens"], usages
+
+
+def test_opencode_run_and_continue_are_served_and_cached(clis, agent_server, tmp_path):
+    """opencode over chat completions: `run`, then `run --continue`, which resends the session's
+    system prompt, tools and history; the continued request reads nearly all of it from the cache.
+    (Each run also asks, in a request of its own, for a title.)"""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with RecordingProxy(agent_server.base_url) as proxy:
+        first = run_opencode(clis, proxy.base_url, home, work, "Say hello.")
+        resumed = run_opencode(clis, proxy.base_url, home, work, "--continue", "And now?")
+        exchanges = proxy.exchanges
+    served(exchanges)
+    steps = []
+    for run in (first, resumed):
+        events = run.json_lines()
+        errors = [e for e in events if e.get("type") == "error"]
+        assert run.returncode == 0 and not errors, (run.stdout, run.stderr)
+        steps.append([e["part"]["tokens"] for e in events if e.get("type") == "step_finish"])
+    assert steps[0] and steps[1], steps
+    first_prompt = steps[0][0]["input"] + steps[0][0]["cache"]["read"]
+    assert steps[1][0]["cache"]["read"] >= 0.9 * first_prompt, steps
+    # The server's own count, from the usage it streamed: the agent's requests (with its tools)
+    # after the first read at least 90% of their prompt from the cache.
+    agent = [e.cached_tokens() for e in exchanges if e.body.get("tools")]
+    assert len(agent) >= 2 and all(cached >= 0.9 * prompt for prompt, cached in agent[1:]), agent
+
+
+def test_qwen_code_prompt_and_continue_are_served_and_cached(clis, agent_server, tmp_path):
+    """Qwen Code over chat completions: a prompt, then `--continue` with another; the continued
+    request reads the first one's system prompt, tools and history from the cache (Qwen Code
+    drops a date reminder from the first user turn when it resumes, so not all of it)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with RecordingProxy(agent_server.base_url) as proxy:
+        first = run_qwen(clis, proxy.base_url, home, work, "Say hello.")
+        resumed = run_qwen(clis, proxy.base_url, home, work, "--continue", "And now?")
+        exchanges = proxy.exchanges
+    served(exchanges)
+    for run in (first, resumed):
+        result = json.loads(run.stdout)[-1]
+        assert run.returncode == 0 and result["subtype"] == "success", (run.stdout, run.stderr)
+        assert not result["is_error"], result
+    usage = [e.cached_tokens() for e in exchanges]
+    assert len(usage) >= 2 and all(cached >= 0.9 * usage[0][0] for _, cached in usage[1:]), usage
 
 
 @pytest.fixture(scope="module")

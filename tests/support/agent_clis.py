@@ -1,4 +1,5 @@
-"""The real agent CLIs (Claude Code, Codex) from npm, run headless against a server under test.
+"""The real agent CLIs (Claude Code, Codex, opencode, Qwen Code) from npm, run headless against a
+server under test.
 
 `install_clis()` installs the pinned versions once into a per-user cache directory and returns
 their executables, or None with the reason when npm or the registry is unavailable (the tests then
@@ -28,18 +29,23 @@ from tests.support.tiny_models import make_model_dir, scale_output_row
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.332"
 CODEX = "@openai/codex@0.171.0"
+OPENCODE = "opencode-ai@1.18.33"
+QWEN_CODE = "@qwen-code/qwen-code@0.24.4"
 EOS_EMBEDDING_SCALE = 12.0  # answers of about 5-20 tokens at temperature 1 (padded weights)
 # The thinking model samples its end less eagerly: at 12 it often ends inside the reasoning at
 # its first token (a Codex turn with no reasoning to replay); at 7 it reasons, then ends.
 THINKING_EOS_SCALE = 7.0
 AGENT_CONTEXT = 131072
 NPM_TIMEOUT = 600
+UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
 
 
 @dataclass(frozen=True)
 class Clis:
     claude: Path
     codex: Path
+    opencode: Path
+    qwen: Path
 
 
 def cli_cache_dir() -> Path:
@@ -56,7 +62,7 @@ def install_clis() -> Clis | str:
     root = cli_cache_dir()
     bin_dir = root / "node_modules" / ".bin"
     stamp = root / "installed.json"
-    wanted = [CLAUDE_CODE, CODEX]
+    wanted = [CLAUDE_CODE, CODEX, OPENCODE, QWEN_CODE]
     if not (stamp.is_file() and json.loads(stamp.read_text()) == wanted):
         root.mkdir(parents=True, exist_ok=True)
         try:
@@ -71,8 +77,8 @@ def install_clis() -> Clis | str:
         if done.returncode != 0:
             return f"npm install {' '.join(wanted)} failed: {done.stderr.strip()[-500:]}"
         stamp.write_text(json.dumps(wanted))
-    clis = Clis(bin_dir / "claude", bin_dir / "codex")
-    for path in (clis.claude, clis.codex):
+    clis = Clis(*(bin_dir / name for name in ("claude", "codex", "opencode", "qwen")))
+    for path in (clis.claude, clis.codex, clis.opencode, clis.qwen):
         try:
             subprocess.run([str(path), "--version"], capture_output=True, timeout=60, check=True)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -162,6 +168,70 @@ def run_codex(
     env = _clean_env(home, ("OPENAI", "CODEX"))
     env.update(CODEX_HOME=str(codex_home(home, base_url)), MLX_KVSERVE_TEST_KEY="unused")
     command = [str(clis.codex), "exec", "--skip-git-repo-check", "--json", *args]
+    return _run(command, env, workdir, timeout)
+
+
+def run_opencode(
+    clis: Clis, base_url: str, home: Path, workdir: Path, *args: str, timeout: float = 900
+) -> CliRun:
+    """`opencode run --format json ...` against `base_url` through its OpenAI-compatible provider,
+    configured in the opencode.json of a home of its own. opencode installs its plugin package
+    into its config directory at start-up; an unreachable npm registry keeps the run off the
+    network (the install fails quietly and the run goes on)."""
+    config_dir = home / ".config" / "opencode"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "mlx-kvserve",
+        "options": {"baseURL": f"{base_url}/v1", "apiKey": "unused"},
+        "models": {"tiny-agent": {"name": "tiny agent"}},
+    }
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"mlx-kvserve": provider},
+        "model": "mlx-kvserve/tiny-agent",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    (config_dir / "opencode.json").write_text(json.dumps(config))
+    env = _clean_env(home, ("OPENCODE", "XDG_", "npm_config", "NPM_CONFIG"))
+    env.update(
+        OPENCODE_DISABLE_AUTOUPDATE="1",
+        OPENCODE_DISABLE_MODELS_FETCH="1",
+        OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
+        npm_config_registry=UNREACHABLE,
+    )
+    command = [str(clis.opencode), "run", "--format", "json", "-m", "mlx-kvserve/tiny-agent", *args]
+    return _run(command, env, workdir, timeout)
+
+
+def run_qwen(
+    clis: Clis, base_url: str, home: Path, workdir: Path, *args: str, timeout: float = 900
+) -> CliRun:
+    """`qwen --auth-type openai --output-format json ...` against `base_url`, in a home of its own.
+
+    Qwen Code takes an empty answer for a failed stream and retries it, then exits 1; the tiny
+    model, asked Qwen Code's 14k-token prompt, samples its end first. So its settings ask for 8
+    tokens with the `ignore_eos` extension (through Qwen Code's own `samplingParams` and
+    `extra_body`): the answer is 8 gibberish tokens, the prompt is what Qwen Code sends. The
+    background memory extraction (a second agent per run) is off to keep the run short."""
+    settings_dir = home / ".qwen"
+    settings_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "general": {"enableAutoUpdate": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False},
+        "model": {
+            "generationConfig": {
+                "samplingParams": {"max_tokens": 8},
+                "extra_body": {"ignore_eos": True},
+            }
+        },
+    }
+    (settings_dir / "settings.json").write_text(json.dumps(settings))
+    env = _clean_env(home, ("OPENAI", "QWEN", "DASHSCOPE"))
+    env.update(OPENAI_BASE_URL=f"{base_url}/v1", OPENAI_API_KEY="unused", OPENAI_MODEL="tiny-agent")
+    command = [str(clis.qwen), "--auth-type", "openai", "--output-format", "json", *args]
     return _run(command, env, workdir, timeout)
 
 

@@ -1,7 +1,7 @@
 """A recording reverse proxy between a real agent CLI and the server under test.
 
-The CLIs (Claude Code, Codex) talk to the proxy as if it were the server; every request is
-forwarded unchanged, the response streams back unchanged, and each exchange is recorded: method,
+The agent CLIs talk to the proxy as if it were the server; every request is forwarded
+unchanged, the response streams back unchanged, and each exchange is recorded: method,
 path with its query string, headers, the JSON body and the status the server answered. The tests
 read the record to assert that every request the CLI sent was served, and `shapes.py` turns it
 into the redacted fixtures that the fast tests replay.
