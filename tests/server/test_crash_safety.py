@@ -3,16 +3,19 @@
 Every answer is a greedy completion compared with the answer of a `--no-cache` server to the same
 request, so no kill, damaged file or injected fault can buy anything with wrong output. The
 kill-and-restart loop (`KillLoop`, tests/support/kill_loop.py) is shared with `scripts/soak.py`,
-which runs it for longer and on other models.
+which runs it for longer and on other models; here it runs on a tiny model of the default
+model's architecture (it is about the cache, and restarts 20 times).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,11 +43,13 @@ from tests.support.soak_workload import (
     MAX_TOKENS,
     MODEL,
     TIMEOUT,
+    Target,
     Turn,
     answer,
     build_workload,
     chat,
 )
+from tests.support.tiny_models import make_model_dir
 
 
 # ====================================================================== entry-file surgery ===
@@ -185,15 +190,71 @@ def complete(base_url: str, prompt: str) -> dict:
     return resp.json()
 
 
+def complete_all(base_url: str, prompts: dict[str, str]) -> dict[str, dict]:
+    """`complete` of every prompt, sent at once."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = pool.map(lambda p: complete(base_url, p), prompts.values())
+        return dict(zip(prompts, bodies, strict=True))
+
+
+def first_token(path: Path) -> int:
+    """The first token an entry file holds."""
+    header, _, _ = read_entry(path)
+    return int(codec.decode_tokens(header["tokens"])[0])
+
+
+@functools.cache
+def prompt_token(prompt: str) -> int:
+    """The first token of a text prompt (the default model's tokenizer adds no BOS)."""
+    from transformers import AutoTokenizer
+
+    from tests.support.tiny_models import default_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(default_tokenizer_dir())).encode(prompt)[0]
+
+
 @pytest.fixture(scope="module")
 def workload(nocache_server: ServerProcess) -> list[list[Turn]]:
     return build_workload(nocache_server.base_url)
 
 
 # ====================================================================== 1. SIGKILL loop ======
-def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, workload):
+# The kill loop is about the cache, not the model: it runs on a tiny random-weight llama (the
+# default model's architecture and tokenizer, plain trimmable KV, 512 bytes of KV per token
+# instead of 46,080), which starts and answers several times faster. The disk budget is cut
+# by the same factor as the KV, so it holds as few entries as 6 MiB of the default model's, and
+# the mid-request kills wait at most 0.1 s instead of 1.5 s, so they still land in a request
+# (in prefill, decode or its checkpoint write) rather than after it.
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
+SIGKILL_BUDGET = 6 * MiB * TINY_KV_BYTES_PER_TOKEN // 46080  # 68 KiB
+MID_REQUEST_DELAY = 0.1
+
+
+@pytest.fixture(scope="module")
+def tiny_workload(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, list[list[Turn]]]:
+    """The tiny model's target, and the workload answered by its own `--no-cache` server."""
+    root = tmp_path_factory.mktemp("tiny-llama")
+    model = make_model_dir(root / "model", "llama", seed=4)
+    target = Target("tiny", "tiny", ("--model", str(model), "--served-model-name", "tiny"))
+    reference = ServerProcess(root, "--no-cache", *target.server_args).wait_ready()
+    try:
+        return target, build_workload(reference.base_url, target)
+    finally:
+        reference.stop()
+
+
+def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, tiny_workload):
     """20 kills (seeded): mid-stream, mid-request, mid-write, right after an answer, idle."""
-    report = KillLoop(tmp_path, workload, seed=4, budget=6 * MiB).run(20)
+    target, workload = tiny_workload
+    loop = KillLoop(
+        tmp_path,
+        workload,
+        seed=4,
+        budget=SIGKILL_BUDGET,
+        target=target,
+        mid_request_delay=MID_REQUEST_DELAY,
+    )
+    report = loop.run(20)
     summary = "\n".join(report.lines() + report.problems)
     assert report.kills >= 20 and report.restarts >= 20, summary
     assert report.requests >= 20, summary
@@ -213,20 +274,22 @@ def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, workload):
 # ====================================================================== 2. corruption matrix ==
 def test_corruption_matrix_evicts_and_answers_correctly(start_server, tmp_path, nocache_server):
     root = tmp_path / "kv"
+    # The prompts are independent: each server answers them side by side (batched).
     references = {
-        name: complete(nocache_server.base_url, p)["choices"][0]["text"]
-        for name, p in CORRUPTION_PROMPTS.items()
+        name: body["choices"][0]["text"]
+        for name, body in complete_all(nocache_server.base_url, CORRUPTION_PROMPTS).items()
     }
     first = start_server(env=cache_env(root))
-    keys: dict[str, str] = {}
-    for name, prompt in CORRUPTION_PROMPTS.items():
-        complete(first.base_url, prompt)
-        known = set(keys.values())
-        new = [e["key"] for e in wait_for_writes(first)["entries_list"] if e["key"] not in known]
-        assert len(new) == 1, new  # a text prompt stores one entry: prompt + completion
-        keys[name] = new[0]
+    complete_all(first.base_url, CORRUPTION_PROMPTS)
+    entries = wait_for_writes(first)["entries_list"]
     assert first.stop() == 0
     directory = fingerprint_dir(root)
+    # A text prompt stores one entry (prompt + completion); the prompts' first tokens differ,
+    # so each entry's first token says whose it is.
+    assert len(entries) == len(CORRUPTION_PROMPTS), entries
+    first_tokens = {first_token(directory / f"{e['key']}.kvc"): e["key"] for e in entries}
+    assert len(first_tokens) == len(entries), first_tokens
+    keys = {name: first_tokens[prompt_token(p)] for name, p in CORRUPTION_PROMPTS.items()}
     damaged: dict[str, tuple[Path, str]] = {}
     for name, (damage, _) in CORRUPTIONS.items():
         path = damage(directory / f"{keys[name]}.kvc")
@@ -237,8 +300,7 @@ def test_corruption_matrix_evicts_and_answers_correctly(start_server, tmp_path, 
     for name, (_, caught) in CORRUPTIONS.items():
         key = damaged[name][0].name.split(".")[0]
         assert (key in indexed) == (caught == "load"), (name, indexed)
-    for name, prompt in CORRUPTION_PROMPTS.items():
-        body = complete(server.base_url, prompt)
+    for name, body in complete_all(server.base_url, CORRUPTION_PROMPTS).items():
         assert body["choices"][0]["text"] == references[name], name
         # Nothing of a damaged entry was used: the whole prompt was prefilled.
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, name

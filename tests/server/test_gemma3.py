@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -81,22 +82,35 @@ def cache_root(workdir: Path) -> Path:
     return workdir / "kv"
 
 
+def _spawn(workdir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess(workdir, "--model", MODEL, *args, env=env)
+
+
 def _start(workdir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(workdir, "--model", MODEL, *args, env=env).wait_ready()
+    return _spawn(workdir, *args, env=env).wait_ready()
 
 
 @pytest.fixture(scope="module")
-def reference(gemma_dir: Path, workdir: Path):
-    proc = _start(workdir, "--no-cache")
-    yield proc
-    proc.stop()
+def servers(gemma_dir: Path, workdir: Path, cache_root: Path):
+    """The `--no-cache` reference and the cache server, started side by side (each load is
+    mostly one busy thread)."""
+    reference = _spawn(workdir, "--no-cache")
+    cached = _spawn(workdir, env={"MLX_KVSERVE_CACHE_DIR": str(cache_root)})
+    try:
+        yield reference.wait_ready(), cached.wait_ready()
+    finally:
+        reference.stop()
+        cached.stop()
 
 
 @pytest.fixture(scope="module")
-def cached(gemma_dir: Path, workdir: Path, cache_root: Path):
-    proc = _start(workdir, env={"MLX_KVSERVE_CACHE_DIR": str(cache_root)})
-    yield proc
-    proc.stop()
+def reference(servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def cached(servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +233,13 @@ def test_restart_and_sigkill_keep_answers_equal(
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "Tell me everything about the town."},
     ]
-    longer_expected = text_of(chat(reference.base_url, longer))
-    cached.stop()
-    restarted = _start(workdir, env=env)
+    # The reference answers the longer request while the cache server restarts.
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: text_of(chat(reference.base_url, longer)))
+        cached.stop()
+        restarted = _start(workdir, env=env)
     try:
+        longer_expected = pending.result()
         assert cache_stats(restarted)["entries"] > 0
         # The next turn continues from the previous run's checkpoint, restored from disk.
         messages, expected = conversation[LIVE_TURNS]

@@ -141,7 +141,9 @@ class KillLoop:
     * after_response: as soon as the answer arrives (its "generation" checkpoint is being
       stored and written just then);
     * mid_stream: after a random number of streamed chunks;
-    * mid_request: after a random delay (in prefill, decode or a checkpoint write);
+    * mid_request: after a random delay of up to `mid_request_delay` seconds (in prefill,
+      decode or a checkpoint write; 1.5 s suits the default model, a tiny model answers in
+      a fraction of that);
     * mid_write: the server kills itself halfway through writing its K-th entry file
       (`MLX_KVSERVE_FAULTS=disk_write_kill@K`), so a torn temporary file is certain;
     * idle: after the answer, with nothing in flight but possibly the writer.
@@ -161,6 +163,7 @@ class KillLoop:
         env: dict[str, str] | None = None,
         log: Callable[[str], None] | None = None,
         target: Target = DEFAULT,
+        mid_request_delay: float = 1.5,
     ) -> None:
         self.workdir = workdir
         self.cache_root = workdir / "kv"
@@ -172,6 +175,7 @@ class KillLoop:
         self.env = {"MLX_KVSERVE_CACHE_DIR": str(self.cache_root), **(env or {})}
         # Debug logging: budget evictions are logged (one line each) only at that level.
         self.target = target
+        self.mid_request_delay = mid_request_delay
         self.args = ("--cache-budget", str(budget), "--log-level", "debug", *target.server_args)
         self.report = SoakReport()
         self.log = log or (lambda _msg: None)
@@ -318,7 +322,7 @@ class KillLoop:
             self._check(turn, got, error)
 
     def _kill_mid_request(self, turn: Turn) -> None:
-        delay = self.rng.uniform(0.0, 1.5)
+        delay = self.rng.uniform(0.0, self.mid_request_delay)
         result: dict = {}
 
         def run() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -264,17 +265,25 @@ def _is_json(text: str) -> bool:
 
 
 def build_workload(reference_url: str, target: Target = DEFAULT) -> list[list[Turn]]:
-    """Every turn of every conversation, with the no-cache answers also used as history."""
-    workload = []
-    for ci, questions in enumerate(CONVERSATIONS):
-        history = [dict(SYSTEM)]
-        if target.tools and ci == 1:
-            history += copy.deepcopy(PRIOR_CALL)
-        turns = []
-        for ti, question in enumerate(questions):
-            history.append({"role": "user", "content": question})
-            expected = ask(reference_url, history, target)
-            turns.append(Turn(ci, ti, tuple(copy.deepcopy(history)), expected))
-            history += replies(expected, ci, ti)
-        workload.append(turns)
-    return workload
+    """Every turn of every conversation, with the no-cache answers also used as history.
+
+    The conversations are independent, so they are asked side by side (the reference server
+    batches them); each one's turns stay in order, as each turn's history holds the answers
+    before it."""
+    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        return list(
+            pool.map(lambda ci: _conversation(reference_url, target, ci), range(len(CONVERSATIONS)))
+        )
+
+
+def _conversation(reference_url: str, target: Target, ci: int) -> list[Turn]:
+    history = [dict(SYSTEM)]
+    if target.tools and ci == 1:
+        history += copy.deepcopy(PRIOR_CALL)
+    turns = []
+    for ti, question in enumerate(CONVERSATIONS[ci]):
+        history.append({"role": "user", "content": question})
+        expected = ask(reference_url, history, target)
+        turns.append(Turn(ci, ti, tuple(copy.deepcopy(history)), expected))
+        history += replies(expected, ci, ti)
+    return turns
