@@ -247,13 +247,16 @@ def test_cache_endpoint_and_cli(cache_server, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120)
 
-    listing = run("--json", "ls")
+    with ThreadPoolExecutor(4) as pool:  # read-only beside the server, and a refused clear
+        listing, totals, verified, busy = pool.map(
+            lambda args: run(*args),
+            [("--json", "ls"), ("stats",), ("--json", "verify"), ("clear",)],
+        )
     assert listing.returncode == 0, listing.stderr
     assert len(json.loads(listing.stdout)) == stats["entries"]
-    assert run("stats").returncode == 0
-    verified = run("--json", "verify")
+    assert totals.returncode == 0
     assert verified.returncode == 0 and json.loads(verified.stdout)["problems"] == []
-    busy = run("clear")  # the running server holds the lock
+    # the running server holds the lock
     assert busy.returncode == 1 and "stop the server" in busy.stdout
     assert cache_server.stop() == 0
     cleared = run("--json", "clear")
