@@ -11,6 +11,10 @@ The matrix: llama (plain KVCache, deltas, batched), qwen3_5 (linear attention: A
 KVCache, wrapped in text_config), gemma3_text (RotatingKVCache windows), gpt_oss (windows, sinks,
 experts, no context field mlx-lm reads), deepseek_v3 (MLA latent KV), mamba2 (SSM state only),
 falcon_h1 (CacheList of SSM state and KV), llama4 (ChunkedKVCache).
+
+Per architecture the `--no-cache` reference runs for all its tests, and the cache-on server the
+restart test leaves running serves the concurrent conversations next (fewer starts); the
+references are asked while the cache-on server works on the same requests.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -63,6 +67,13 @@ class Arch:
     model_dir: Path
     work: Path
     reference: ServerProcess  # --no-cache
+    running: list[ServerProcess] = field(default_factory=list)  # cache-on, on work/kv
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+
+    def ask(self, messages: list[dict], max_tokens: int = 12) -> Future:
+        """The reference's (answer, usage) for `messages`, asked now: requests to it run one at
+        a time (solo answers), while the cache-on server works."""
+        return self._pool.submit(chat, self.reference, messages, max_tokens)
 
 
 @pytest.fixture(scope="module", params=list(MATRIX))
@@ -70,11 +81,14 @@ def arch(request, tmp_path_factory) -> Iterator[Arch]:
     work = tmp_path_factory.mktemp(request.param)
     model_dir = make_model_dir(work / "model", request.param)
     reference = ServerProcess(work, "--model", str(model_dir), "--no-cache", *FLAGS)
+    arch = Arch(request.param, model_dir, work, reference)
     try:
         reference.wait_ready()
-        yield Arch(request.param, model_dir, work, reference)
+        yield arch
     finally:
-        reference.stop()
+        arch._pool.shutdown()
+        for server in [reference, *arch.running]:
+            server.stop()
 
 
 def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 12):
@@ -85,8 +99,20 @@ def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 12):
 
 
 def cached_server(arch: Arch) -> ServerProcess:
+    """A new cache-on server on the architecture's cache directory (the one running there is
+    stopped first), left running for the next test; the module's end stops it."""
+    for server in arch.running:
+        assert server.stop() == 0
     env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv")}
-    return ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
+    server = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env)
+    arch.running[:] = [server]
+    return server.wait_ready()
+
+
+def running_cached_server(arch: Arch) -> ServerProcess:
+    """The cache-on server a test before left running, or a new one."""
+    alive = [s for s in arch.running if s.proc.poll() is None]
+    return alive[0] if alive else cached_server(arch)
 
 
 def test_starts_and_describes_its_layers(arch: Arch):
@@ -101,77 +127,73 @@ def test_starts_and_describes_its_layers(arch: Arch):
 def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
     server = cached_server(arch)
     messages, usages, answers = [SYSTEM], [], []
-    try:
-        for turn, question in enumerate(QUESTIONS):
-            if turn == 2:  # restart: the next turn must come from the disk tier
-                assert server.stop() == 0
-                server = cached_server(arch)
-            messages = [*messages, {"role": "user", "content": question}]
-            answer, usage = chat(server, messages)
-            expected, ref_usage = chat(arch.reference, messages)
-            assert answer == expected, f"turn {turn}"
-            assert usage.prompt_tokens == ref_usage.prompt_tokens
-            assert ref_usage.prompt_tokens_details.cached_tokens == 0
-            usages.append(usage)
-            answers.append(answer)
-            messages = [*messages, {"role": "assistant", "content": answer}]
-            if turn == 2:
-                stats = httpx.get(server.base_url + "/v1/cache").json()
-                assert stats["restores_from_disk"] >= 1
-        cached = [u.prompt_tokens_details.cached_tokens for u in usages]
-        assert cached[0] == 0
-        # Every later turn reuses at least the whole previous prompt: a delta is cut back to
-        # it, a snapshot (recurrent state, full window) is the "prompt" checkpoint taken one
-        # token before its end (so that a retry of it is served too; engine/generate.py),
-        # chained to the turns before it. Unless the answer began with white space: then the
-        # newline that ends the generation prompt re-tokenizes merged with it, the previous
-        # prompt is no token prefix of the next, and a snapshot serves only the checkpoint
-        # before it (an interval or a message boundary).
-        prompts = [u.prompt_tokens for u in usages]
-        slack = 0 if re.fullmatch(r"\d+ tokens", MATRIX[arch.name][0]) else 1
-        for k in range(1, len(usages)):
-            if answers[k - 1][:1].isspace():
-                assert cached[k] > 0, (prompts, cached, answers)
-            else:
-                assert cached[k] >= prompts[k - 1] - slack, (prompts, cached, answers)
-        # A retry of the last request (a client that timed out, a regenerate) prefills only
-        # its last token: trimmable layers are cut back from the answer's checkpoint, the
-        # others restore the "prompt" snapshot taken one token before the prompt's end.
-        answer, usage = chat(server, messages[:-1])
-        assert answer == answers[-1]
-        assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
-        log = server.log()
-        assert "Traceback" not in log
-        assert re.search(r"cache=disk", log)
-    finally:
-        server.stop()
+    for turn, question in enumerate(QUESTIONS):
+        if turn == 2:  # restart: the next turn must come from the disk tier
+            server = cached_server(arch)
+        messages = [*messages, {"role": "user", "content": question}]
+        reference = arch.ask(messages)
+        answer, usage = chat(server, messages)
+        expected, ref_usage = reference.result()
+        assert answer == expected, f"turn {turn}"
+        assert usage.prompt_tokens == ref_usage.prompt_tokens
+        assert ref_usage.prompt_tokens_details.cached_tokens == 0
+        usages.append(usage)
+        answers.append(answer)
+        messages = [*messages, {"role": "assistant", "content": answer}]
+        if turn == 2:
+            stats = httpx.get(server.base_url + "/v1/cache").json()
+            assert stats["restores_from_disk"] >= 1
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[0] == 0
+    # Every later turn reuses at least the whole previous prompt: a delta is cut back to
+    # it, a snapshot (recurrent state, full window) is the "prompt" checkpoint taken one
+    # token before its end (so that a retry of it is served too; engine/generate.py),
+    # chained to the turns before it. Unless the answer began with white space: then the
+    # newline that ends the generation prompt re-tokenizes merged with it, the previous
+    # prompt is no token prefix of the next, and a snapshot serves only the checkpoint
+    # before it (an interval or a message boundary).
+    prompts = [u.prompt_tokens for u in usages]
+    slack = 0 if re.fullmatch(r"\d+ tokens", MATRIX[arch.name][0]) else 1
+    for k in range(1, len(usages)):
+        if answers[k - 1][:1].isspace():
+            assert cached[k] > 0, (prompts, cached, answers)
+        else:
+            assert cached[k] >= prompts[k - 1] - slack, (prompts, cached, answers)
+    # A retry of the last request (a client that timed out, a regenerate) prefills only
+    # its last token: trimmable layers are cut back from the answer's checkpoint, the
+    # others restore the "prompt" snapshot taken one token before the prompt's end.
+    answer, usage = chat(server, messages[:-1])
+    assert answer == answers[-1]
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    log = server.log()
+    assert "Traceback" not in log
+    assert re.search(r"cache=disk", log)
 
 
 def test_concurrent_conversations_batch_and_answer_like_no_cache(arch: Arch):
     """Three conversations at once decode together (all but llama4's chunked attention), and
-    their next turns, served from the checkpoints the batch left, still answer like no cache."""
-    env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv-concurrent")}
-    server = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env)
-    server.wait_ready()
+    their next turns, served from the checkpoints the batch left, still answer like no cache.
+    (The server may hold the restart test's checkpoints: the first conversation's first turn
+    is then served from them.)"""
+    server = running_cached_server(arch)
+    before = len(re.findall(r" batch=(\d+) ", server.log()))
     convs = [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
-    try:
-        for turn in range(2):
-            with ThreadPoolExecutor(len(convs)) as pool:
-                got = list(pool.map(lambda m: chat(server, m, max_tokens=40), convs))
-            for messages, (answer, usage) in zip(convs, got, strict=True):
-                assert answer == chat(arch.reference, messages, max_tokens=40)[0]
-                if turn:  # (the first turns may share the system prompt's anchor)
-                    assert usage.prompt_tokens_details.cached_tokens > 0
-            convs = [
-                [*m, {"role": "assistant", "content": a}, {"role": "user", "content": "Thanks!"}]
-                for m, (a, _) in zip(convs, got, strict=True)
-            ]
-        peaks = [int(n) for n in re.findall(r" batch=(\d+) ", server.log())]
-        assert len(peaks) == 6
-        assert max(peaks) == 1 if arch.name == "llama4" else max(peaks) >= 2
-        assert "Traceback" not in server.log()
-    finally:
-        server.stop()
+    for turn in range(2):
+        references = [arch.ask(m, max_tokens=40) for m in convs]
+        with ThreadPoolExecutor(len(convs)) as pool:
+            got = list(pool.map(lambda m: chat(server, m, max_tokens=40), convs))
+        for (answer, usage), reference in zip(got, references, strict=True):
+            assert answer == reference.result()[0]
+            if turn:  # (the first turns may share the system prompt's anchor)
+                assert usage.prompt_tokens_details.cached_tokens > 0
+        convs = [
+            [*m, {"role": "assistant", "content": a}, {"role": "user", "content": "Thanks!"}]
+            for m, (a, _) in zip(convs, got, strict=True)
+        ]
+    peaks = [int(n) for n in re.findall(r" batch=(\d+) ", server.log())[before:]]
+    assert len(peaks) == 6
+    assert max(peaks) == 1 if arch.name == "llama4" else max(peaks) >= 2
+    assert "Traceback" not in server.log()
 
 
 def test_an_architecture_mlx_lm_cannot_load_is_refused_at_start(tmp_path):
@@ -265,8 +287,9 @@ def test_a_sigkill_mid_prefill_loses_nothing(arch: Arch):
     answers like `--no-cache`, and finds no damaged entry."""
     kv = arch.work / "kv-kill"
     env = {"MLX_KVSERVE_CACHE_DIR": str(kv), "MLX_KVSERVE_FAULTS": "disk_write_kill@2"}
-    dying = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
     messages = [SYSTEM, {"role": "user", "content": LONG_QUESTION}]
+    reference = arch.ask(messages)
+    dying = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env).wait_ready()
     # The connection dies with the server, mid-request; on a loaded machine the writer can lag
     # behind the prefill, and the second write (and the kill) come just after the answer.
     with contextlib.suppress(Exception):
@@ -279,7 +302,7 @@ def test_a_sigkill_mid_prefill_loses_nothing(arch: Arch):
     ).wait_ready()
     try:
         answer, usage = chat(server, messages)
-        expected, ref_usage = chat(arch.reference, messages)
+        expected, ref_usage = reference.result()
         assert answer == expected
         # The file written before the kill holds the start of this very prompt.
         assert 0 < usage.prompt_tokens_details.cached_tokens < ref_usage.prompt_tokens

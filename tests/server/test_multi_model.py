@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -255,23 +256,43 @@ def test_least_recently_used_model_is_swapped_out_after_its_request_ends(
         proc.stop()
 
 
-def test_a_model_too_large_for_the_budget_is_a_clear_400(tmp_path: Path, models) -> None:
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory, models) -> Iterator[ServerProcess]:
+    """tiny-a, a model too large for the memory budget (big) and one that cannot load (broken)."""
+    work = tmp_path_factory.mktemp("limited")
+    broken = work / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (broken / "model.safetensors").write_bytes(b"not weights")
     small = sum(p.stat().st_size for p in models["tiny-a"].glob("*.safetensors"))
     proc = ServerProcess(
-        tmp_path,
+        work,
         "--model", f"tiny-a={models['tiny-a']}",
         "--model", f"big={models['big']}",
+        "--model", f"broken={broken}",
         "--memory-budget", str(int(1.6 * small)),  # tiny-a's estimate is 1.5x its weights
-    ).wait_ready()  # fmt: skip
-    try:
-        body = {"model": "big", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-        reply = httpx.post(proc.base_url + "/v1/chat/completions", json=body, timeout=300)
-        assert reply.status_code == 400, reply.text
-        error = reply.json()["error"]
-        assert error["code"] == "model_too_large" and "--memory-budget" in error["message"]
-        assert chat(proc, "tiny-a", [{"role": "user", "content": "Hi"}])["model"] == "tiny-a"
-    finally:
-        proc.stop()
+    )  # fmt: skip
+    yield proc.wait_ready()
+    proc.stop()
+
+
+def test_a_model_too_large_for_the_budget_is_a_clear_400(limited: ServerProcess) -> None:
+    body = {"model": "big", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    reply = httpx.post(limited.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_too_large" and "--memory-budget" in error["message"]
+    assert chat(limited, "tiny-a", [{"role": "user", "content": "Hi"}])["model"] == "tiny-a"
+
+
+def test_a_model_that_fails_to_load_says_why_and_the_others_serve(limited: ServerProcess):
+    body = {"model": "broken", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    reply = httpx.post(limited.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 503, reply.text
+    assert "'broken' could not be loaded" in reply.json()["error"]["message"]
+    assert chat(limited, "tiny-a", [{"role": "user", "content": "Hi"}])["model"] == "tiny-a"
+    health = httpx.get(limited.base_url + "/health")
+    assert health.status_code == 200 and health.json()["models"]["broken"] == "unloaded"
 
 
 @pytest.mark.parametrize(
@@ -300,37 +321,23 @@ def test_a_bad_models_section_is_refused_naming_file_line_and_key(
     assert needle in run.stderr, run.stderr[-500:]
 
 
-def test_a_model_that_fails_to_load_says_why_and_the_others_serve(tmp_path: Path, models):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
-    (broken / "model.safetensors").write_bytes(b"not weights")
-    proc = ServerProcess(
-        tmp_path, "--model", f"tiny-a={models['tiny-a']}", "--model", f"broken={broken}"
-    ).wait_ready()
-    try:
-        body = {"model": "broken", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-        reply = httpx.post(proc.base_url + "/v1/chat/completions", json=body, timeout=300)
-        assert reply.status_code == 503, reply.text
-        assert "'broken' could not be loaded" in reply.json()["error"]["message"]
-        assert chat(proc, "tiny-a", [{"role": "user", "content": "Hi"}])["model"] == "tiny-a"
-        health = httpx.get(proc.base_url + "/health")
-        assert health.status_code == 200 and health.json()["models"]["broken"] == "unloaded"
-    finally:
-        proc.stop()
-
-
 def test_bad_model_settings_stop_the_start(tmp_path: Path, models) -> None:
-    for args, needle in (
+    cases = (
         (["--model", "=x"], "--model"),
         (["--model", f"same={models['tiny-a']}", "--model", f"same={models['tiny-b']}"], "two"),
         (["--keep-alive", "soon"], "keep_alive"),
         (["--model", str(tmp_path / "missing")], "missing"),
-    ):
-        run = subprocess.run(
+    )
+
+    def serve(args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
             [sys.executable, "-m", "mlx_kvserve", "serve", "--port", "0", *args],
             capture_output=True, text=True, timeout=300,
             env={**os.environ, "MLX_KVSERVE_CONFIG": str(tmp_path / "none.toml")},
         )  # fmt: skip
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # independent starts, all at once
+        runs = list(pool.map(serve, [args for args, _ in cases]))
+    for (args, needle), run in zip(cases, runs, strict=True):
         assert run.returncode == 2, (args, run.stderr[-500:])
         assert needle in run.stderr, (args, run.stderr[-500:])
