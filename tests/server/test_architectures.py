@@ -12,9 +12,10 @@ KVCache, wrapped in text_config), gemma3_text (RotatingKVCache windows), gpt_oss
 experts, no context field mlx-lm reads), deepseek_v3 (MLA latent KV), mamba2 (SSM state only),
 falcon_h1 (CacheList of SSM state and KV), llama4 (ChunkedKVCache).
 
-Per architecture the `--no-cache` reference runs for all its tests, and the cache-on server the
-restart test leaves running serves the concurrent conversations next (fewer starts); the
-references are asked while the cache-on server works on the same requests.
+Per architecture the `--no-cache` reference runs for all its tests, the restart test's first
+cache-on server starts beside it, and the one the restart test leaves running serves the
+concurrent conversations next (fewer starts, started at once); the references are asked while
+the cache-on server works on the same requests.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def arch(request, tmp_path_factory) -> Iterator[Arch]:
     reference = ServerProcess(work, "--model", str(model_dir), "--no-cache", *FLAGS)
     arch = Arch(request.param, model_dir, work, reference)
     try:
+        spawn_cached_server(arch)  # (starting beside the reference) for the restart test
         reference.wait_ready()
         yield arch
     finally:
@@ -98,21 +100,22 @@ def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 12):
     return resp.choices[0].message.content, resp.usage
 
 
-def cached_server(arch: Arch) -> ServerProcess:
-    """A new cache-on server on the architecture's cache directory (the one running there is
-    stopped first), left running for the next test; the module's end stops it."""
+def spawn_cached_server(arch: Arch) -> ServerProcess:
+    """Start a new cache-on server on the architecture's cache directory (the one running there
+    is stopped first), left running for the next test; the module's end stops it."""
     for server in arch.running:
         assert server.stop() == 0
     env = {"MLX_KVSERVE_CACHE_DIR": str(arch.work / "kv")}
     server = ServerProcess(arch.work, "--model", str(arch.model_dir), *FLAGS, env=env)
     arch.running[:] = [server]
-    return server.wait_ready()
+    return server
 
 
-def running_cached_server(arch: Arch) -> ServerProcess:
-    """The cache-on server a test before left running, or a new one."""
+def cached_server(arch: Arch) -> ServerProcess:
+    """The cache-on server running on the architecture's cache directory (the first test to
+    ask gets the one the fixture started, on an empty cache), else a new one; ready."""
     alive = [s for s in arch.running if s.proc.poll() is None]
-    return alive[0] if alive else cached_server(arch)
+    return (alive[0] if alive else spawn_cached_server(arch)).wait_ready()
 
 
 def test_starts_and_describes_its_layers(arch: Arch):
@@ -128,10 +131,10 @@ def test_cache_answers_like_no_cache_across_a_restart(arch: Arch):
     server = cached_server(arch)
     messages, usages, answers = [SYSTEM], [], []
     for turn, question in enumerate(QUESTIONS):
-        if turn == 2:  # restart: the next turn must come from the disk tier
-            server = cached_server(arch)
         messages = [*messages, {"role": "user", "content": question}]
         reference = arch.ask(messages)
+        if turn == 2:  # restart: the next turn must come from the disk tier
+            server = spawn_cached_server(arch).wait_ready()
         answer, usage = chat(server, messages)
         expected, ref_usage = reference.result()
         assert answer == expected, f"turn {turn}"
@@ -175,7 +178,7 @@ def test_concurrent_conversations_batch_and_answer_like_no_cache(arch: Arch):
     their next turns, served from the checkpoints the batch left, still answer like no cache.
     (The server may hold the restart test's checkpoints: the first conversation's first turn
     is then served from them.)"""
-    server = running_cached_server(arch)
+    server = cached_server(arch)
     before = len(re.findall(r" batch=(\d+) ", server.log()))
     convs = [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
     for turn in range(2):
@@ -233,9 +236,11 @@ def test_a_cache_that_cannot_be_restored_turns_the_prompt_cache_off(tmp_path):
     still serves the next turn."""
     model_dir = make_model_dir(tmp_path / "model", "deepseek_v41")
     env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "kv")}
-    server = ServerProcess(tmp_path, "--model", str(model_dir), *FLAGS, env=env).wait_ready()
-    reference = ServerProcess(tmp_path, "--model", str(model_dir), "--no-cache").wait_ready()
+    server = ServerProcess(tmp_path, "--model", str(model_dir), *FLAGS, env=env)
+    reference = ServerProcess(tmp_path, "--model", str(model_dir), "--no-cache")
     try:
+        server.wait_ready()  # (the two start at once)
+        reference.wait_ready()
         assert "prompt cache off for this model: cache class(es) LayerCache" in server.log()
         messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
         for turn in range(2):
