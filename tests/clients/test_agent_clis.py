@@ -113,18 +113,25 @@ def test_codex_exec_and_resume_are_served_and_cached(clis, agent_server, tmp_pat
     assert resumed_usage["cached_input_tokens"] >= 0.9 * first_usage["input_tokens"], usages
 
 
+def run_and_continue(run, clis, server, tmp_path):
+    """A CLI's first run, then `--continue` in the same home and project, through a recording
+    proxy: both runs and every exchange, each already checked to be a 2xx."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with RecordingProxy(server.base_url) as proxy:
+        first = run(clis, proxy.base_url, home, work, "Say hello.")
+        resumed = run(clis, proxy.base_url, home, work, "--continue", "And now?")
+        exchanges = proxy.exchanges
+    served(exchanges)
+    return first, resumed, exchanges
+
+
 def test_opencode_run_and_continue_are_served_and_cached(clis, agent_server, tmp_path):
     """opencode over chat completions: `run`, then `run --continue`, which resends the session's
     system prompt, tools and history; the continued request reads nearly all of it from the cache.
     (Each run also asks, in a request of its own, for a title.)"""
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    with RecordingProxy(agent_server.base_url) as proxy:
-        first = run_opencode(clis, proxy.base_url, home, work, "Say hello.")
-        resumed = run_opencode(clis, proxy.base_url, home, work, "--continue", "And now?")
-        exchanges = proxy.exchanges
-    served(exchanges)
+    first, resumed, exchanges = run_and_continue(run_opencode, clis, agent_server, tmp_path)
     steps = []
     for run in (first, resumed):
         events = run.json_lines()
@@ -144,14 +151,7 @@ def test_qwen_code_prompt_and_continue_are_served_and_cached(clis, agent_server,
     """Qwen Code over chat completions: a prompt, then `--continue` with another; the continued
     request reads the first one's system prompt, tools and history from the cache (Qwen Code
     drops a date reminder from the first user turn when it resumes, so not all of it)."""
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
-    with RecordingProxy(agent_server.base_url) as proxy:
-        first = run_qwen(clis, proxy.base_url, home, work, "Say hello.")
-        resumed = run_qwen(clis, proxy.base_url, home, work, "--continue", "And now?")
-        exchanges = proxy.exchanges
-    served(exchanges)
+    first, resumed, exchanges = run_and_continue(run_qwen, clis, agent_server, tmp_path)
     for run in (first, resumed):
         result = json.loads(run.stdout)[-1]
         assert run.returncode == 0 and result["subtype"] == "success", (run.stdout, run.stderr)
