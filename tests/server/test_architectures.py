@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.concurrently import concurrently
 from tests.support.servers import ServerProcess, client_for
 from tests.support.tiny_models import make_model_dir
 
@@ -183,8 +184,7 @@ def test_concurrent_conversations_batch_and_answer_like_no_cache(arch: Arch):
     convs = [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS[:3]]
     for turn in range(2):
         references = [arch.ask(m, max_tokens=40) for m in convs]
-        with ThreadPoolExecutor(len(convs)) as pool:
-            got = list(pool.map(lambda m: chat(server, m, max_tokens=40), convs))
+        got = concurrently(lambda m: chat(server, m, max_tokens=40), convs, len(convs))
         for (answer, usage), reference in zip(got, references, strict=True):
             assert answer == reference.result()[0]
             if turn:  # (the first turns may share the system prompt's anchor)

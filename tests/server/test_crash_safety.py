@@ -15,7 +15,6 @@ import hashlib
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,7 @@ from mlx_kvserve.cache import PromptCache, codec
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.entry import entry_key
 from tests.support.cache_testing import poison_entry
+from tests.support.concurrently import concurrently
 from tests.support.kill_loop import (
     KillLoop,
     MiB,
@@ -192,9 +192,8 @@ def complete(base_url: str, prompt: str) -> dict:
 
 def complete_all(base_url: str, prompts: dict[str, str]) -> dict[str, dict]:
     """`complete` of every prompt, sent at once."""
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        bodies = pool.map(lambda p: complete(base_url, p), prompts.values())
-        return dict(zip(prompts, bodies, strict=True))
+    bodies = concurrently(lambda p: complete(base_url, p), prompts.values(), len(prompts))
+    return dict(zip(prompts, bodies, strict=True))
 
 
 def first_token(path: Path) -> int:

@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.concurrently import concurrently
 from tests.support.servers import ServerProcess
 from tests.support.tiny_models import make_model_dir
 
@@ -336,8 +336,7 @@ def test_bad_model_settings_stop_the_start(tmp_path: Path, models) -> None:
             env={**os.environ, "MLX_KVSERVE_CONFIG": str(tmp_path / "none.toml")},
         )  # fmt: skip
 
-    with ThreadPoolExecutor(len(cases)) as pool:  # independent starts, all at once
-        runs = list(pool.map(serve, [args for args, _ in cases]))
+    runs = concurrently(serve, [args for args, _ in cases], len(cases))  # independent starts
     for (args, needle), run in zip(cases, runs, strict=True):
         assert run.returncode == 2, (args, run.stderr[-500:])
         assert needle in run.stderr, (args, run.stderr[-500:])

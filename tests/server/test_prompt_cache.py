@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.concurrently import concurrently
 from tests.support.servers import ServerProcess, client_for
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -247,11 +248,9 @@ def test_cache_endpoint_and_cli(cache_server, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120)
 
-    with ThreadPoolExecutor(4) as pool:  # read-only beside the server, and a refused clear
-        listing, totals, verified, busy = pool.map(
-            lambda args: run(*args),
-            [("--json", "ls"), ("stats",), ("--json", "verify"), ("clear",)],
-        )
+    listing, totals, verified, busy = concurrently(  # read-only beside the server, a refused clear
+        lambda args: run(*args), [("--json", "ls"), ("stats",), ("--json", "verify"), ("clear",)]
+    )
     assert listing.returncode == 0, listing.stderr
     assert len(json.loads(listing.stdout)) == stats["entries"]
     assert totals.returncode == 0

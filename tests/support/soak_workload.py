@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
+
+from tests.support.concurrently import concurrently
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 8
@@ -270,10 +271,9 @@ def build_workload(reference_url: str, target: Target = DEFAULT) -> list[list[Tu
     The conversations are independent, so they are asked side by side (the reference server
     batches them); each one's turns stay in order, as each turn's history holds the answers
     before it."""
-    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
-        return list(
-            pool.map(lambda ci: _conversation(reference_url, target, ci), range(len(CONVERSATIONS)))
-        )
+    return concurrently(
+        lambda ci: _conversation(reference_url, target, ci), range(len(CONVERSATIONS))
+    )
 
 
 def _conversation(reference_url: str, target: Target, ci: int) -> list[Turn]:
