@@ -9,11 +9,11 @@ before a model is served (models/preflight.py).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from mlx_kvserve.chat.tokenizer import per_tokenizer
 
 
 @dataclass(frozen=True)
@@ -22,27 +22,10 @@ class _Vocabulary:
     size: int | None  # the highest id + 1
 
 
-_vocabs: weakref.WeakKeyDictionary[object, _Vocabulary] = weakref.WeakKeyDictionary()
-_vocabs_lock = threading.Lock()
-
-
+@per_tokenizer
 def _vocabulary(tokenizer: object) -> _Vocabulary:
     """Read once per tokenizer: `get_vocab()` builds the whole map on every call (60 ms for
     SmolLM2's 49k tokens; gpt-oss has 200k), and tokens are looked up on every request."""
-    try:
-        with _vocabs_lock:
-            return _vocabs[tokenizer]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referable: read each time
-        return _read(tokenizer)
-    vocab = _read(tokenizer)
-    with _vocabs_lock:
-        _vocabs[tokenizer] = vocab
-    return vocab
-
-
-def _read(tokenizer: object) -> _Vocabulary:
     get_vocab = getattr(tokenizer, "get_vocab", None)
     vocab = get_vocab() if callable(get_vocab) else None
     if not vocab:

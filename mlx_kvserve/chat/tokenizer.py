@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
@@ -25,3 +32,23 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def get_vocab(self) -> dict[str, int]: ...
+
+
+def per_tokenizer(find: Callable[[K], T]) -> Callable[[K], T]:
+    """`find(tokenizer)` worked out once per tokenizer while it lives (probes render the
+    template; a vocabulary is a map of 150k entries built anew by each `get_vocab()`); a
+    tokenizer that cannot be weakly referenced is asked again each time."""
+    known: weakref.WeakKeyDictionary[K, T] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(find)
+    def once(tokenizer: K) -> T:
+        try:
+            return known[tokenizer]
+        except (KeyError, TypeError):
+            pass
+        found = find(tokenizer)
+        with contextlib.suppress(TypeError):
+            known[tokenizer] = found
+        return found
+
+    return once

@@ -17,12 +17,11 @@ from mlx_kvserve.chat.formats.tool_format import (
     Render,
     ToolFormat,
     mlx_parser,
-    per_tokenizer,
     rendered_call,
     template_render,
 )
 from mlx_kvserve.chat.formats.xml_calls import Layout
-from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
 
 syntax = Layout(  # GLM-4.5/4.6's
     "glm47",

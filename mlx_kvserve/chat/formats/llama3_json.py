@@ -26,12 +26,11 @@ from mlx_kvserve.chat.formats.named_json import NamedJsonStream
 from mlx_kvserve.chat.formats.tool_format import (
     ToolFormat,
     mlx_parser,
-    per_tokenizer,
     rendered_call,
     template_render,
 )
 from mlx_kvserve.chat.request import Tool
-from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
 
 tool_call_start = '{"name": "'  # what opens a call, as the template writes it
 tool_call_end = ""  # nothing closes it: the call is the whole answer

@@ -34,12 +34,11 @@ from mlx_kvserve.chat.formats.named_json import NamedJsonStream
 from mlx_kvserve.chat.formats.tool_format import (
     ToolFormat,
     mlx_parser,
-    per_tokenizer,
     rendered_call,
     template_render,
 )
 from mlx_kvserve.chat.request import Tool
-from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
 
 _NAME = re.compile(r"[\w-]+")  # what the parser reads as a name before `[ARGS]`
 _HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[ARGS\]\s*")

@@ -14,10 +14,7 @@ The registry (`chat.formats.FORMATS`) asks the modules in order; nothing else pi
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -192,22 +189,3 @@ def rendered_call(render: Render, call: dict[str, Any]) -> str | None:
         return render(messages)
     except Exception:  # a template that cannot render the probe
         return None
-
-
-def per_tokenizer(find: Callable[[Tokenizer], T]) -> Callable[[Tokenizer], T]:
-    """`find(tokenizer)` worked out once per tokenizer while it lives (probes render the
-    template); a tokenizer that cannot be weakly referenced is asked again each time."""
-    known: weakref.WeakKeyDictionary[Tokenizer, T] = weakref.WeakKeyDictionary()
-
-    @functools.wraps(find)
-    def once(tokenizer: Tokenizer) -> T:
-        try:
-            return known[tokenizer]
-        except (KeyError, TypeError):
-            pass
-        found = find(tokenizer)
-        with contextlib.suppress(TypeError):
-            known[tokenizer] = found
-        return found
-
-    return once

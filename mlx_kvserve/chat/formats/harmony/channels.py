@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlx_kvserve.chat.formats.tool_format import per_tokenizer
-from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
 from mlx_kvserve.vocabulary import token_ids
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
