@@ -203,13 +203,18 @@ def first_token(path: Path) -> int:
 
 
 @functools.cache
-def prompt_token(prompt: str) -> int:
-    """The first token of a text prompt (the default model's tokenizer adds no BOS)."""
+def default_tokenizer():
+    """The default model's tokenizer, loaded once for every prompt asked about."""
     from transformers import AutoTokenizer
 
     from tests.support.tiny_models import default_tokenizer_dir
 
-    return AutoTokenizer.from_pretrained(str(default_tokenizer_dir())).encode(prompt)[0]
+    return AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))
+
+
+def prompt_token(prompt: str) -> int:
+    """The first token of a text prompt (the default model's tokenizer adds no BOS)."""
+    return default_tokenizer().encode(prompt)[0]
 
 
 @pytest.fixture(scope="module")
