@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +25,7 @@ from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
 from mlx_kvserve.cache.entry import Entry
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.state import StateError, to_mx
+from mlx_kvserve.json_value import JSON
 
 KV_STEP = 256  # KVCache grows its buffers in multiples of this
 
@@ -59,7 +59,7 @@ class ChainBuilder:
         self.caches = caches
         self.leaf = leaf
         self.usable = usable
-        self.docs: list[dict[str, Any]] = leaf.meta.get("layers") or []
+        self.docs: list[dict[str, JSON]] = leaf.meta.get("layers") or []
         layers.check_fits(caches, self.docs)
         if not 0 < usable <= leaf.n_tokens:
             raise StateError(f"chain holds {leaf.n_tokens} positions, need {usable}")
@@ -84,7 +84,7 @@ class ChainBuilder:
             )
         self.links = [link for link in links if self._needs(link)]
 
-    def _span_buffers(self, doc: dict[str, Any]) -> list[tuple[str, int, int, str, mx.array]]:
+    def _span_buffers(self, doc: dict[str, JSON]) -> list[tuple[str, int, int, str, mx.array]]:
         """(name, lo, end, dtype, zeroed buffer, not yet evaluated) per array of a span layer."""
         lo = int(doc["lo"])
         if lo >= self.usable:
@@ -155,10 +155,10 @@ class ChainBuilder:
             elif link is self.leaf and a.name in self._whole:
                 self._whole[a.name] = data
 
-    def read_targets(self, link: Entry) -> Callable[[dict[str, Any]], list[memoryview]]:
+    def read_targets(self, link: Entry) -> Callable[[dict[str, JSON]], list[memoryview]]:
         """For `DiskTier.read_entry_into`: per array spec, the byte views to read it into."""
 
-        def target(spec: dict[str, Any]) -> list[memoryview]:
+        def target(spec: dict[str, JSON]) -> list[memoryview]:
             name, dtype = str(spec["name"]), str(spec["dtype"])
             shape = tuple(int(d) for d in spec["shape"])
             region = self._region(link, name, dtype, shape)

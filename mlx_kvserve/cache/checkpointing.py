@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +38,7 @@ from mlx_kvserve.cache.fingerprint import layout_versions
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.persistence import queue_write
 from mlx_kvserve.cache.policy import Policy
+from mlx_kvserve.json_value import JSON
 
 _DIGEST_PLACEHOLDER = "0" * 64  # the writer thread fills in the payload's sha256
 
@@ -147,7 +147,7 @@ def _store(
         return None
     kind = DELTA if plan.trimmable(docs) else SNAPSHOT
     arrays = layers.extract(caches, docs, start, n)
-    meta: dict[str, Any] = {"layers": docs}
+    meta: dict[str, JSON] = {"layers": docs}
     stored = kinds.kv_dtype(caches)  # the rule PromptStates.kv_dtype uses
     if stored is not None:
         meta["kv_dtype"] = state.dtype_name(stored)

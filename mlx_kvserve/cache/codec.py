@@ -39,11 +39,11 @@ import sys
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from mlx_kvserve.cache.exceptions import EntryFormatError
+from mlx_kvserve.json_value import JSON
 
 MAGIC = b"MLXKVC\r\n"
 FORMAT_VERSION = 2  # 2: per-layer chains (see `plan`); 1: whole-model deltas or snapshots
@@ -167,7 +167,7 @@ def decode_tokens(text: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u4").copy()
 
 
-def array_specs(arrays: Iterable[HostArray]) -> tuple[list[dict[str, Any]], int]:
+def array_specs(arrays: Iterable[HostArray]) -> tuple[list[dict[str, JSON]], int]:
     """Per-array header records with payload offsets; returns (specs, payload size)."""
     specs = []
     offset = 0
@@ -205,7 +205,7 @@ def payload_start(header_len: int) -> int:
     return (end + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_head(header: dict[str, Any], slot: Slot) -> bytes:
+def pack_head(header: dict[str, JSON], slot: Slot) -> bytes:
     """Fixed prefix + JSON header + padding: everything before the payload."""
     body = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     if len(body) > MAX_HEADER:
@@ -217,7 +217,7 @@ def pack_head(header: dict[str, Any], slot: Slot) -> bytes:
 
 @dataclass
 class ParsedHead:
-    header: dict[str, Any]
+    header: dict[str, JSON]
     slot: Slot | None
     payload_offset: int
 
@@ -237,7 +237,7 @@ def parse_prefix(raw: bytes) -> tuple[int, bytes, Slot | None]:
     return header_len, digest, slot
 
 
-def parse_header(body: bytes, digest: bytes) -> dict[str, Any]:
+def parse_header(body: bytes, digest: bytes) -> dict[str, JSON]:
     if hashlib.sha256(body).digest() != digest:
         raise EntryFormatError("header checksum mismatch")
     try:
@@ -249,7 +249,7 @@ def parse_header(body: bytes, digest: bytes) -> dict[str, Any]:
     return header
 
 
-def check_array_specs(header: dict[str, Any]) -> list[dict[str, Any]]:
+def check_array_specs(header: dict[str, JSON]) -> list[dict[str, JSON]]:
     """Array records must tile the payload exactly, with sizes that match dtype x shape."""
     specs = header.get("arrays")
     payload_bytes = header.get("payload_bytes")
@@ -275,7 +275,7 @@ def check_array_specs(header: dict[str, Any]) -> list[dict[str, Any]]:
     return specs
 
 
-def first_nonfinite(buf: bytes | memoryview, specs: list[dict[str, Any]]) -> str | None:
+def first_nonfinite(buf: bytes | memoryview, specs: list[dict[str, JSON]]) -> str | None:
     """The name of the first float array of a payload holding NaN/Inf, or None. A payload of
     one float dtype (a KV model's) is scanned in one pass: a chain of short links has many
     small arrays, and a call per array cost more than the scan."""
@@ -296,7 +296,7 @@ def first_nonfinite(buf: bytes | memoryview, specs: list[dict[str, Any]]) -> str
 
 
 def decode_payload(
-    buf: bytes | memoryview, header: dict[str, Any], *, specs_checked: bool = False
+    buf: bytes | memoryview, header: dict[str, JSON], *, specs_checked: bool = False
 ) -> list[HostArray]:
     """Verify the payload checksum and slice it into host arrays (zero-copy views of `buf`).
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import BinaryIO, Protocol
 
 from mlx_kvserve import macos
 from mlx_kvserve.cache import codec
@@ -45,6 +45,7 @@ from mlx_kvserve.cache.exceptions import CacheLockedError, EntryFormatError
 from mlx_kvserve.cache.header import VettedHeaders
 from mlx_kvserve.cache.pipeline import Check, read_verified
 from mlx_kvserve.durable import fsync_fd, fsync_path
+from mlx_kvserve.json_value import JSON
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
@@ -156,7 +157,7 @@ class DiskTier:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def read_marker(self) -> dict[str, Any] | None:
+    def read_marker(self) -> dict[str, JSON] | None:
         """The previous run's marker if it did not end cleanly, else None."""
         path = self.dir / MARKER_NAME
         if not path.exists():
@@ -213,7 +214,7 @@ class DiskTier:
     @contextlib.contextmanager
     def _open_entry(
         self, key: str, *, vetted: bool = False
-    ) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
+    ) -> Iterator[tuple[BinaryIO, dict[str, JSON]]]:
         """An entry's file, positioned at its payload, with its validated header (`vetted`:
         see `VettedHeaders.checked`)."""
         with self._open(key) as f:
@@ -245,7 +246,7 @@ class DiskTier:
 
     def read_entry(
         self, key: str, *, vetted: bool = False, finite: bool = False
-    ) -> tuple[dict[str, Any], list[HostArray]]:
+    ) -> tuple[dict[str, JSON], list[HostArray]]:
         """Read and fully verify one entry: header checks and payload checksum (`vetted`: see
         `VettedHeaders.checked`; `finite`: float arrays holding NaN/Inf are a format error too)."""
         with self._open(key, buffering=0) as f:
@@ -264,8 +265,8 @@ class DiskTier:
         return header, arrays
 
     def read_entry_into(
-        self, key: str, target: Callable[[dict[str, Any]], list[memoryview]]
-    ) -> dict[str, Any]:
+        self, key: str, target: Callable[[dict[str, JSON]], list[memoryview]]
+    ) -> dict[str, JSON]:
         """Read one entry's arrays straight into caller-owned buffers, verifying everything.
 
         `target(spec)` returns, for each array spec in file order, writable byte views whose
@@ -276,7 +277,7 @@ class DiskTier:
         data and must be discarded.
         """
 
-        def targets(specs: list[dict[str, Any]]) -> Iterator[tuple[memoryview, Check | None]]:
+        def targets(specs: list[dict[str, JSON]]) -> Iterator[tuple[memoryview, Check | None]]:
             for spec in specs:
                 views = target(spec)
                 if sum(v.nbytes for v in views) != spec["nbytes"]:

@@ -12,9 +12,11 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
+
+from mlx_kvserve.json_value import JSON
 
 _KEY_TAG = b"mlx-kvserve/entry/v1\0"
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -110,9 +112,9 @@ class Entry:
     created: float
     run_id: str
     layout: Layout
-    meta: dict[str, Any]  # per-layer docs (see `plan`) and the KV dtype
+    meta: dict[str, JSON]  # per-layer docs (see `plan`) and the KV dtype
     payload_bytes: int
-    probe: dict[str, Any] | None = None
+    probe: dict[str, JSON] | None = None
     digest: str | None = None  # payload sha256 once known (scanned, or written)
     file_bytes: int = 0
     disk: str = DISK_NONE
@@ -156,7 +158,7 @@ class Match:
     kind: str | None = None
     entry_tokens: int = 0
     suspect: bool = False
-    probe: dict[str, Any] | None = None
+    probe: dict[str, JSON] | None = None
 
     @property
     def hit(self) -> bool:
@@ -201,5 +203,5 @@ class EntryInfo:
     children: int
     score: float
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JSON]:
         return dict(self.__dict__)

@@ -4,7 +4,6 @@ the writer thread runs them too (read-backs), and start-up runs them on every fi
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import numpy as np
 
@@ -12,10 +11,11 @@ from mlx_kvserve.cache import codec, plan
 from mlx_kvserve.cache.entry import DELTA, SNAPSHOT, entry_key
 from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.plan import PlanError
+from mlx_kvserve.json_value import JSON
 
 
 def validate_header(
-    header: dict[str, Any], key: str, fingerprint: str, file_bytes: int, payload_offset: int
+    header: dict[str, JSON], key: str, fingerprint: str, file_bytes: int, payload_offset: int
 ) -> np.ndarray:
     """Check a parsed header against its file name, model, and size; returns its tokens."""
     if header.get("format") != codec.FORMAT_VERSION:
@@ -90,9 +90,9 @@ class VettedHeaders:
 
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
-        self._seen: dict[str, tuple[bytes, dict[str, Any]]] = {}  # key -> (digest, parts)
+        self._seen: dict[str, tuple[bytes, dict[str, JSON]]] = {}  # key -> (digest, parts)
 
-    def remember(self, key: str, header: dict[str, Any], digest: bytes) -> None:
+    def remember(self, key: str, header: dict[str, JSON], digest: bytes) -> None:
         """Keep the parts of a header that passed `validate_header` (`digest`: its sha256)."""
         self._seen[key] = (digest, {name: header.get(name) for name in _VETTED_KEYS})
 
@@ -101,7 +101,7 @@ class VettedHeaders:
 
     def checked(
         self, key: str, body: bytes, digest: bytes, size: int, offset: int, *, vetted: bool
-    ) -> dict[str, Any]:
+    ) -> dict[str, JSON]:
         """The validated header of a file of `size` bytes whose header bytes are `body`
         (`digest`: the sha256 its prefix states). `vetted`: one seen before is not parsed
         again, and only its `_VETTED_KEYS` are returned."""

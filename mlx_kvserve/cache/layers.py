@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -26,6 +26,7 @@ from mlx_kvserve.cache import plan
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.kinds import ArrayTree, LayerCache
 from mlx_kvserve.cache.state import StateError, decode_tree, dtype_name, encode_tree, to_host
+from mlx_kvserve.json_value import JSON
 
 C = TypeVar("C")  # one of mlx-lm's position-indexed cache classes
 
@@ -34,8 +35,8 @@ C = TypeVar("C")  # one of mlx-lm's position-indexed cache classes
 class _Positional(Generic[C]):
     arrays: Callable[[C], list[mx.array]]  # positions [held_from, offset) in order, axis 2
     lo: Callable[[C, int], int]  # first position still needed once the layer holds n
-    params: Callable[[C], dict[str, Any]]  # JSON, stored in the layer's doc
-    build: Callable[[C, list[mx.array], int, int, Mapping[str, Any]], None]
+    params: Callable[[C], dict[str, JSON]]  # JSON, stored in the layer's doc
+    build: Callable[[C, list[mx.array], int, int, Mapping[str, JSON]], None]
     padded: bool = False  # restored with free room after the positions (KVCache's growth step)
 
 
@@ -44,7 +45,7 @@ def _kv_arrays(c: mlx_cache.KVCache) -> list[mx.array]:
 
 
 def _kv_build(
-    c: mlx_cache.KVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+    c: mlx_cache.KVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, JSON]
 ) -> None:
     c.state = (a[0], a[1], n)
 
@@ -54,7 +55,7 @@ def _quantized_arrays(c: mlx_cache.QuantizedKVCache) -> list[mx.array]:
 
 
 def _quantized_build(
-    c: mlx_cache.QuantizedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+    c: mlx_cache.QuantizedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, JSON]
 ) -> None:
     c.state = (tuple(a[:3]), tuple(a[3:]), n, int(p["group_size"]), int(p["bits"]))
 
@@ -64,7 +65,7 @@ def _rotating_arrays(c: mlx_cache.RotatingKVCache) -> list[mx.array]:
 
 
 def _rotating_build(
-    c: mlx_cache.RotatingKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+    c: mlx_cache.RotatingKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, JSON]
 ) -> None:
     c.state = (a[0], a[1], n, 0, int(p["max_size"]), int(a[0].shape[2]))
 
@@ -75,7 +76,7 @@ def _chunked_arrays(c: mlx_cache.ChunkedKVCache) -> list[mx.array]:
 
 
 def _chunked_build(
-    c: mlx_cache.ChunkedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, Any]
+    c: mlx_cache.ChunkedKVCache, a: list[mx.array], lo: int, n: int, p: Mapping[str, JSON]
 ) -> None:
     c.state = (a[0], a[1], n, int(p["chunk_size"]), lo)
 
@@ -121,7 +122,7 @@ def padded(class_name: str) -> bool:
 
 
 # -- describe and extract ----------------------------------------------------------------------
-def describe(caches: Sequence[LayerCache], n: int) -> tuple[list[dict[str, Any]], plan.Layout]:
+def describe(caches: Sequence[LayerCache], n: int) -> tuple[list[dict[str, JSON]], plan.Layout]:
     """Layer docs for a checkpoint of the first `n` positions (whole layers without their
     state yet) and the span arrays' layout (positions axis 0). Copies nothing."""
     layout: plan.Layout = {}
@@ -129,7 +130,7 @@ def describe(caches: Sequence[LayerCache], n: int) -> tuple[list[dict[str, Any]]
     return docs, layout
 
 
-def _describe(c: LayerCache, path: str, n: int, layout: plan.Layout) -> dict[str, Any]:
+def _describe(c: LayerCache, path: str, n: int, layout: plan.Layout) -> dict[str, JSON]:
     parts = getattr(c, "caches", None)
     if type(c) is mlx_cache.CacheList and isinstance(parts, (list, tuple)):
         subs = [_describe(sub, f"{path}.{j}", n, layout) for j, sub in enumerate(parts)]
@@ -153,7 +154,7 @@ def _describe(c: LayerCache, path: str, n: int, layout: plan.Layout) -> dict[str
 
 
 def extract(
-    caches: Sequence[LayerCache], docs: list[dict[str, Any]], parent_len: int, n: int
+    caches: Sequence[LayerCache], docs: list[dict[str, JSON]], parent_len: int, n: int
 ) -> list[HostArray]:
     """Host copies of what the entry stores: each span layer's positions
     [max(parent_len, lo), n), each whole layer's state (its tree is put into its doc)."""
@@ -164,7 +165,7 @@ def extract(
 
 
 def _extract(
-    c: LayerCache, doc: dict[str, Any], parent_len: int, n: int, out: list[HostArray], path: str
+    c: LayerCache, doc: dict[str, JSON], parent_len: int, n: int, out: list[HostArray], path: str
 ) -> None:
     if doc["mode"] == plan.LIST:
         for j, (sub, sub_doc) in enumerate(zip(c.caches, doc["parts"], strict=True)):
@@ -196,7 +197,7 @@ def _whole_state(c: LayerCache) -> ArrayTree:
 
 
 # -- restore -----------------------------------------------------------------------------------
-def check_fits(caches: Sequence[LayerCache], docs: list[dict[str, Any]]) -> None:
+def check_fits(caches: Sequence[LayerCache], docs: list[dict[str, JSON]]) -> None:
     """The stored layers have the model's layer count and classes."""
     if len(docs) != len(caches):
         raise StateError(f"stores {len(docs)} layers, model has {len(caches)}")
@@ -204,7 +205,7 @@ def check_fits(caches: Sequence[LayerCache], docs: list[dict[str, Any]]) -> None
         _check_class(c, doc, str(i))
 
 
-def _check_class(c: LayerCache, doc: dict[str, Any], path: str) -> None:
+def _check_class(c: LayerCache, doc: dict[str, JSON], path: str) -> None:
     if doc.get("class") != type(c).__name__:
         raise StateError(f"layer {path}: stored {doc.get('class')}, model uses {type(c).__name__}")
     if doc.get("mode") == plan.LIST:
@@ -223,7 +224,7 @@ def _check_class(c: LayerCache, doc: dict[str, Any], path: str) -> None:
 
 def assemble(
     caches: Sequence[LayerCache],
-    docs: list[dict[str, Any]],
+    docs: list[dict[str, JSON]],
     arrays: Mapping[str, mx.array],
     usable: int,
 ) -> None:
@@ -233,7 +234,7 @@ def assemble(
 
 
 def _assemble(
-    c: LayerCache, doc: dict[str, Any], arrays: Mapping[str, mx.array], usable: int, path: str
+    c: LayerCache, doc: dict[str, JSON], arrays: Mapping[str, mx.array], usable: int, path: str
 ) -> None:
     if doc["mode"] == plan.LIST:
         for j, (sub, sub_doc) in enumerate(zip(c.caches, doc["parts"], strict=True)):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from mlx_kvserve.cache.catalog import Catalog, slot_of
 from mlx_kvserve.cache.codec import HostArray
 from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, DISK_WRITTEN, Entry
 from mlx_kvserve.cache.writer import LoadResult, WriteJob
+from mlx_kvserve.json_value import JSON
 
 AdmitToRam = Callable[[str, Sequence[HostArray]], None]
 
@@ -23,7 +23,7 @@ AdmitToRam = Callable[[str, Sequence[HostArray]], None]
 def queue_write(
     catalog: Catalog,
     entry: Entry,
-    header: dict[str, Any],
+    header: dict[str, JSON],
     arrays: Sequence[HostArray],
     file_bytes: int,
 ) -> None:

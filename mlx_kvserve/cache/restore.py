@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +28,7 @@ from mlx_kvserve.cache.entry import DISK_WRITTEN, SNAPSHOT, Entry, Match, as_tok
 from mlx_kvserve.cache.exceptions import CacheRestoreError, EntryFormatError, out_of_memory
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.persistence import request_readback
+from mlx_kvserve.json_value import JSON
 
 # Links up to this size are read whole with one call and then copied into place: for a long
 # chain of short links the per-piece reads and checks of `ChainBuilder.read_targets` cost
@@ -187,7 +188,7 @@ def _fail(catalog: Catalog, key: str, exc: Exception, match_key: str) -> NoRetur
     raise CacheRestoreError(key, problem, match_key=match_key) from None
 
 
-def check_loaded(entry: Entry, header: dict[str, Any], arrays: Sequence[HostArray]) -> None:
+def check_loaded(entry: Entry, header: dict[str, JSON], arrays: Sequence[HostArray]) -> None:
     """A file read from disk must still be the indexed entry, with finite values."""
     check_header(entry, header)
     for a in arrays:
@@ -195,7 +196,7 @@ def check_loaded(entry: Entry, header: dict[str, Any], arrays: Sequence[HostArra
             raise EntryFormatError(f"{a.name} contains NaN or Inf")
 
 
-def check_header(entry: Entry, header: dict[str, Any]) -> None:
+def check_header(entry: Entry, header: dict[str, JSON]) -> None:
     """A file read from disk must still be the entry the index knows."""
     if entry.digest and header.get("payload_sha256") != entry.digest:
         raise EntryFormatError("file content changed since it was indexed")

@@ -12,7 +12,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
@@ -30,14 +30,15 @@ from mlx_kvserve.cache.disk import (
 from mlx_kvserve.cache.entry import KEY_RE
 from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.header import validate_header
+from mlx_kvserve.json_value import JSON
 
-Head = tuple[dict[str, Any], Slot | None, int, int, bytes]
+Head = tuple[dict[str, JSON], Slot | None, int, int, bytes]
 
 
 @dataclass
 class ScannedEntry:
     key: str
-    header: dict[str, Any]
+    header: dict[str, JSON]
     tokens: np.ndarray
     slot: Slot | None
     file_bytes: int
@@ -99,13 +100,13 @@ def scan(disk: DiskTier) -> tuple[list[ScannedEntry], list[tuple[str, str]]]:
     return good, bad
 
 
-def model_directories(root: Path) -> list[dict[str, Any]]:
+def model_directories(root: Path) -> list[dict[str, JSON]]:
     """Per-fingerprint sub-directories of a cache root with their size (for `cache ls`).
 
     Directories of other fingerprints (an older model, mlx version or cache format) are never
     read by a running server and never counted against its budget: offer them for deletion.
     """
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, JSON]] = []
     root = Path(root)
     if not root.is_dir():
         return out

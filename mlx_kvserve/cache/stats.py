@@ -6,13 +6,12 @@ them and the catalog, so they can be built under the cache's lock without side e
 
 from __future__ import annotations
 
-from typing import Any
-
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.counters import new_counters
 from mlx_kvserve.cache.entry import EntryInfo
 from mlx_kvserve.cache.policy import Policy
 from mlx_kvserve.cache.space import SpaceWatch
+from mlx_kvserve.json_value import JSON
 
 __all__ = ["counters_report", "entry_infos", "new_counters", "stats_report"]
 
@@ -24,7 +23,7 @@ def stats_report(
     *,
     unclean_start: bool,
     rebuild_seconds: float,
-) -> dict[str, Any]:
+) -> dict[str, JSON]:
     """The full report of `PromptCache.stats()` (call after applying the writer's results)."""
     c = catalog.counters
     entries = catalog.entries.values()

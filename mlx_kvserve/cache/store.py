@@ -40,7 +40,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
@@ -65,6 +64,7 @@ from mlx_kvserve.cache.restore import check_loaded, restore_match
 from mlx_kvserve.cache.space import SpaceWatch
 from mlx_kvserve.cache.stats import counters_report, entry_infos, stats_report
 from mlx_kvserve.cache.writer import Writer
+from mlx_kvserve.json_value import JSON
 
 
 class PromptCache:
@@ -284,7 +284,7 @@ class PromptCache:
                 for k in keys:
                     cat.unpin(k)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, JSON]:
         with self._lock:
             self._drain()
             return stats_report(
@@ -317,7 +317,7 @@ class PromptCache:
                 ram.budget = budget
             return before - ram.nbytes
 
-    def disk_state(self) -> dict[str, Any] | None:
+    def disk_state(self) -> dict[str, JSON] | None:
         """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
         /health while the engine thread waits for the disk); None without a writable disk."""
         writer, space = self._writer, self._space

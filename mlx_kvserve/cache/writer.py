@@ -30,17 +30,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.disk import DiskTier
+from mlx_kvserve.json_value import JSON
 
 
 @dataclass(eq=False)
 class WriteJob:
     key: str
-    header: dict[str, Any]  # complete except payload_sha256
+    header: dict[str, JSON]  # complete except payload_sha256
     arrays: tuple[HostArray, ...]
     slot: Slot
     cancelled: bool = False  # set under DiskTier.fs_lock

@@ -26,7 +26,7 @@ import json
 import threading
 import unicodedata
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from mlx_kvserve.chat.freeform import freeform_head
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import CUSTOM_PARAMETERS, ChatRequest, InputGrammar, Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.vocabulary import vocabulary_size
 
 if TYPE_CHECKING:  # imported where used: the package loads without it until a grammar is needed
@@ -138,7 +139,7 @@ class GrammarCompiler:
         constraint.lazy &= _output_schema(req) is None
         return constraint
 
-    def json_constraint(self, schema: dict[str, Any], param: str) -> Constraint:
+    def json_constraint(self, schema: dict[str, JSON], param: str) -> Constraint:
         return self._compile(_json_grammar(schema, param=param), param)
 
     def grammar_for(self, req: ChatRequest, fmt: CallFormat | None) -> str | None:
@@ -272,12 +273,12 @@ def _nested(grammar: InputGrammar) -> str:
     return f"%lark {{\n{grammar.definition}\n}}"
 
 
-def _parameters(tool: Tool) -> dict[str, Any]:
+def _parameters(tool: Tool) -> dict[str, JSON]:
     params = CUSTOM_PARAMETERS if tool.is_custom else tool.parameters or {}
     return params if params.get("type") or params.get("properties") else {"type": "object"}
 
 
-def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+def _call_schema(tools: list[Tool]) -> dict[str, JSON]:
     """{"name": <one of the tools>, "arguments": <that tool's parameters>}, name first."""
     options = [
         {
@@ -288,7 +289,7 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
         }
         for t in tools
     ]
-    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    schema: dict[str, JSON] = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": TOOL_STYLE}
 
 
@@ -325,7 +326,7 @@ def _calls_rule(req: ChatRequest, fmt: CallFormat, marker: Callable[[str], str])
     return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
 
-def _output_schema(req: ChatRequest) -> dict[str, Any] | None:
+def _output_schema(req: ChatRequest) -> dict[str, JSON] | None:
     if req.output.kind == "json_object":
         return {"type": "object"}
     if req.output.kind == "json_schema":
@@ -342,7 +343,7 @@ def _output_param(req: ChatRequest) -> str:
 
 
 def _json_grammar(
-    schema: dict[str, Any], style: dict[str, Any] = JSON_STYLE, *, param: str = "schema"
+    schema: dict[str, JSON], style: dict[str, JSON] = JSON_STYLE, *, param: str = "schema"
 ) -> str:
     import llguidance
 

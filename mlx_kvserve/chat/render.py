@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_kvserve.chat.formats import tool_format_for
 from mlx_kvserve.chat.formats.tool_format import ToolFormat
@@ -45,6 +44,7 @@ from mlx_kvserve.chat.reasoning.thinking import (
 )
 from mlx_kvserve.chat.request import ChatRequest, Message, ToolCall
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.vocabulary import vocabulary_size
 
 
@@ -61,10 +61,10 @@ class Prompt:
     text: tuple[int, bytes] = (0, b"")  # the length and SHA-256 of the rendered text
 
 
-def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
+def check_history(messages: list[Message]) -> list[list[dict[str, JSON]]]:
     """Validate tool-call history; return each message's call arguments as objects."""
     seen: set[str] = set()
-    arguments: list[list[dict[str, Any]]] = []
+    arguments: list[list[dict[str, JSON]]] = []
     for i, message in enumerate(messages):
         where = message.origin or f"messages[{i}]"
         args = [
@@ -84,7 +84,7 @@ def check_history(messages: list[Message]) -> list[list[dict[str, Any]]]:
     return arguments
 
 
-def parse_arguments(call: ToolCall, where: str) -> dict[str, Any]:
+def parse_arguments(call: ToolCall, where: str) -> dict[str, JSON]:
     """A history call's arguments as an object; a 400 naming the message when they are not.
     A custom tool's raw input becomes `{"input": ...}`, the one parameter templates are shown."""
     if call.kind == "custom":
@@ -106,7 +106,7 @@ def parse_arguments(call: ToolCall, where: str) -> dict[str, Any]:
 def render_chat(
     tokenizer: Tokenizer,
     req: ChatRequest,
-    defaults: dict[str, Any] | None = None,
+    defaults: dict[str, JSON] | None = None,
     sampled: SampledTurns | None = None,
     model: str = "",
 ) -> Prompt:
@@ -146,7 +146,7 @@ def render_chat(
 THINKING_TAIL = 11  # how near the end an opening marker counts as the generation prompt's
 
 
-def _add_reasoning(source: list[Message], messages: list[dict[str, Any]]) -> None:
+def _add_reasoning(source: list[Message], messages: list[dict[str, JSON]]) -> None:
     """Past reasoning as `reasoning_content` on each assistant message dict (the templates that
     render it read that key; the others ignore it). Assistant turns keep their order in both."""
     given = [m for m in source if m.role == "assistant"]
@@ -194,8 +194,8 @@ def _kept_turns(
 def _splicer(
     tokenizer: Tokenizer,
     source: list[Message],
-    messages: list[dict[str, Any]],
-    kwargs: dict[str, Any],
+    messages: list[dict[str, JSON]],
+    kwargs: dict[str, JSON],
     kept: dict[int, SampledTurn],
 ) -> Callable[[str], list[int]]:
     """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns'
@@ -219,8 +219,8 @@ def _splicer(
 
 
 def _render_folding_system(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]
-) -> tuple[str, list[dict[str, Any]]]:
+    tokenizer: Tokenizer, messages: list[dict[str, JSON]], kwargs: dict[str, JSON]
+) -> tuple[str, list[dict[str, JSON]]]:
     """The prompt, and the messages it was rendered from.
 
     Agents put system messages mid-conversation (Claude Code's reminders). Many templates
@@ -240,7 +240,7 @@ def _render_folding_system(
             raise refused from None  # the client's messages were refused: say why they were
 
 
-def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fold_late_system(messages: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
     """Each system message after the first message, moved into the user turn it stands next to:
     the next one (unless an assistant turn comes first), else the one just before it, else a user
     turn of its own in its place."""
@@ -263,8 +263,8 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _render(
     tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    kwargs: dict[str, Any],
+    messages: list[dict[str, JSON]],
+    kwargs: dict[str, JSON],
     *,
     generation: bool,
 ) -> str:
@@ -278,8 +278,8 @@ Encode = Callable[[str], list[int]]
 
 def _boundaries(
     tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    kwargs: dict[str, Any],
+    messages: list[dict[str, JSON]],
+    kwargs: dict[str, JSON],
     prompt: list[int],
     encode: Encode,
 ) -> dict[int, str]:
@@ -298,8 +298,8 @@ def _boundaries(
 
 def _boundary(
     tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    kwargs: dict[str, Any],
+    messages: list[dict[str, JSON]],
+    kwargs: dict[str, JSON],
     prompt: list[int],
     encode: Encode,
 ) -> int | None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from mlx_kvserve.chat.invalid_request import InvalidRequest
+from mlx_kvserve.json_value import JSON
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -64,7 +65,7 @@ class InputGrammar:
 
 # What a template without freeform tools is shown of a custom tool: a function whose one string
 # parameter carries the raw input.
-CUSTOM_PARAMETERS: dict[str, Any] = {
+CUSTOM_PARAMETERS: dict[str, JSON] = {
     "type": "object",
     "properties": {"input": {"type": "string"}},
     "required": ["input"],
@@ -82,7 +83,7 @@ class Tool:
 
     name: str
     description: str | None = None
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    parameters: dict[str, JSON] = field(default_factory=lambda: {"type": "object"})
     kind: ToolKind = "function"
     grammar: InputGrammar | None = None
 
@@ -90,18 +91,18 @@ class Tool:
     def is_custom(self) -> bool:
         return self.kind == "custom"
 
-    def as_openai(self) -> dict[str, Any]:
+    def as_openai(self) -> dict[str, JSON]:
         """The OpenAI function-tool shape that chat templates expect as `tools=` (a custom tool
         as a function of one string parameter, `input`)."""
-        function: dict[str, Any] = {"name": self.name}
+        function: dict[str, JSON] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
         function["parameters"] = CUSTOM_PARAMETERS if self.is_custom else self.parameters
         return {"type": "function", "function": function}
 
-    def as_freeform(self) -> dict[str, Any]:
+    def as_freeform(self) -> dict[str, JSON]:
         """A custom tool as the Hermes fallback lists it (the OpenAI custom-tool shape)."""
-        listing: dict[str, Any] = {"type": "custom", "name": self.name}
+        listing: dict[str, JSON] = {"type": "custom", "name": self.name}
         if self.description is not None:
             listing["description"] = self.description
         if self.grammar is not None:
@@ -138,7 +139,7 @@ class OutputFormat:
     """Plain text, any JSON object, or JSON valid against `schema`."""
 
     kind: Literal["text", "json_object", "json_schema"] = "text"
-    schema: dict[str, Any] | None = None
+    schema: dict[str, JSON] | None = None
     name: str | None = None
 
 
@@ -185,7 +186,7 @@ class ChatRequest:
     thinking: Thinking = field(default_factory=Thinking)
     # Extra variables for the chat template (OpenAI-compatible `chat_template_kwargs`), over the
     # server's `--chat-template-kwargs` default.
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, JSON] = field(default_factory=dict)
 
     @property
     def tools_active(self) -> bool:

@@ -6,7 +6,9 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
+
+from mlx_kvserve.json_value import JSON
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -23,7 +25,7 @@ class Tokenizer(Protocol):
     @property
     def chat_template(self) -> str | None: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: object) -> str:
+    def apply_chat_template(self, conversation: list[dict[str, JSON]], **kwargs: object) -> str:
         """The template's text for the messages (called with `tokenize=False`)."""
         ...
 

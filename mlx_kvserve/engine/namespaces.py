@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 from collections.abc import Iterator
-from typing import Any, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 import mlx.nn as nn
 
@@ -26,6 +26,7 @@ from mlx_kvserve.cache.entry import EntryInfo
 from mlx_kvserve.engine.job_states import JobStates, Votes
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.json_value import JSON
 
 current_namespace: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mlx_kvserve_namespace", default=None
@@ -49,9 +50,9 @@ class CacheSet:
     def __iter__(self) -> Iterator[PromptCacheView]:
         return iter(self.caches.values())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, JSON]:
         """Numeric counters summed over the namespaces (for metrics and logs)."""
-        total: dict[str, Any] = {"namespaces": len(self.caches)}
+        total: dict[str, JSON] = {"namespaces": len(self.caches)}
         for cache in self.caches.values():
             for name, value in cache.stats().items():
                 if isinstance(value, int | float) and not isinstance(value, bool):

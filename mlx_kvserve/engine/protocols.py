@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
 from mlx_kvserve.cache.entry import EntryInfo, Match
 from mlx_kvserve.cache.kinds import LayerCache
+from mlx_kvserve.json_value import JSON
 
 
 class PromptCacheView(Protocol):
@@ -63,7 +64,7 @@ class PromptCacheView(Protocol):
     def close(self) -> None: ...
 
     # -- reports (JSON for /v1/cache and the status page)
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, JSON]: ...
 
     def entries(self) -> list[EntryInfo]: ...
 

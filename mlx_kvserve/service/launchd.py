@@ -16,8 +16,8 @@ import os
 import plistlib
 import re
 from pathlib import Path
-from typing import Any
 
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.service.actions import MakeDir, Plan, RemoveFile, Run, Step, WriteFile
 from mlx_kvserve.service.runner import Result
 from mlx_kvserve.service.spec import LABEL_PREFIX, ServiceSpec
@@ -52,7 +52,7 @@ class Launchd:
         return self.home / "Library" / "Logs" / "mlx-kvserve" / f"{self.name}.log"
 
     # ---------------------------------------------------------------- the file ---------------
-    def document(self, spec: ServiceSpec) -> dict[str, Any]:
+    def document(self, spec: ServiceSpec) -> dict[str, JSON]:
         return {
             "Label": self.label,
             "ProgramArguments": list(spec.program),
@@ -69,7 +69,7 @@ class Launchd:
     def render(self, spec: ServiceSpec) -> bytes:
         return plistlib.dumps(self.document(spec), fmt=plistlib.FMT_XML, sort_keys=False)
 
-    def installed(self) -> dict[str, Any] | None:
+    def installed(self) -> dict[str, JSON] | None:
         """The installed plist, or None."""
         try:
             with self.path.open("rb") as fh:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_lm.tool_parsers.json_tools import parse_tool_call, tool_call_end, tool_call_start
 
@@ -29,6 +28,7 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.freeform import freeform_head
 from mlx_kvserve.chat.request import Message, Tool, ToolCall
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -53,8 +53,8 @@ class HermesFormat(ToolFormat):
     """The fallback: the server renders the tools and calls into plain messages."""
 
     def template_inputs(
-        self, messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, Any]]]
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self, messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, JSON]]]
+    ) -> tuple[list[dict[str, JSON]], dict[str, JSON]]:
         return hermes_messages(messages, tools, arguments), {}
 
 
@@ -68,7 +68,7 @@ def detect(tokenizer: Tokenizer) -> ToolFormat:
     return FORMAT
 
 
-def call_json(name: str, arguments: dict[str, Any]) -> str:
+def call_json(name: str, arguments: dict[str, JSON]) -> str:
     """The canonical text of one call body (what the grammar makes the model write)."""
     return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
 
@@ -79,7 +79,7 @@ def freeform_call(call: ToolCall) -> str:
 
 
 def hermes_messages(
-    messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, Any]]]
+    messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, JSON]]]
 ) -> list[dict[str, str]]:
     """Plain {role, content} messages for a template without tool support."""
     out: list[dict[str, str]] = []

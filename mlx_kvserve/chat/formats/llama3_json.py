@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from mlx_kvserve.chat.call_syntax import Marker, Parameters, ParseToolCall, callable_tools
 from mlx_kvserve.chat.formats.named_json import NamedJsonStream
@@ -31,6 +30,7 @@ from mlx_kvserve.chat.formats.tool_format import (
 )
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
+from mlx_kvserve.json_value import JSON
 
 tool_call_start = '{"name": "'  # what opens a call, as the template writes it
 tool_call_end = ""  # nothing closes it: the call is the whole answer
@@ -43,7 +43,7 @@ _UNCALLABLE = (  # why a request none of whose tools this format can call is ref
 )
 
 
-def parse_tool_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def parse_tool_call(text: str, tools: list[dict[str, JSON]] | None = None) -> dict[str, JSON]:
     """The call whose text after `tool_call_start` is `text` (raises when it is not one)."""
     value = json.loads(tool_call_start + text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -65,7 +65,7 @@ class Llama3Syntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -78,7 +78,7 @@ class Llama3Syntax:
             rules.append(f'fn_{k}: {head} %json {json.dumps(schema)} "}}"')
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
-    def stream(self, parse: ParseToolCall, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> NamedJsonStream:
         return NamedJsonStream(_HEADER)
 
 

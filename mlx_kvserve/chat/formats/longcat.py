@@ -15,7 +15,6 @@ literal, then as text); the layout and value typing are otherwise `chat.formats.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_lm.tool_parsers.longcat import parse_tool_call, tool_call_end, tool_call_start
 
@@ -25,13 +24,14 @@ from mlx_kvserve.chat.formats.xml_calls import _KEY, Layout, _Items, _params_rul
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 
 @dataclass(frozen=True)
 class LongcatLayout(Layout):
     """GLM's layout with LongCat's tags; every call has at least one parameter."""
 
-    def kind(self, prop: dict[str, Any]) -> str:
+    def kind(self, prop: dict[str, JSON]) -> str:
         """The parser keeps a value raw only for `"type": "string"` exactly; any other spelling
         of a string type it reads as JSON first, so such a value is free text."""
         if prop.get("type") == "string":
@@ -43,7 +43,7 @@ class LongcatLayout(Layout):
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_lm.tool_parsers.mistral import parse_tool_call, tool_call_end, tool_call_start
 
@@ -39,6 +38,7 @@ from mlx_kvserve.chat.formats.tool_format import (
 )
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
+from mlx_kvserve.json_value import JSON
 
 _NAME = re.compile(r"[\w-]+")  # what the parser reads as a name before `[ARGS]`
 _HEADER = re.compile(r"(?:\[TOOL_CALLS\])?\s*([\w-]+)\s*\[ARGS\]\s*")
@@ -64,7 +64,7 @@ class MistralSyntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int = 1,
@@ -77,7 +77,7 @@ class MistralSyntax:
             rules.append(f"fn_{k}: {json.dumps(tool.name)} {args} %json {json.dumps(schema)}")
         return "\n".join([f"call_body: {' | '.join(names)}", *rules])
 
-    def stream(self, parse: ParseToolCall, tools: list[dict[str, Any]] | None) -> NamedJsonStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> NamedJsonStream:
         return NamedJsonStream(_HEADER)
 
 
@@ -91,7 +91,7 @@ class FittedIds(ToolFormat):
     """v11's and v7's templates refuse a call id that is not 9 letters or digits: history
     ids are fitted (chat.formats.mistral_legacy.fit_call_ids), so calls and results pair up."""
 
-    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def template_messages(self, messages: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
         return fit_call_ids(messages, 9)
 
 

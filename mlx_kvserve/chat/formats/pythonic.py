@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import keyword
-from typing import Any
 
 from mlx_lm.tool_parsers.pythonic import parse_tool_call, tool_call_end, tool_call_start
 
@@ -29,6 +28,7 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat, mlx_parser
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 _BAD_CHARS = "'\\\n\r"
 # `[name(key=value, ...), ...]`: a value's end is the next top-level `,` or `)`
@@ -63,7 +63,7 @@ class PythonicSyntax:
         self,
         tools: list[Tool],
         parameters: Parameters,
-        style: dict[str, Any],
+        style: dict[str, JSON],
         marker: Marker,
         end: str,
         most: int,
@@ -92,11 +92,11 @@ class PythonicSyntax:
             ]
         )
 
-    def stream(self, parse: ParseToolCall, tools: list[dict[str, Any]] | None) -> KeywordStream:
+    def stream(self, parse: ParseToolCall, tools: list[dict[str, JSON]] | None) -> KeywordStream:
         return KeywordStream(parse, tools, PYTHONIC_SHAPE)
 
 
-def _arguments(prefix: str, schema: dict[str, Any], style: dict, rules: list[str]) -> str | None:
+def _arguments(prefix: str, schema: dict[str, JSON], style: dict, rules: list[str]) -> str | None:
     """The keyword arguments of one function as a Lark expression; None when a required
     parameter's name is no Python identifier."""
     props = schema.get("properties")
@@ -118,7 +118,7 @@ def _arguments(prefix: str, schema: dict[str, Any], style: dict, rules: list[str
     return separated(prefix, items, '", "', rules)
 
 
-def _value(terminal: str, prop: dict[str, Any], shared: dict, rules: list[str]) -> str:
+def _value(terminal: str, prop: dict[str, JSON], shared: dict, rules: list[str]) -> str:
     """One argument's value as a Lark expression (a raw string becomes `terminal`)."""
     kind = prop.get("type")
     if kind == "boolean":

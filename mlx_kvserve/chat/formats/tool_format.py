@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from mlx_kvserve.chat.call_syntax import AnswerRules, CallSyntax, ParseToolCall
 from mlx_kvserve.chat.events import OutputReader
@@ -28,8 +28,9 @@ from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
 from mlx_kvserve.chat.request import Message, Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 
-Render = Callable[[list[dict[str, Any]]], str]  # messages -> the chat template's text
+Render = Callable[[list[dict[str, JSON]]], str]  # messages -> the chat template's text
 T = TypeVar("T")
 
 
@@ -49,7 +50,7 @@ class ToolFormat:
     json_body: bool = False  # calls are {"name", "arguments"} JSON: constrainable and streamable
     string_arguments: bool = False  # the template renders history arguments as JSON text
     # the tool list as system-prompt text, for a template that does not render `tools` itself
-    system_tools: Callable[[list[dict[str, Any]]], str] | None = None
+    system_tools: Callable[[list[dict[str, JSON]]], str] | None = None
     end_tokens: tuple[str, ...] = ()  # tokens that end the model's turn besides its EOS
     # the rules of the whole answer, for a format that lays it out itself (gpt-oss's channels)
     answer_rules: AnswerRules | None = None
@@ -65,8 +66,8 @@ class ToolFormat:
         return self.json_body or self.syntax is not None or self.answer_rules is not None
 
     def template_inputs(
-        self, messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, Any]]]
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self, messages: list[Message], tools: list[Tool], arguments: list[list[dict[str, JSON]]]
+    ) -> tuple[list[dict[str, JSON]], dict[str, JSON]]:
         """The message dicts and template arguments (the tool list) that render the
         conversation: the template renders tools and calls itself, each call's arguments as
         objects (`arguments`, chat.render.check_history) or as JSON text."""
@@ -78,11 +79,11 @@ class ToolFormat:
             out = with_system_text(out, self.system_tools(listed))
         return out, {"tools": listed}
 
-    def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def template_tools(self, tools: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
         """The tool list (OpenAI's shape) as the model's template reads it."""
         return tools
 
-    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def template_messages(self, messages: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
         """Message dicts (OpenAI's shape, past reasoning as `reasoning_content`) as the model's
         template reads them."""
         return messages
@@ -125,13 +126,13 @@ class ToolFormat:
 
 
 def native_messages(
-    messages: list[Message], arguments: list[list[dict[str, Any]]], *, as_text: bool = False
-) -> list[dict[str, Any]]:
+    messages: list[Message], arguments: list[list[dict[str, JSON]]], *, as_text: bool = False
+) -> list[dict[str, JSON]]:
     """OpenAI-style message dicts with arguments as objects, as tool templates iterate them
     (`as_text`: as canonical JSON text, for a template that writes them out whole)."""
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, JSON]] = []
     for message, args in zip(messages, arguments, strict=True):
-        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        item: dict[str, JSON] = {"role": message.role, "content": message.content}
         if message.tool_calls:
             item["tool_calls"] = [
                 {
@@ -152,7 +153,7 @@ def native_messages(
     return out
 
 
-def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+def with_system_text(messages: list[dict[str, JSON]], text: str) -> list[dict[str, JSON]]:
     """`text` at the end of the system message (one is added when there is none)."""
     if messages and messages[0]["role"] == "system":
         first = messages[0]["content"]
@@ -178,7 +179,7 @@ def template_render(tokenizer: Tokenizer) -> Render | None:
     return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)
 
 
-def rendered_call(render: Render, call: dict[str, Any]) -> str | None:
+def rendered_call(render: Render, call: dict[str, JSON]) -> str | None:
     """The template's text for a conversation whose assistant turn makes `call` (a `tool_calls`
     entry), or None when the template refuses it."""
     messages = [

@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import Thinking
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.json_value import JSON
 
 # gpt-oss's template knows low / medium / high; the protocols' other levels map to the nearest.
 _GPT_OSS_EFFORT = {
@@ -116,12 +116,12 @@ def _variables(source: str) -> frozenset[str]:
 def template_kwargs(
     variables: frozenset[str],
     thinking: Thinking,
-    request_kwargs: dict[str, Any],
-    server_kwargs: dict[str, Any],
-) -> dict[str, Any]:
+    request_kwargs: dict[str, JSON],
+    server_kwargs: dict[str, JSON],
+) -> dict[str, JSON]:
     """The extra template variables: server default, then the mapped controls, then the
     request's own `chat_template_kwargs`."""
-    mapped: dict[str, Any] = {}
+    mapped: dict[str, JSON] = {}
     enabled = thinking.enabled
     if enabled is None and thinking.effort is not None:
         enabled = thinking.effort != "none"
@@ -151,7 +151,7 @@ def _reserved() -> frozenset[str]:
 RESERVED = _reserved()
 
 
-def check_template_kwargs(kwargs: dict[str, Any], param: str) -> None:
+def check_template_kwargs(kwargs: dict[str, JSON], param: str) -> None:
     """A 400 for a key that would change how the template is called rather than what it says."""
     for key in kwargs:
         if key in RESERVED:

@@ -32,7 +32,6 @@ the end-of-sequence token does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from mlx_kvserve.chat.events import OutputReader
 from mlx_kvserve.chat.formats.harmony.analysis_gate import HarmonyGate
@@ -52,6 +51,7 @@ from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
 from mlx_kvserve.chat.request import Tool
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 
 tool_call_start = FUNCTIONS  # a call's header names its recipient `functions.NAME`
 tool_call_end = CALL
@@ -64,10 +64,10 @@ class HarmonyFormat(ToolFormat):
     a call), so the format lays out the whole answer's grammar, reads it back itself, and ends
     an analysis message when the thinking budget is spent."""
 
-    def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def template_tools(self, tools: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
         return harmony_tools(tools)
 
-    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def template_messages(self, messages: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
         return harmony_messages(messages)
 
     def reader(

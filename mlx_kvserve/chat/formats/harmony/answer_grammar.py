@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
 
 from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.request import ChatRequest, Tool
+from mlx_kvserve.json_value import JSON
 
 Marker = Callable[[str], str]  # text as Lark items: a control token's id, fixed text's tokens
 _NAME = re.compile(r"[^\s<]+")  # what a call's header can carry as the recipient
@@ -43,10 +43,10 @@ def harmony_rules(
     req: ChatRequest,
     marker: Marker,
     literal: Marker,
-    parameters: Callable[[Tool], dict[str, Any]],
-    style: dict[str, Any],
-    output: dict[str, Any] | None,
-    output_style: dict[str, Any],
+    parameters: Callable[[Tool], dict[str, JSON]],
+    style: dict[str, JSON],
+    output: dict[str, JSON] | None,
+    output_style: dict[str, JSON],
 ) -> list[str]:
     """The Lark rules (for chat.grammar's `_lark`) of an answer with tools or an output
     schema."""

@@ -4,9 +4,9 @@ chat.formats.harmony)."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from mlx_kvserve.chat.tokenizer import Tokenizer, per_tokenizer
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.vocabulary import token_ids
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -27,7 +27,7 @@ def is_harmony(tokenizer: Tokenizer) -> bool:
     return all(token in vocab for token in (START, END, MESSAGE, CHANNEL, CALL))
 
 
-def parse_tool_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def parse_tool_call(text: str, tools: list[dict[str, JSON]] | None = None) -> dict[str, JSON]:
     """One call's text, `NAME<|message|>{arguments}` (the header reduced to the function's name),
     as {"name", "arguments"}; ValueError when the arguments are not a JSON object."""
     name, _, body = text.partition(MESSAGE)

@@ -11,13 +11,13 @@ only the first).
 
 from __future__ import annotations
 
-from typing import Any
+from mlx_kvserve.json_value import JSON
 
 
-def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def harmony_messages(messages: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
     """Message dicts (OpenAI shape, arguments as objects, past reasoning as
     `reasoning_content`) as gpt-oss's template reads them."""
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, JSON]] = []
     i = 0
     while i < len(messages):
         message = dict(messages[i])
@@ -45,7 +45,7 @@ def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             results.append(messages[i])
             i += 1
         for n, call in enumerate(calls):
-            turn: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
+            turn: dict[str, JSON] = {"role": "assistant", "content": "", "tool_calls": [call]}
             if n == 0 and analysis:
                 turn["thinking"] = analysis
             out.append(turn)
@@ -55,7 +55,7 @@ def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def harmony_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def harmony_tools(tools: list[dict[str, JSON]]) -> list[dict[str, JSON]]:
     """Function tools as the template reads them: it writes each description as a comment and
     fails on a tool without one, so a missing description is an empty one."""
     out = []
@@ -67,5 +67,5 @@ def harmony_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _reminder(text: str) -> dict[str, Any]:
+def _reminder(text: str) -> dict[str, JSON]:
     return {"role": "user", "content": f"<system-reminder>\n{text}\n</system-reminder>"}
