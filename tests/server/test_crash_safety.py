@@ -1,10 +1,12 @@
-"""Crash safety against real server processes and the real model (issue 4, DESIGN invariants 5-6).
+"""Crash safety against real server processes (issue 4, DESIGN invariants 5-6).
 
 Every answer is a greedy completion compared with the answer of a `--no-cache` server to the same
-request, so no kill, damaged file or injected fault can buy anything with wrong output. The
+request, so no kill, damaged file or injected fault can buy anything with wrong output. What is
+tested is the cache, not the model: every server here runs a tiny random-weight llama with the
+default model's architecture and tokenizer (plain trimmable KV, 512 bytes per token instead of
+46,080), which starts and answers several times faster than the default model. The
 kill-and-restart loop (`KillLoop`, tests/support/kill_loop.py) is shared with `scripts/soak.py`,
-which runs it for longer and on other models; here it runs on a tiny model of the default
-model's architecture (it is about the cache, and restarts 20 times).
+which runs it for longer and on hybrid and sliding-window models with padded vocabularies.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 import hashlib
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -218,44 +220,48 @@ def prompt_token(prompt: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def workload(nocache_server: ServerProcess) -> list[list[Turn]]:
-    return build_workload(nocache_server.base_url)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Target:
+    """The tiny llama every server of this module runs (any model name is served by it)."""
+    model = make_model_dir(tmp_path_factory.mktemp("tiny-llama") / "model", "llama", seed=4)
+    return Target("tiny", "tiny", ("--model", str(model), "--served-model-name", "tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Target, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny model's `--no-cache` server: the reference answers of this module."""
+    proc = ServerProcess(tmp_path_factory.mktemp("reference"), "--no-cache", *tiny.server_args)
+    yield proc.wait_ready()
+    proc.stop()
+
+
+@pytest.fixture
+def tiny_start(start_server, tiny: Target):
+    """Servers with their own flags, on the tiny model."""
+    return lambda *args, env=None: start_server(*tiny.server_args, *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def workload(reference: ServerProcess, tiny: Target) -> list[list[Turn]]:
+    return build_workload(reference.base_url, tiny)
 
 
 # ====================================================================== 1. SIGKILL loop ======
-# The kill loop is about the cache, not the model: it runs on a tiny random-weight llama (the
-# default model's architecture and tokenizer, plain trimmable KV, 512 bytes of KV per token
-# instead of 46,080), which starts and answers several times faster. The disk budget is cut
-# by the same factor as the KV, so it holds as few entries as 6 MiB of the default model's, and
-# the mid-request kills wait at most 0.1 s instead of 1.5 s, so they still land in a request
-# (in prefill, decode or its checkpoint write) rather than after it.
+# The disk budget is cut by the tiny model's KV factor, so it holds as few entries as 6 MiB of
+# the default model's, and the mid-request kills wait at most 0.1 s instead of 1.5 s, so they
+# still land in a request (in prefill, decode or its checkpoint write) rather than after it.
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
 SIGKILL_BUDGET = 6 * MiB * TINY_KV_BYTES_PER_TOKEN // 46080  # 68 KiB
 MID_REQUEST_DELAY = 0.1
 
 
-@pytest.fixture(scope="module")
-def tiny_workload(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, list[list[Turn]]]:
-    """The tiny model's target, and the workload answered by its own `--no-cache` server."""
-    root = tmp_path_factory.mktemp("tiny-llama")
-    model = make_model_dir(root / "model", "llama", seed=4)
-    target = Target("tiny", "tiny", ("--model", str(model), "--served-model-name", "tiny"))
-    reference = ServerProcess(root, "--no-cache", *target.server_args).wait_ready()
-    try:
-        return target, build_workload(reference.base_url, target)
-    finally:
-        reference.stop()
-
-
-def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, tiny_workload):
+def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, tiny, workload):
     """20 kills (seeded): mid-stream, mid-request, mid-write, right after an answer, idle."""
-    target, workload = tiny_workload
     loop = KillLoop(
         tmp_path,
         workload,
         seed=4,
         budget=SIGKILL_BUDGET,
-        target=target,
+        target=tiny,
         mid_request_delay=MID_REQUEST_DELAY,
     )
     report = loop.run(20)
@@ -276,14 +282,14 @@ def test_sigkill_at_random_moments_never_fails_a_request(tmp_path, tiny_workload
 
 
 # ====================================================================== 2. corruption matrix ==
-def test_corruption_matrix_evicts_and_answers_correctly(start_server, tmp_path, nocache_server):
+def test_corruption_matrix_evicts_and_answers_correctly(tiny_start, tmp_path, reference):
     root = tmp_path / "kv"
     # The prompts are independent: each server answers them side by side (batched).
     references = {
         name: body["choices"][0]["text"]
-        for name, body in complete_all(nocache_server.base_url, CORRUPTION_PROMPTS).items()
+        for name, body in complete_all(reference.base_url, CORRUPTION_PROMPTS).items()
     }
-    first = start_server(env=cache_env(root))
+    first = tiny_start(env=cache_env(root))
     complete_all(first.base_url, CORRUPTION_PROMPTS)
     entries = wait_for_writes(first)["entries_list"]
     assert first.stop() == 0
@@ -299,7 +305,7 @@ def test_corruption_matrix_evicts_and_answers_correctly(start_server, tmp_path, 
         path = damage(directory / f"{keys[name]}.kvc")
         damaged[name] = (path, sha256(path))
 
-    server = start_server(env=cache_env(root))
+    server = tiny_start(env=cache_env(root))
     indexed = {e["key"] for e in cache_stats(server)["entries_list"]}
     for name, (_, caught) in CORRUPTIONS.items():
         key = damaged[name][0].name.split(".")[0]
@@ -323,11 +329,11 @@ def test_corruption_matrix_evicts_and_answers_correctly(start_server, tmp_path, 
 
 
 # ====================================================================== 3. full disk ========
-def test_full_disk_keeps_serving_then_writes_again(start_server, tmp_path, workload):
+def test_full_disk_keeps_serving_then_writes_again(tiny_start, tmp_path, workload):
     """The first three entry writes fail with ENOSPC (an injected fault in the disk tier)."""
     root = tmp_path / "kv"
     conv = workload[0]
-    server = start_server(env=cache_env(root, MLX_KVSERVE_FAULTS="disk_write_enospc:3"))
+    server = tiny_start(env=cache_env(root, MLX_KVSERVE_FAULTS="disk_write_enospc:3"))
     # Turn 1 stores two checkpoints (system-prompt anchor, generation): both writes fail.
     assert answer(server.base_url, conv[0].as_messages()) == conv[0].reference
     stats = wait_for_writes(server)
@@ -347,7 +353,7 @@ def test_full_disk_keeps_serving_then_writes_again(start_server, tmp_path, workl
     assert len(log_lines(server, "prompt-cache disk writes resumed")) == 1
     assert server.stop() == 0
     # What was written after space returned is a usable cache after a restart.
-    again = start_server(env=cache_env(root))
+    again = tiny_start(env=cache_env(root))
     assert "dropped" not in again.log()
     last = conv[-1]
     body = chat(again.base_url, last.as_messages())
@@ -357,10 +363,10 @@ def test_full_disk_keeps_serving_then_writes_again(start_server, tmp_path, workl
 
 
 # ====================================================================== 4. prefill fault ====
-def _seeded_cache(start_server, root: Path, turn: Turn) -> list[dict]:
+def _seeded_cache(tiny_start, root: Path, turn: Turn) -> list[dict]:
     """A cache directory holding `turn`'s checkpoints (clean stop): its entries, the shared
     system-prompt anchor first, each with the sha256 of its file."""
-    server = start_server(env=cache_env(root))
+    server = tiny_start(env=cache_env(root))
     assert answer(server.base_url, turn.as_messages()) == turn.reference
     entries = wait_for_writes(server)["entries_list"]
     assert server.stop() == 0
@@ -381,13 +387,13 @@ def _unchanged(root: Path, entry: dict) -> bool:
     return path.exists() and content_sha256(path) == entry["content"]
 
 
-def test_failure_right_after_disk_restore_blames_the_newest_link(start_server, tmp_path, workload):
+def test_failure_right_after_disk_restore_blames_the_newest_link(tiny_start, tmp_path, workload):
     """An error after restoring the chain (system-prompt anchor, turn 1's answer): the newest
     link is blamed, the request is answered from the anchor, and only that link is evicted."""
     conv = workload[0]
-    anchor, newest = _seeded_cache(start_server, tmp_path / "kv", conv[0])
+    anchor, newest = _seeded_cache(tiny_start, tmp_path / "kv", conv[0])
     root = tmp_path / "kv"
-    server = start_server(env=cache_env(root, MLX_KVSERVE_FAULTS="prefill_after_restore:1"))
+    server = tiny_start(env=cache_env(root, MLX_KVSERVE_FAULTS="prefill_after_restore:1"))
     body = chat(server.base_url, conv[1].as_messages())
     assert body["choices"][0]["message"]["content"] == conv[1].reference
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == anchor["n_tokens"]
@@ -406,13 +412,13 @@ def test_failure_right_after_disk_restore_blames_the_newest_link(start_server, t
 
 
 def test_a_failure_that_also_happens_cold_is_a_clean_500_and_evicts_nothing(
-    start_server, tmp_path, workload
+    tiny_start, tmp_path, workload
 ):
     conv = workload[0]
     root = tmp_path / "kv"
-    entries = _seeded_cache(start_server, root, conv[0])
+    entries = _seeded_cache(tiny_start, root, conv[0])
     # Every try fails: from the chain, from the anchor, cold (then the fault is spent).
-    server = start_server(env=cache_env(root, MLX_KVSERVE_FAULTS="prefill:3"))
+    server = tiny_start(env=cache_env(root, MLX_KVSERVE_FAULTS="prefill:3"))
     body = {"model": MODEL, "messages": conv[1].as_messages(), "temperature": 0, "max_tokens": 8}
     resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
     assert resp.status_code == 500
@@ -444,7 +450,7 @@ LONG_SYSTEM = (
 
 
 def test_a_link_that_prefills_non_finite_logits_costs_only_its_own_tokens(
-    start_server, tmp_path, nocache_server
+    tiny_start, tmp_path, reference
 ):
     """The measured case. Turn 1's answer is stored as the newest link of a chain under a long
     system prompt; its file is then damaged so that it passes every check but prefills
@@ -452,12 +458,12 @@ def test_a_link_that_prefills_non_finite_logits_costs_only_its_own_tokens(
     tokens after the system prompt: the anchor, valid on disk, is reused and kept."""
     root = tmp_path / "kv"
     first = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": FIRST_ASK}]
-    reply = answer(nocache_server.base_url, first)
+    reply = answer(reference.base_url, first)
     second = [*first, {"role": "assistant", "content": reply}]
     second.append({"role": "user", "content": "Which pots do you sell, and are they big?"})
-    expected = answer(nocache_server.base_url, second)
+    expected = answer(reference.base_url, second)
 
-    server = start_server(env=cache_env(root))
+    server = tiny_start(env=cache_env(root))
     assert answer(server.base_url, first) == reply
     anchor, newest = wait_for_writes(server)["entries_list"]
     assert server.stop() == 0
@@ -465,7 +471,7 @@ def test_a_link_that_prefills_non_finite_logits_costs_only_its_own_tokens(
     anchor_sha = content_sha256(fingerprint_dir(root) / f"{anchor['key']}.kvc")
     poison_entry(fingerprint_dir(root) / f"{newest['key']}.kvc")
 
-    server = start_server(env=cache_env(root))
+    server = tiny_start(env=cache_env(root))
     assert cache_stats(server)["entries"] == 2  # it passes the start-up checks
     body = chat(server.base_url, second)
     assert body["choices"][0]["message"]["content"] == expected
@@ -498,9 +504,18 @@ def _tamper_finite(path: Path) -> None:
     write_entry(path, header, slot, noisy)
 
 
-def test_entries_of_a_killed_run_are_verified_at_first_use(start_server, tmp_path, workload):
+@pytest.fixture(scope="module")
+def default_turns(nocache_server: ServerProcess) -> list[list[Turn]]:
+    """Two turns of two conversations, answered by the default model."""
+    return build_workload(nocache_server.base_url, conversations=2, turns=2)
+
+
+def test_entries_of_a_killed_run_are_verified_at_first_use(start_server, tmp_path, default_turns):
+    """On the default model: the behaviour check needs a model whose answer depends on its KV
+    (a tiny random one's barely does) and answers that read back as the same tokens in the
+    next turn's history (a random model's do not)."""
     root = tmp_path / "kv"
-    a, b = workload[0], workload[1]
+    a, b = default_turns
     first = start_server(env=cache_env(root))
     for turn in (a[0], b[0]):
         assert answer(first.base_url, turn.as_messages()) == turn.reference
@@ -544,12 +559,12 @@ def test_entries_of_a_killed_run_are_verified_at_first_use(start_server, tmp_pat
     assert stats["suspect"] == 0 and gen_a not in kept and {anchor, gen_b} <= kept
 
 
-def test_damaged_conversation_falls_back_to_its_system_prompt(start_server, tmp_path, workload):
+def test_damaged_conversation_falls_back_to_its_system_prompt(tiny_start, tmp_path, workload):
     """A link that fails to load costs only itself: the request goes on from the longest
     prefix left (the system-prompt anchor), not from a cold prefill."""
     root = tmp_path / "kv"
     a = workload[0]
-    first = start_server(env=cache_env(root))
+    first = tiny_start(env=cache_env(root))
     assert answer(first.base_url, a[0].as_messages()) == a[0].reference
     entries = wait_for_writes(first)["entries_list"]
     assert first.stop() == 0
@@ -557,7 +572,7 @@ def test_damaged_conversation_falls_back_to_its_system_prompt(start_server, tmp_
     anchor, gen = entries
     _flip_payload_bits(fingerprint_dir(root) / f"{gen['key']}.kvc")
 
-    server = start_server(env=cache_env(root))
+    server = tiny_start(env=cache_env(root))
     body = chat(server.base_url, a[1].as_messages())
     assert body["choices"][0]["message"]["content"] == a[1].reference
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == anchor["n_tokens"]

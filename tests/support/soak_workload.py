@@ -265,23 +265,29 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def build_workload(reference_url: str, target: Target = DEFAULT) -> list[list[Turn]]:
-    """Every turn of every conversation, with the no-cache answers also used as history.
+def build_workload(
+    reference_url: str,
+    target: Target = DEFAULT,
+    *,
+    conversations: int | None = None,
+    turns: int | None = None,
+) -> list[list[Turn]]:
+    """Every turn of every conversation (or the first `turns` of the first `conversations`),
+    with the no-cache answers also used as history.
 
     The conversations are independent, so they are asked side by side (the reference server
     batches them); each one's turns stay in order, as each turn's history holds the answers
     before it."""
-    return concurrently(
-        lambda ci: _conversation(reference_url, target, ci), range(len(CONVERSATIONS))
-    )
+    chosen = range(len(CONVERSATIONS[:conversations]))
+    return concurrently(lambda ci: _conversation(reference_url, target, ci, turns), chosen)
 
 
-def _conversation(reference_url: str, target: Target, ci: int) -> list[Turn]:
+def _conversation(reference_url: str, target: Target, ci: int, n: int | None) -> list[Turn]:
     history = [dict(SYSTEM)]
     if target.tools and ci == 1:
         history += copy.deepcopy(PRIOR_CALL)
     turns = []
-    for ti, question in enumerate(CONVERSATIONS[ci]):
+    for ti, question in enumerate(CONVERSATIONS[ci][:n]):
         history.append({"role": "user", "content": question})
         expected = ask(reference_url, history, target)
         turns.append(Turn(ci, ti, tuple(copy.deepcopy(history)), expected))
