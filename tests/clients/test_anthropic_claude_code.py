@@ -1,4 +1,5 @@
-"""Requests in the shape current Claude Code sends them, against the shared real server.
+"""Requests in the shape current Claude Code sends them, against the agents' shared server (a
+tiny llama with a 128k context: what is tested is the protocol, not the model).
 
 The shape is the one recorded in DESIGN.md ("What the real CLIs sent"): `POST
 /v1/messages?beta=true` with an `anthropic-beta` list, a system list whose first block is the
@@ -30,6 +31,12 @@ HEADERS = {
     "x-app": "cli",
 }
 EPHEMERAL = {"type": "ephemeral"}
+
+
+@pytest.fixture
+def server(agent_server):
+    """The agents' server: Claude Code's 24 tools prefill in seconds on its tiny model."""
+    return agent_server
 
 
 def tools(n: int = 24) -> list[dict]:
