@@ -31,7 +31,9 @@ Printed: kills, requests, failed requests, wrong outputs (differing from the no-
 entries recovered at restarts, entries evicted (for failure, and for the budget), temporary files
 found after restarts, and the seconds per kill cycle. Exit status 1 if any request failed, any
 answer was wrong, or any restart check (unclean-shutdown log line, temporary files, disk budget)
-did not hold.
+did not hold. SIGTERM (`kill <pid>`) ends the loop after the cycle it is in: the final clean run
+and the summary of the cycles done follow; a second SIGTERM stops at once. (Ctrl-C stops at once:
+the terminal sends it to the servers too, which would count as failed requests.)
 
 The rebuild timing writes 1,000 entries (100 conversations x 10 chained deltas, 30 layers like
 the default model but tiny heads so the directory stays ~200 MB) and times PromptCache's start-up
@@ -41,11 +43,14 @@ the default model but tiny heads so the directory stays ~200 MB) and times Promp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,11 +119,12 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
         workdir, workload, seed=args.seed, budget=parse_size(budget), log=log, target=target
     )
     looped = time.monotonic()
-    report = loop.run(args.iterations, final_pass=True)
+    with _stop_on_signal(log) as stopping:
+        report = loop.run(args.iterations, final_pass=True, stop=stopping.is_set)
     per_kill = (time.monotonic() - looped) / max(report.kills, 1)
     print(
-        f"\nsoak: {args.iterations} iterations, seed {args.seed}, budget {budget}, model {model}, "
-        f"tools {'on' if args.tools else 'off'}"
+        f"\nsoak: {report.kills} of {args.iterations} iterations, seed {args.seed}, "
+        f"budget {budget}, model {model}, tools {'on' if args.tools else 'off'}"
     )
     print(f"reference answers with calls:   {calling} of {len(turns)}")
     print("\n".join(report.lines()))
@@ -127,6 +133,26 @@ def soak(args: argparse.Namespace, workdir: Path) -> int:
     for problem in report.problems:
         print("PROBLEM:", problem)
     return 1 if report.problems or report.failed_requests or report.wrong_outputs else 0
+
+
+@contextlib.contextmanager
+def _stop_on_signal(log: Callable[[str], None]) -> Iterator[threading.Event]:
+    """The first SIGTERM sets the event (the loop ends after its cycle and reports); a second one
+    exits as before, and the servers are stopped on the way out."""
+    stopping = threading.Event()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handle(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            sys.exit(143)
+        stopping.set()
+        log("SIGTERM: stopping after this cycle (send it again to stop now)")
+
+    signal.signal(signal.SIGTERM, handle)
+    try:
+        yield stopping
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def rebuild_timing(n_entries: int, workdir: Path) -> dict[str, float]:

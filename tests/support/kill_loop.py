@@ -367,10 +367,13 @@ class KillLoop:
             return
         self.kill()  # fewer than K writes happened: an ordinary kill
 
-    def run(self, kills: int, *, final_pass: bool = False) -> SoakReport:
-        """`kills` kill-restart cycles, then a clean restart (and the whole workload once)."""
+    def run(
+        self, kills: int, *, final_pass: bool = False, stop: Callable[[], bool] | None = None
+    ) -> SoakReport:
+        """`kills` kill-restart cycles (fewer once `stop()` says so), then a clean restart (and
+        the whole workload once)."""
         try:
-            while self.report.kills < kills:
+            while self.report.kills < kills and not (stop is not None and stop()):
                 self.cycle()
                 self.log(
                     f"kill {self.report.kills}: requests {self.report.requests}, "
