@@ -66,6 +66,15 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> ServerProcess:
+        """Wait for /health's 200. A server that never gets there, or whose caller is stopped
+        while it waits (a SIGTERM, Ctrl-C), is stopped here: no caller holds it yet."""
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
