@@ -41,6 +41,7 @@ class Files:
     architecture: str
     config: dict[str, JSON]
     parameters: int
+    dtype: str  # the weights' most common safetensors dtype ("F32", "BF16", "U32"...)
     size: int
     digest: str
     modified_at: str
@@ -79,13 +80,15 @@ def _read_files(model_dir: Path | None, model_id: str) -> Files:
             log.info("no readable config.json for %s: %s", model_id, exc)
     architecture = str(_setting(config, "model_type") or "unknown")
     size = weights_bytes(model_dir) if model_dir is not None else 0
+    parameters, dtype = _parameter_count(model_dir, config) if model_dir is not None else (0, "")
     digest = hashlib.sha256(
         json.dumps([model_id, config, size], sort_keys=True, default=str).encode()
     ).hexdigest()
     return Files(
         architecture=architecture,
         config=config,
-        parameters=_parameter_count(model_dir, config) if model_dir is not None else 0,
+        parameters=parameters,
+        dtype=dtype,
         size=size,
         digest=digest,
         modified_at=datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z"),
@@ -109,11 +112,13 @@ def _bits(config: dict[str, JSON]) -> int | None:
     return bits if isinstance(bits, int) and not isinstance(bits, bool) and bits > 0 else None
 
 
-def _parameter_count(model_dir: Path, config: dict[str, JSON]) -> int:
+def _parameter_count(model_dir: Path, config: dict[str, JSON]) -> tuple[int, str]:
     """The weights' element count from the safetensors headers (a quantized weight packs
-    32 / bits values in each uint32; its scales and biases are not parameters)."""
+    32 / bits values in each uint32; its scales and biases are not parameters), and their
+    most common dtype."""
     bits = _bits(config)
     total = 0
+    by_dtype: dict[str, int] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         try:
             with path.open("rb") as f:
@@ -136,7 +141,9 @@ def _parameter_count(model_dir: Path, config: dict[str, JSON]) -> int:
             if bits and info.get("dtype") == "U32" and f"{base}.scales" in names:
                 count = count * 32 // bits
             total += count
-    return total
+            dtype = str(info.get("dtype"))
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + count
+    return total, max(by_dtype, key=lambda d: by_dtype[d], default="")
 
 
 async def tokens_of(slot: Slot) -> Tokens:
@@ -177,7 +184,7 @@ def details(slot: Slot) -> dict[str, JSON]:
     files = files_of(slot)
     bits = _bits(files.config)
     dtype = _setting(files.config, "torch_dtype") or _setting(files.config, "dtype")
-    level = f"Q{bits}" if bits else _DTYPES.get(str(dtype), "unknown")
+    level = f"Q{bits}" if bits else _DTYPES.get(str(dtype), files.dtype or "unknown")
     return {
         "parent_model": "",
         "format": "safetensors",
