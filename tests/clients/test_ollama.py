@@ -18,8 +18,12 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tests.support import rawhttp
 from tests.support.agent_clis import NPM_TIMEOUT, cli_cache_dir
+from tests.support.fuzz_ollama import PATHS, ollama_body
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
 from tests.support.thinking_models import build_thinking_model
@@ -42,6 +46,7 @@ WEATHER = {
 # (tried in order: one suffices).
 CALL_SEEDS = (7, 9, 21, 3, 11, 13)
 NPM_OLLAMA = "ollama@0.6.4"
+JSON = "application/json"
 
 
 @pytest.fixture(scope="module")
@@ -375,3 +380,68 @@ const MODEL = 'SmolLM2-135M-Instruct';
   console.log(JSON.stringify(out));
 })().catch((e) => { console.error(e); process.exit(1); });
 """
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_bodies_never_5xx(served: ServerProcess, data: st.DataObject) -> None:
+    """Whatever the body, an answer in Ollama's shape: a 4xx `{"error": ...}`, or a 200 whose
+    lines and final object validate (tests/support/ollama_spec.py)."""
+    path = data.draw(st.sampled_from(PATHS))
+    body = data.draw(ollama_body(path))
+    headers = {"Content-Type": "application/json"}
+    reply = httpx.post(served.base_url + path, content=body, headers=headers, timeout=120)
+    assert reply.status_code < 500, (body, reply.status_code, reply.text[:300])
+    media = reply.headers.get("content-type", "").split(";")[0]
+    check(Recorded("POST", path, reply.status_code, media, reply.content))
+
+
+def test_disconnect_mid_stream_frees_the_row(served: ServerProcess) -> None:
+    """A client that leaves an NDJSON stream: the engine stops its row, and serves the next."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "options": {"num_predict": 4000, "temperature": 1.0},
+    }
+    with httpx.stream("POST", served.base_url + "/api/chat", json=body, timeout=60) as reply:
+        assert reply.headers["content-type"].startswith("application/x-ndjson")
+        lines = reply.iter_lines()
+        first = json.loads(next(lines))
+        assert first["done"] is False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(served.base_url + "/health").json()
+        if health["running"] == 0 and health["queued"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["running"] == 0 and health["queued"] == 0
+    after = httpx.post(
+        served.base_url + "/api/generate",
+        json={"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+        timeout=60,
+    )
+    assert after.status_code == 200 and after.json()["done"] is True
+
+
+HOST = ("Host", "127.0.0.1")
+BODY = b'{"model": "x"}'
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status"),
+    [
+        ([("Host", "evil.example"), ("Content-Type", JSON)], BODY, 403),
+        ([HOST, ("Origin", "https://evil.example"), ("Content-Type", JSON)], BODY, 403),
+        ([HOST, ("Content-Type", "text/plain")], BODY, 415),
+        ([HOST, ("Content-Type", JSON), ("Content-Length", "99999999999")], b"", 413),
+        ([HOST, ("Content-Type", JSON)], b"", 400),  # no body at all
+    ],
+)
+def test_hostile_headers_in_ollama_shape(
+    served: ServerProcess, headers: list[tuple[str, str]], body: bytes, status: int
+) -> None:
+    """The guard's and the body reader's refusals on `/api/*` are Ollama's `{"error": ...}`
+    (a request HTTP cannot parse is refused before any route, in the server's own shape)."""
+    reply = rawhttp.request(served.port, "POST", "/api/chat", headers, body)
+    assert reply.status == status, reply.body
+    check(Recorded("POST", "/api/chat", status, "application/json", reply.body))
