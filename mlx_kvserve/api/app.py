@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, model_admin, status
+from mlx_kvserve.api import anthropic, model_admin, ollama, status
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
@@ -209,8 +209,10 @@ def api_routes() -> list[Route]:
     """Every route of the API, in matching order (docs/reference/endpoints.md is made from
     this list and each endpoint's docstring)."""
     return [
-        # The status page (`/`, which also answers Claude Code's `HEAD /` probe) and its data.
-        *(Route(path, status.page, methods=["GET"]) for path in status.ASSETS),
+        # `/`: "Ollama is running" (also Claude Code's `HEAD /` probe), or for a browser the
+        # status page; then the page's files and its data.
+        Route("/", ollama.root, methods=["GET"]),
+        *(Route(path, status.page, methods=["GET"]) for path in status.ASSETS if path != "/"),
         Route("/v1/status", status.status, methods=["GET"]),
         Route("/v1/status/events", status.status_events, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -220,6 +222,18 @@ def api_routes() -> list[Route]:
         Route("/v1/models/{model_id:path}/unload", model_admin.unload_model, methods=["POST"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/api/ps", model_admin.loaded_models, methods=["GET"]),
+        # Ollama's native API (api/ollama.py)
+        Route("/api/version", ollama.version, methods=["GET"]),
+        Route("/api/tags", ollama.tags, methods=["GET"]),
+        Route("/api/show", ollama.show, methods=["POST"]),
+        Route("/api/chat", ollama.chat, methods=["POST"]),
+        Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/pull", ollama.pull, methods=["POST"]),
+        Route("/api/create", ollama.not_supported, methods=["POST"]),
+        Route("/api/copy", ollama.not_supported, methods=["POST"]),
+        Route("/api/push", ollama.not_supported, methods=["POST"]),
+        Route("/api/delete", ollama.not_supported, methods=["DELETE"]),
+        Route("/api/blobs/{digest}", ollama.not_supported, methods=["HEAD", "POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),

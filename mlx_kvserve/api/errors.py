@@ -2,8 +2,8 @@
 
 OpenAI routes answer {"error": {"message", "type", "param", "code"}}; the Anthropic Messages
 routes answer {"type": "error", "error": {"type", "message"}} with Anthropic's error types (and
-529 for a full queue). Every failure a client can cause maps to one of these; tracebacks stay in
-the server log.
+529 for a full queue); Ollama's native routes (`/api/...`) answer {"error": "message"}. Every
+failure a client can cause maps to one of these; tracebacks stay in the server log.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def is_anthropic(path: str) -> bool:
     return path.startswith(ANTHROPIC_PREFIXES)
 
 
+def is_ollama(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
 class APIError(Exception):
     """Raise anywhere in a handler to answer with an error in the route's protocol's shape."""
 
@@ -80,8 +84,13 @@ class APIError(Exception):
         kind = kind or _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def ollama_body(self) -> dict[str, JSON]:
+        return {"error": self.message}
+
     def response(self, path: str = "") -> JSONResponse:
         """The error as an HTTP response, shaped for the protocol that `path` belongs to."""
+        if is_ollama(path):
+            return JSONResponse(self.ollama_body(), status_code=self.status, headers=self.headers)
         if is_anthropic(path):
             status = 529 if self.overloaded else self.status
             return JSONResponse(self.anthropic_body(), status_code=status, headers=self.headers)

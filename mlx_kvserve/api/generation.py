@@ -62,7 +62,7 @@ def served_model(request: Request, asked: str | None, param: str = "model") -> S
     return pool.default
 
 
-async def _acquire(request: Request, slot: Slot) -> EngineView:
+async def acquire_model(request: Request, slot: Slot) -> EngineView:
     """The slot's engine, loading its model if needed (the request waits meanwhile); the
     caller owns a lease on the model and must release it."""
     pool: ModelPool = request.app.state.pool
@@ -88,7 +88,7 @@ async def start_chat(
 ) -> Generation:
     """Template, constrain and queue a chat request (raises APIError for the client)."""
     slot = served_model(request, model)
-    engine = await _acquire(request, slot)
+    engine = await acquire_model(request, slot)
     settings = request.app.state.settings
 
     sampled = sampled_turns(request)
@@ -150,7 +150,7 @@ async def start_text(
 ) -> Generation:
     """Tokenize (or check the token ids of) and queue a plain text completion."""
     slot = served_model(request, model)
-    engine = await _acquire(request, slot)
+    engine = await acquire_model(request, slot)
     try:
         if isinstance(text, str):
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
@@ -167,7 +167,7 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
-    engine = await _acquire(request, slot)
+    engine = await acquire_model(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)
     try:

@@ -3,12 +3,14 @@ read `ollama ps` can read ours) and `POST /v1/models/{name}/unload`. Both need t
 
 from __future__ import annotations
 
+import math
 import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.ollama_models import running
 from mlx_kvserve.models.pool import LOADED, ModelPool
 
 
@@ -17,27 +19,15 @@ async def loaded_models(request: Request) -> Response:
     pool: ModelPool = request.app.state.pool
     now = time.time()
     models = []
-    for info in pool.describe():
+    for slot, info in zip(pool.slots, pool.describe(), strict=True):
         if info["state"] != LOADED:
             continue
-        idle, keep = info["idle_seconds"], info["keep_alive_seconds"]
-        expires = None
-        if idle is not None and keep and not info["pinned"]:
-            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - idle + keep))
-        models.append(
-            {
-                "name": info["name"],
-                "model": info["id"],
-                "size": info["footprint_bytes"],
-                "size_vram": info["footprint_bytes"],
-                "expires_at": expires,
-                "idle_seconds": idle,
-                "keep_alive_seconds": keep,
-                "pinned": info["pinned"],
-                "default": info["default"],
-                "aliases": info["aliases"],
-            }
-        )
+        idle, keep = info["idle_seconds"], pool.keep_alive_of(slot)
+        expires = None  # kept for good
+        if keep != math.inf:  # a busy model unloads no sooner than `keep` after it ends
+            at = now - (idle if isinstance(idle, float | int) else 0) + keep
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        models.append(running(slot, info, expires))
     return JSONResponse({"models": models})
 
 

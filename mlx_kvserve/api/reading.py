@@ -6,6 +6,7 @@ into reasoning, content, tool calls, logprobs and usage; api.generation starts g
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class Generation:
         # the model's lease (models.pool): held until the stream ends, so it is not unloaded
         self._release = weakref.finalize(self, release) if release else None
         self.on_done = on_done  # called as it ends on its own: e.g. keep the sampled turn
+        self.prefilled_at: float | None = None  # time.perf_counter() when prefill ended
 
     def close(self) -> None:
         """Let the model go (idempotent); the stream's end does it too."""
@@ -121,6 +123,7 @@ class Generation:
                 if event is None:
                     yield None
                 elif isinstance(event, Prefilled):
+                    self.prefilled_at = time.perf_counter()
                     yield Started(event.prompt_tokens, event.cached_tokens)
                 elif isinstance(event, TextChunk):
                     if event.logprobs:

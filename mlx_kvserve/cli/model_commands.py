@@ -16,6 +16,7 @@ from mlx_kvserve.json_value import JSON
 from mlx_kvserve.startup import api_keys
 
 TIMEOUT = 10.0
+FOREVER_YEAR = "2318-"  # api/ollama_models.py: FOREVER
 UNLOAD_TIMEOUT = 600.0  # unloading waits for the model's running requests to end
 
 
@@ -54,12 +55,19 @@ def _ps(settings: Settings) -> int:
             m["name"] + (" (default)" if m["default"] else ""),
             _size(m["size"]),
             "pinned" if m["pinned"] else _idle(m["idle_seconds"]),
-            "never" if m["pinned"] or not m["keep_alive_seconds"] else m["expires_at"] or "busy",
+            _unloads_at(m),
         ]
         for m in loaded
     ]
     _table(["NAME", "SIZE", "IDLE", "UNLOADS AT"], rows)
     return 0
+
+
+def _unloads_at(m: dict[str, JSON]) -> str:
+    """When `ps` says the model unloads: `expires_at` is Ollama's far future for "never"."""
+    if m["pinned"] or str(m["expires_at"]).startswith(FOREVER_YEAR):
+        return "never"
+    return "busy" if m["idle_seconds"] is None else m["expires_at"]
 
 
 def _models(settings: Settings) -> int:

@@ -23,9 +23,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.json_value import JSON
@@ -62,6 +64,10 @@ class Slot:
     failed_at: float | None = None  # when its last load failed (retried after LOAD_RETRY)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     loading: asyncio.Future[None] | None = None  # its load, while one runs
+    model_dir: Path | None = None  # its files (None: an engine made elsewhere, as in tests)
+    # Seconds idle before unloading as the last request asked (Ollama's `keep_alive`: 0 unloads
+    # once idle, math.inf never); None: the configured keep-alive.
+    requested_keep_alive: float | None = None
 
     @property
     def name(self) -> str:
@@ -159,6 +165,15 @@ class ModelPool:
         slot.last_used = self._clock()
         assert slot.engine is not None  # loaded: its engine is set
         return slot.engine
+
+    def keep_alive_of(self, slot: Slot) -> float:
+        """Seconds idle before `slot` is unloaded; math.inf: never (pinned, or asked so)."""
+        if slot.spec.pinned:
+            return math.inf
+        if slot.requested_keep_alive is not None:
+            return slot.requested_keep_alive
+        keep = slot.spec.keep_alive if slot.spec.keep_alive is not None else self.keep_alive
+        return keep or math.inf  # configured 0: kept loaded for good
 
     def release(self, slot: Slot) -> None:
         slot.leases = max(0, slot.leases - 1)
@@ -265,8 +280,8 @@ class ModelPool:
         """Unload every model idle past its keep-alive; the names unloaded."""
         now, done = self._clock(), []
         for slot in self.slots:
-            keep = slot.spec.keep_alive if slot.spec.keep_alive is not None else self.keep_alive
-            if slot.state != LOADED or slot.spec.pinned or keep == 0 or slot.busy():
+            keep = self.keep_alive_of(slot)
+            if slot.state != LOADED or keep == math.inf or slot.busy():
                 continue
             idle = now - slot.last_used
             if idle >= keep and await self.unload(slot, "idle", f"idle for {idle:.0f} s"):
@@ -307,9 +322,8 @@ class ModelPool:
                 "pinned": s.spec.pinned,
                 "footprint_bytes": s.footprint,
                 "idle_seconds": None if s.state != LOADED or s.busy() else now - s.last_used,
-                "keep_alive_seconds": (
-                    s.spec.keep_alive if s.spec.keep_alive is not None else self.keep_alive
-                ),
+                # 0: never unloaded for idleness
+                "keep_alive_seconds": 0 if (k := self.keep_alive_of(s)) == math.inf else k,
                 "error": s.error or (s.engine.failure if s.engine is not None else None),
             }
             for s in self.slots

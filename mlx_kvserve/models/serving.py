@@ -97,7 +97,7 @@ def prepare_slots(
             raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
         own = model_settings(settings, spec)
         kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
-        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve))
+        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve), model_dir=model_dir)
         for name in slot.names:
             if name in taken:
                 raise ModelSetupError(

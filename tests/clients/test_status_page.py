@@ -1,5 +1,6 @@
-"""The status page at `/`: its files, its data endpoints, and the page itself in a real browser
-(Debian's chromium driven by Playwright), whose numbers must equal /v1/cache's and /metrics'."""
+"""The status page at `/` (for a browser; other clients get Ollama's "Ollama is running"): its
+files, its data endpoints, and the page itself in a real browser (Debian's chromium driven by
+Playwright), whose numbers must equal /v1/cache's and /metrics'."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.support.servers import ServerProcess
 
 KEY = "status-page-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+BROWSER = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}  # what a browser asks for
 ARTIFACTS = Path(
     os.environ.get("MLX_KVSERVE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts")
 )
@@ -60,8 +62,10 @@ def status(base_url: str) -> dict:
 
 
 def test_page_and_files_are_served_without_the_key(keyed: ServerProcess) -> None:
-    page = httpx.get(keyed.base_url + "/")
+    page = httpx.get(keyed.base_url + "/", headers=BROWSER)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    probe = httpx.get(keyed.base_url + "/")  # not a browser: Ollama's reachability answer
+    assert probe.status_code == 200 and probe.text == "Ollama is running"
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.head(keyed.base_url + "/").status_code == 200  # Claude Code's probe
     for asset in ("/ui/status.js", "/ui/status.css", "/ui/vendor/uPlot.iife.min.js"):
