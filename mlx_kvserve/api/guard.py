@@ -10,7 +10,10 @@ Any web page the user opens can reach a local server. Two attacks matter:
   preflight. POST bodies must be `application/json`, which browsers only send cross-origin after
   a preflight, and any request carrying a foreign `Origin` is refused outright, so even a
   "simple" request never reaches the engine. CORS is answered only for `--allowed-origins`,
-  echoing that configured origin, never an arbitrary one.
+  echoing that configured origin, never an arbitrary one. One exception, for Ollama's own
+  examples (`curl .../api/chat -d '{...}'` sends a form Content-Type): a POST to `/api/*`
+  that carries none of the headers every current browser adds to a POST (`Origin`,
+  `Sec-Fetch-*`) is read as JSON whatever its Content-Type says.
 
 This is a raw ASGI middleware, outermost, so nothing (auth included) runs for refused requests
 and streaming responses pass through untouched.
@@ -25,7 +28,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.errors import APIError, is_ollama
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -194,7 +197,7 @@ class BrowserGuard:
             )
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if media != "application/json":
+            if media != "application/json" and not _ollama_tool(scope["path"], headers):
                 return APIError(
                     415,
                     "POST bodies must be sent with 'Content-Type: application/json'.",
@@ -266,3 +269,10 @@ def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
         (b"vary", b"Origin"),
         (b"access-control-expose-headers", b"Retry-After"),
     ]
+
+
+def _ollama_tool(path: str, headers: dict[str, str]) -> bool:
+    """A non-browser client of Ollama's native API (curl as Ollama's docs show it, scripts):
+    no `Origin` and no `Sec-Fetch-*` header, which browsers send with every POST."""
+    browser = "origin" in headers or any(name.startswith("sec-fetch-") for name in headers)
+    return is_ollama(path) and not browser

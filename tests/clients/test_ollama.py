@@ -432,7 +432,8 @@ BODY = b'{"model": "x"}'
     [
         ([("Host", "evil.example"), ("Content-Type", JSON)], BODY, 403),
         ([HOST, ("Origin", "https://evil.example"), ("Content-Type", JSON)], BODY, 403),
-        ([HOST, ("Content-Type", "text/plain")], BODY, 415),
+        # a browser's simple POST (it always adds Sec-Fetch-* or Origin): never read
+        ([HOST, ("Content-Type", "text/plain"), ("Sec-Fetch-Mode", "no-cors")], BODY, 415),
         ([HOST, ("Content-Type", JSON), ("Content-Length", "99999999999")], b"", 413),
         ([HOST, ("Content-Type", JSON)], b"", 400),  # no body at all
     ],
@@ -445,3 +446,21 @@ def test_hostile_headers_in_ollama_shape(
     reply = rawhttp.request(served.port, "POST", "/api/chat", headers, body)
     assert reply.status == status, reply.body
     check(Recorded("POST", "/api/chat", status, "application/json", reply.body))
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_curl_as_ollamas_docs_show_it_is_served(served: ServerProcess, content_type) -> None:
+    """`curl .../api/generate -d '{...}'` sends a form Content-Type: Ollama reads the body as
+    JSON, and so does this server on `/api/*` when no browser header says a page sent it; a
+    foreign Origin is still refused, and the OpenAI routes still want JSON."""
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}
+    )
+    headers = [HOST, *([("Content-Type", content_type)] if content_type else [])]
+    reply = rawhttp.request(served.port, "POST", "/api/generate", headers, body.encode())
+    assert reply.status == 200, reply.body
+    assert reply.json()["done"] is True
+    evil = [*headers, ("Origin", "http://evil.example")]
+    assert rawhttp.request(served.port, "POST", "/api/generate", evil, body.encode()).status == 403
+    openai = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    assert rawhttp.request(served.port, "POST", "/v1/completions", headers, openai).status == 415
