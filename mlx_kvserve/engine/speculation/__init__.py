@@ -2,8 +2,20 @@
 
 - `drafts`: where a row's next tokens are guessed from (`DraftSource`), and prompt lookup, the
   first source: the tokens that followed the longest earlier match of the row's last n tokens.
+- `verify`: exact acceptance of a batch of drafts from one forward pass (greedy, and sampled
+  rows through their own sampler and seed), pure functions over mx arrays.
 """
 
 from mlx_kvserve.engine.speculation.drafts import Draft, Drafter, DraftSource, PromptLookup
+from mlx_kvserve.engine.speculation.verify import Verified, accepted_lengths, draw, verify
 
-__all__ = ["Draft", "DraftSource", "Drafter", "PromptLookup"]
+__all__ = [
+    "Draft",
+    "DraftSource",
+    "Drafter",
+    "PromptLookup",
+    "Verified",
+    "accepted_lengths",
+    "draw",
+    "verify",
+]
