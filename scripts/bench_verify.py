@@ -47,7 +47,12 @@ preload_optimised_blas()  # before MLX is imported (Linux only; a no-op on macOS
 import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.base import create_causal_mask  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 BATCHES = (1, 4, 8)
 DEPTHS = range(1, 9)
@@ -222,6 +227,45 @@ def state_table(unit_seconds: float, reps: int) -> None:
         print(f"  {name:<58} {x.nbytes / 2**20:7.2f} MiB  {s / unit_seconds:.4f}")
 
 
+def rotating_check(window: int = 8) -> None:
+    """Rolling back a sliding-window layer (single row): after a verify pass of S tokens keeps
+    `window - 1 + S` slots in temporal order, `trim(r)` and then dropping the r rejected slots
+    at the tail is exact (the next passes see what plain decoding's would), while `trim(r)`
+    alone, once the window has wrapped, leaves the rejected keys visible."""
+
+    def feed(c: RotatingKVCache, values: range) -> None:
+        for x in values:
+            v = mx.full((1, 1, 1, 2), float(x))
+            c.update_and_fetch(v, v)
+
+    def seen(c: RotatingKVCache, token: int) -> list[int]:
+        v = mx.full((1, 1, 1, 2), float(token))
+        keys, _ = c.update_and_fetch(v, v)
+        return sorted(int(x) for x in keys[0, 0, :, 0].tolist())
+
+    results = {"trim+slice": True, "trim": True}
+    for before in (3, 7, 8, 20):
+        for width in (2, 4, 6):
+            for rejected in range(width):
+                for how in results:
+                    ref, c = RotatingKVCache(window), RotatingKVCache(window)
+                    feed(ref, range(1, before + 1))
+                    feed(c, range(1, before + 1))
+                    v = mx.arange(before + 1, before + 1 + width, dtype=mx.float32)
+                    v = mx.broadcast_to(v.reshape(1, 1, width, 1), (1, 1, width, 2))
+                    c.update_and_fetch(v, v)  # the verify pass
+                    c.trim(rejected)
+                    if how == "trim+slice":
+                        c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+                    feed(ref, range(before + 1, before + 1 + width - rejected))
+                    nxt = before + 1 + width - rejected
+                    for t in range(nxt, nxt + 3):
+                        results[how] &= seen(c, t) == seen(ref, t)
+    print(f"\nsliding window (single row, window {window}): exact after a partial reject?")
+    for how, exact in results.items():
+        print(f"  {how:<11} {'exact' if exact else 'NOT exact'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="mlx-lm model dir (default: built-in)")
@@ -240,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback_table(model, contexts, args.reps)
     unit = pass_seconds(model, build(model, 1, contexts[0]), 1, 1, args.reps)
     state_table(unit, args.reps)
+    rotating_check()
     return 0
 
 
