@@ -13,13 +13,16 @@ from mlx_kvserve.engine.speculation.drafts import Draft, Drafter, PromptLookup
 
 def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> tuple[int, ...] | None:
     """The specification, by scanning: for n from n_max down, the latest earlier occurrence of
-    the last n tokens, and what followed it."""
+    the last n tokens, and what followed it (read on into the draft itself past the end)."""
     end = len(tokens)
     for n in range(min(n_max, end - 1), n_min - 1, -1):
         suffix = tokens[end - n :]
         for start in range(end - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tuple(tokens[start + n : start + n + limit])
+                full = list(tokens)
+                for i in range(limit):
+                    full.append(full[start + n + i])
+                return tuple(full[end:])
     return None
 
 
@@ -49,9 +52,11 @@ def test_the_latest_occurrence_wins() -> None:
     assert lookup.propose(1) == Draft((8,), "lookup", 2)
 
 
-def test_continuation_may_run_into_the_suffix() -> None:
-    lookup = PromptLookup(n_max=3, n_min=2, tokens=[4, 5, 6, 4, 5, 6])
-    assert lookup.propose(8) == Draft((4, 5, 6), "lookup", 3)
+def test_a_continuation_that_runs_into_the_end_repeats() -> None:
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[1, 4, 5, 6, 4, 5, 6])
+    assert lookup.propose(8) == Draft((4, 5, 6, 4, 5, 6, 4, 5), "lookup", 3)
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[9, 9, 9])
+    assert lookup.propose(4) == Draft((9, 9, 9, 9), "lookup", 2)
 
 
 @pytest.mark.parametrize("bulk_first", [True, False])

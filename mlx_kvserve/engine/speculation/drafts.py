@@ -80,7 +80,8 @@ class PromptLookup:
                 self._index_one(position)
 
     def propose(self, limit: int) -> Draft | None:
-        """The continuation of the longest earlier match of the last n tokens (n_max..n_min)."""
+        """The continuation of the longest earlier match of the last n tokens (n_max..n_min);
+        one that runs into the end continues the repetition it is part of (a loop, a list)."""
         tokens, end = self.tokens, len(self.tokens)
         if limit <= 0 or end < self.n_min + 1:
             return None
@@ -88,7 +89,11 @@ class PromptLookup:
             after = self._after[n].get(key)
             if after is None or tokens[after - n : after] != tokens[end - n : end]:
                 continue  # unseen, or a hash collision
-            return Draft(tuple(tokens[after : after + limit]), self.name, n)
+            draft = tokens[after : after + limit]
+            period = end - after  # a match ending at the end: the text repeats with this period
+            while len(draft) < limit:
+                draft.append(draft[len(draft) - period])
+            return Draft(tuple(draft), self.name, n)
         return None
 
     # ------------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Greedy prompt-lookup speculation in the decode batch (engine/speculation/step.py): the same
+tokens as without it, solo and merged, with drafts really kept, and caches that hold exactly
+each sequence's tokens afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.speculation.step import roll_back
+from tests.unit.test_batching import PROMPTS, Driver, check_caches
+from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
+
+# A prompt that repeats itself: the tiny model's greedy output soon loops too, so lookup hits.
+LOOPY = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9, 2, 7]
+# ... and prompts where lookup also guesses wrong: "95 95" is followed by other tokens here than
+# in the model's answer (95 on and on), and PROMPTS[3]'s answer changes token after six.
+MISLED = LOOPY + [95, 95, 3, 8, 95, 95, 4, 95, 95, 6]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def run(model, prompts, lengths, speculation: str, temperature: float = 0.0):
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+    reqs = []
+    for p, n in zip(prompts, lengths, strict=True):
+        req = request(p, max_tokens=n)
+        req.params = replace(req.params, temperature=temperature)
+        reqs.append(req)
+    driver.join(reqs[0])
+    driver.step()
+    for req in reqs[1:]:  # later rows join a running batch
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    return driver, reqs
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
+def test_greedy_tokens_are_the_same_with_and_without_speculation(model, rows):
+    prompts = [MISLED, PROMPTS[3], LOOPY, PROMPTS[1]][:rows]
+    lengths = [40, 31, 24, 37][:rows]
+    _, plain = run(model, prompts, lengths, "off")
+    driver, spec = run(model, prompts, lengths, "auto")
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+        assert (b.done.finish_reason, b.done.completion_tokens) == (
+            a.done.finish_reason,
+            a.done.completion_tokens,
+        )
+    speculator = driver.batch.speculator
+    # it really drafted, kept and rejected drafts
+    assert speculator.drafted > speculator.accepted > 0
+    assert driver.batch.steps < sum(lengths)  # ... and saved passes
+    check_caches(driver.ended)
+
+
+def test_eos_and_stop_strings_inside_a_kept_run_end_it_there(model):
+    _, plain = run(model, [LOOPY], [40], "off")
+    want = tokens_of(plain[0].text)
+    eos = want[25]  # a token the loop repeats: it ends the answer at its first occurrence
+    stop = f"<{want[18]}>"
+    for kind in ("eos", "stop"):
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+        if kind == "eos":
+            driver.gen.tokenizer = StubTokenizer(eos=(eos,))
+            req = request(LOOPY, max_tokens=40)
+            end = want.index(eos)
+        else:
+            req = request(LOOPY, max_tokens=40, stop=(stop,))
+            end = want.index(want[18])
+        driver.join(req)
+        driver.drain()
+        assert tokens_of(req.text) == want[:end], kind
+        assert req.done.finish_reason == "stop"
+        check_caches(driver.ended)
+
+
+def test_sampled_rows_do_not_speculate(model):
+    driver, reqs = run(model, [LOOPY, PROMPTS[0]], [20, 20], "auto", 0.8)
+    assert driver.batch.speculator.passes == 0
+    assert all(r.done.completion_tokens == 20 for r in reqs)
+
+
+def test_rollback_gives_back_each_rows_own_positions(model):
+    """roll_back on a merged cache: each row keeps exactly its own tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    rows = []
+    for n in (6, 9, 4):
+        cache = make_prompt_cache(model)
+        model(mx.array([list(range(1, n + 1))]), cache=cache)
+        rows.append(cache)
+    merged = [BatchKVCache.merge(list(layer)) for layer in zip(*rows, strict=True)]
+    model(mx.array([[1, 2, 3, 4]] * 3), cache=merged)
+    roll_back(merged, [3, 0, 2])
+    sizes = [merged[0].extract(i).offset for i in range(3)]
+    assert sizes == [6 + 1, 9 + 4, 4 + 2]
