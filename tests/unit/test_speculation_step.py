@@ -104,3 +104,40 @@ def test_rollback_gives_back_each_rows_own_positions(model):
     roll_back(merged, [3, 0, 2])
     sizes = [merged[0].extract(i).offset for i in range(3)]
     assert sizes == [6 + 1, 9 + 4, 4 + 2]
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["kv", "rotating"])
+def test_the_engine_speculates_where_it_can_and_answers_the_same(sliding):
+    """Through the engine with `speculation="auto"`: plain KV drafts; a sliding-window model
+    (its caches cannot roll back by trimming) decodes as before."""
+    import mlx.core as mx
+
+    from tests.unit.test_batching import serve_together
+    from tests.unit.test_cache_models import tiny_llama
+    from tests.unit.test_engine_units import reference
+
+    mx.random.seed(1)
+    m = tiny_llama(sliding)
+    mx.eval(m.parameters())
+    prompts, lengths = [MISLED, LOOPY, PROMPTS[3]], [30, 24, 20]
+    reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    engines = []
+    serve_together(m, reqs, prefill_step=8, speculation="auto", started=engines.append)
+    for req, p, n in zip(reqs, prompts, lengths, strict=True):
+        assert tokens_of(req.text) == reference(m, p, n)
+    passes = engines[0].batch.speculator.passes
+    assert passes == 0 if sliding else passes > 0
+
+
+def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch):
+    from mlx_kvserve.config.file import ConfigError
+    from mlx_kvserve.config.precedence import resolve_settings
+
+    assert resolve_settings({}, tmp_path / "absent.toml").settings.speculation == "off"
+    flags = {"speculation": "auto"}
+    assert resolve_settings(flags, tmp_path / "absent.toml").settings.speculation == "auto"
+    with pytest.raises(ConfigError, match="speculation.*'on' is not one of auto, off"):
+        resolve_settings({"speculation": "on"}, tmp_path / "absent.toml")
+    monkeypatch.setenv("MLX_KVSERVE_SPECULATION", "fast")
+    with pytest.raises(ConfigError, match="^MLX_KVSERVE_SPECULATION: setting 'speculation'"):
+        resolve_settings({}, tmp_path / "absent.toml")
