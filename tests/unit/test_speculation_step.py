@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mlx_kvserve.engine.batch import DecodeBatch
-from mlx_kvserve.engine.speculation.step import roll_back
+from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
 
@@ -17,7 +17,7 @@ from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tok
 LOOPY = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9, 2, 7]
 # ... and prompts where lookup also guesses wrong: "95 95" is followed by other tokens here than
 # in the model's answer (95 on and on), and PROMPTS[3]'s answer changes token after six.
-MISLED = LOOPY + [95, 95, 3, 8, 95, 95, 4, 95, 95, 6]
+MISLED = LOOPY + [95, 95, 3, 95, 95, 4, 95, 95, 95, 6, 95, 95, 95, 7]
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,26 @@ def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch)
     monkeypatch.setenv("MLX_KVSERVE_SPECULATION", "fast")
     with pytest.raises(ConfigError, match="^MLX_KVSERVE_SPECULATION: setting 'speculation'"):
         resolve_settings({}, tmp_path / "absent.toml")
+
+
+def test_no_match_keeps_the_step_pipelined(model, monkeypatch):
+    """A row whose tokens so far have no earlier match does not read its pending token before
+    the pass (that would give up the pipelining overlap for nothing); one that has, does."""
+    reads = []
+    step = Speculator.step
+
+    def spy(self, seqs, merged, model, read, leave):
+        def counted(pairs):
+            reads.append(len(pairs))
+            read(pairs)
+
+        return step(self, seqs, merged, model, counted, leave)
+
+    monkeypatch.setattr(Speculator, "step", spy)
+    for prompt, read_first in ((list(range(1, 40)), False), (LOOPY, True)):
+        reads.clear()
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+        driver.join(request(prompt, max_tokens=10))
+        driver.step()
+        assert bool(reads) == read_first

@@ -7,8 +7,9 @@ cache is plain KV (`KVCache` solo, `BatchKVCache` merged), whose rows roll back 
 or when no row's controller wants a draft, or no row has one, the plain step runs.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
-1. each row's depth from its controller; if any is positive, every row's pending token is read
-   (speculating rows give up the pipelining overlap: the drafter needs that token);
+1. each row's depth from its controller; if any is positive and some such row's lookup has a
+   match for its tokens so far, every row's pending token is read (speculating rows give up the
+   pipelining overlap: the drafter needs that token);
 2. each row's draft (its `PromptLookup`, synced with its tokens), cut to the batch's width;
 3. one pass of W tokens per row (its token, its draft, padding), logits at every position;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
@@ -96,6 +97,15 @@ class Speculator:
         depths = [state.depth.depth(cost, self.max_depth) for state in states]
         if not any(depths):
             return 0
+        for seq, state in zip(seqs, states, strict=True):
+            sync(seq, state.lookup)
+        # A pipelined row's pending token is still on the device: reading it gives up the
+        # overlap, so that is done only if some row that wants a draft would have had one a
+        # token ago (prose seldom does; a file being copied does).
+        if any(seq.step is not None for seq in seqs) and not any(
+            depth and state.lookup.propose(1) for state, depth in zip(states, depths, strict=True)
+        ):
+            return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
         leave()
         if any(seq.done for seq in seqs):
@@ -103,8 +113,7 @@ class Speculator:
         drafts = []
         for seq, state, depth in zip(seqs, states, depths, strict=True):
             assert seq.step is None and len(seq.feed) == 1
-            tokens = seq.live.tokens + seq.feed
-            state.lookup.extend(tokens[len(state.lookup) :])
+            sync(seq, state.lookup)
             room = seq.limit - seq.timings.completion_tokens - 1
             draft = state.lookup.propose(min(depth, room))
             drafts.append(list(draft.tokens) if draft else [])
@@ -149,6 +158,15 @@ class Speculator:
             rejected.append(width - seq.take_run(out, logits[i], verified.logprobs[i]))
         roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted]
+
+
+def sync(seq: Sequence, lookup: PromptLookup) -> None:
+    """Bring a row's lookup up to its tokens: those in its caches, then those to feed."""
+    tokens = seq.live.tokens
+    if len(lookup) < len(tokens):
+        lookup.extend(tokens[len(lookup) :])
+    if seq.feed and len(lookup) < len(tokens) + len(seq.feed):
+        lookup.extend(seq.feed[len(lookup) - len(tokens) :])
 
 
 def roll_back(caches: list, rejected: list[int]) -> None:
