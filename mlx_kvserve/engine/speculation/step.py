@@ -14,7 +14,7 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 3. one pass of W tokens per row (its token, its draft, padding), logits at every position;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
 5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what all
-   rows reject and mlx-lm's right-padding roll (`prepare` + `finalize`) for the rest.
+   rows reject and holes for the rest (engine/speculation/holes.py).
 Steps are timed whole (plain ones too), so `VerifyCost` compares what a round really costs.
 """
 
@@ -30,6 +30,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
 from mlx_kvserve.engine.speculation.drafts import PromptLookup
+from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.verify import verify
 
 MODES = ("auto", "off")
@@ -85,8 +86,8 @@ class Speculator:
         if not seqs or not all(self.eligible(s) for s in seqs):
             return 0
         caches = merged if merged is not None else seqs[0].live.caches
-        kind = KVCache if merged is None else BatchKVCache
-        if not all(type(c) is kind for c in caches):
+        kinds = (KVCache,) if merged is None else (BatchKVCache, HoleKVCache)
+        if not all(type(c) in kinds for c in caches):
             return 0
         batch = len(seqs)
         states = [self.rows.setdefault(id(s), RowState()) for s in seqs]
@@ -170,14 +171,12 @@ def sync(seq: Sequence, lookup: PromptLookup) -> None:
 
 
 def roll_back(caches: list, rejected: list[int]) -> None:
-    """Give back each row's `rejected[i]` newest positions: exact for `KVCache` (one row) and
-    `BatchKVCache` (a uniform trim, then mlx-lm's right-padding roll for what differs)."""
-    least = min(rejected)
-    if least:
-        for c in caches:
-            c.trim(least)
-    rest = [r - least for r in rejected]
-    if any(rest):
-        for c in caches:
-            c.prepare(right_padding=rest)
-            c.finalize()
+    """Give back each row's `rejected[i]` newest positions: `trim` for a `KVCache` (one row);
+    a merged batch's caches become `HoleKVCache`s, whose rows give back their own slots
+    without moving KV (engine/speculation/holes.py)."""
+    for c in caches:
+        if isinstance(c, BatchKVCache):
+            HoleKVCache.adopt(c).rollback(rejected)
+        else:
+            (r,) = rejected
+            c.trim(r)
