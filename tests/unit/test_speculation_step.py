@@ -25,13 +25,14 @@ def model():
     return tiny_model()
 
 
-def run(model, prompts, lengths, speculation: str, temperature: float = 0.0):
+def run(model, prompts, lengths, speculation: str, temperature: float = 0.0, seeds=None):
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
     reqs = []
-    for p, n in zip(prompts, lengths, strict=True):
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         req = request(p, max_tokens=n)
-        req.params = replace(req.params, temperature=temperature)
+        seed = None if seeds is None else seeds[i]
+        req.params = replace(req.params, temperature=temperature, seed=seed)
         reqs.append(req)
     driver.join(reqs[0])
     driver.step()
@@ -83,10 +84,25 @@ def test_eos_and_stop_strings_inside_a_kept_run_end_it_there(model):
         check_caches(driver.ended)
 
 
-def test_sampled_rows_do_not_speculate(model):
-    driver, reqs = run(model, [LOOPY, PROMPTS[0]], [20, 20], "auto", 0.8)
-    assert driver.batch.speculator.passes == 0
-    assert all(r.done.completion_tokens == 20 for r in reqs)
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_seeded_rows_give_the_same_tokens_with_and_without_speculation(model, rows):
+    """Each position is drawn from the seed of the token it would be without speculation, so
+    a seeded request's answer does not depend on it."""
+    prompts, lengths, seeds = [MISLED, LOOPY, PROMPTS[3]][:rows], [40, 30, 24][:rows], [7, 8, 9]
+    _, plain = run(model, prompts, lengths, "off", 0.5, seeds)
+    driver, spec = run(model, prompts, lengths, "auto", 0.5, seeds)
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    speculator = driver.batch.speculator
+    assert speculator.drafted > speculator.accepted > 0  # drafts kept, and drafts rejected
+    check_caches(driver.ended)
+
+
+def test_unseeded_sampled_rows_speculate_and_finish(model):
+    driver, reqs = run(model, [LOOPY, PROMPTS[0]], [30, 30], "auto", 0.5)
+    assert driver.batch.speculator.passes > 0
+    assert all(r.done.completion_tokens == 30 for r in reqs)
+    check_caches(driver.ended)
 
 
 def test_rollback_gives_back_each_rows_own_positions(model):

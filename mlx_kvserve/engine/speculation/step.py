@@ -1,8 +1,9 @@
-"""A decode step that drafts and verifies: greedy prompt lookup on attention-only rows.
+"""A decode step that drafts and verifies: prompt lookup on attention-only rows.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
-only when every row can take part (greedy, no grammar, no logprobs, no `ignore_eos`: they need
-masks or distributions per position that this first version does not build) and every layer's
+only when every row can take part (no grammar, no logprobs, no `ignore_eos`: they need masks
+or distributions per position that this first version does not build; greedy, sampled and
+seeded rows are all exact, engine/speculation/verify.py) and every layer's
 cache is plain KV (`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else,
 or when no row's controller wants a draft, or no row has one, the plain step runs.
 
@@ -55,13 +56,10 @@ class Speculator:
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
+        """Rows without a grammar, logprobs or `ignore_eos` (they need per-position masks or
+        distributions); greedy, sampled and seeded alike (verify.py keeps each exact)."""
         d = seq.decoder
-        return (
-            d.key == ("greedy",)
-            and d.constraint is None
-            and not d.want_logprobs
-            and not seq.req.params.ignore_eos
-        )
+        return d.constraint is None and not d.want_logprobs and not seq.req.params.ignore_eos
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         self.cost.observe(batch, width, seconds)
@@ -156,6 +154,8 @@ class Speculator:
         emitted = verified.read()
         rejected = []
         for i, (seq, out) in enumerate(zip(seqs, emitted, strict=True)):
+            if seq.decoder.seeded:  # position j was drawn as its token number draws + j
+                seq.decoder.draws += len(out)
             rejected.append(width - seq.take_run(out, logits[i], verified.logprobs[i]))
         roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted]
