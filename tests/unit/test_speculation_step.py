@@ -59,6 +59,10 @@ def test_greedy_tokens_are_the_same_with_and_without_speculation(model, rows):
     # it really drafted, kept and rejected drafts
     assert speculator.drafted > speculator.accepted > 0
     assert driver.batch.steps < sum(lengths)  # ... and saved passes
+    assert sum(seq.timings.drafted for seq in driver.ended) == speculator.drafted
+    assert sum(seq.timings.accepted for seq in driver.ended) == speculator.accepted
+    line = driver.ended[0].timings.log_line(driver.ended[0].req)
+    assert f"drafted={driver.ended[0].timings.drafted} accepted=" in line
     check_caches(driver.ended)
 
 

@@ -124,8 +124,10 @@ class Speculator:
             return -1
         drafts = [d[: width - 1] for d in drafts]
         accepted = self._verify(seqs, merged, model, drafts, width)
-        for state, draft, kept in zip(states, drafts, accepted, strict=True):
+        for seq, state, draft, kept in zip(seqs, states, drafts, accepted, strict=True):
             state.depth.record(len(draft), kept)
+            seq.timings.drafted += len(draft)
+            seq.timings.accepted += kept
             self.drafted += len(draft)
             self.accepted += kept
         self.passes += 1
