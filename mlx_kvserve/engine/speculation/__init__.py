@@ -6,6 +6,9 @@
   rows through their own sampler and seed), pure functions over mx arrays.
 - `depth`: how many tokens each row drafts, from measured acceptance and measured verify cost
   (0 when nothing pays).
+- `holes`: per-row rollback of a merged KV batch without moving KV.
+- `step`: the speculative decode step the decode batch tries first (imported by
+  engine/batch.py, not re-exported here).
 
 How they fit into the decode step, and how each cache kind rolls back per row, is in
 docs/speculation.md.

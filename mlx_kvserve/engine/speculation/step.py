@@ -3,9 +3,9 @@
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
 only when every row can take part (no grammar, no logprobs, no `ignore_eos`: they need masks
 or distributions per position that this first version does not build; greedy, sampled and
-seeded rows are all exact, engine/speculation/verify.py) and every layer's
-cache is plain KV (`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else,
-or when no row's controller wants a draft, or no row has one, the plain step runs.
+seeded rows are all exact, engine/speculation/verify.py) and every layer's cache is plain KV
+(`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else, or when no row's
+controller wants a draft, or no row has one, the plain step runs.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
 1. each row's depth from its controller; if any is positive and some such row's lookup has a
@@ -33,8 +33,6 @@ from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, pl
 from mlx_kvserve.engine.speculation.drafts import PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.verify import verify
-
-MODES = ("auto", "off")
 
 
 @dataclass
