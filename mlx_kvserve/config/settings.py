@@ -170,6 +170,15 @@ class Settings:
             "in float32, else the model's own), native, float32, float16 or bfloat16."
         },
     )
+    speculation: str = field(
+        default="off",
+        metadata={
+            "help": "Speculative decoding: auto (requests without a grammar or logprobs, on "
+            "attention-only models, draft from their own prompt and output and verify the "
+            "drafts in one pass, when it pays; greedy and seeded answers are the same either "
+            "way) or off. Off in a job across machines."
+        },
+    )
     mlx_cache_limit: str = field(
         default="512MiB",
         metadata={

@@ -60,6 +60,7 @@ _POSITIVE |= {"max_loaded_models", "kv_reserve"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _POSITIVE |= {"peer_timeout", "ring_port"}
 SHARD_MODES = ("auto", "tensor", "pipeline")
+SPECULATION_MODES = ("auto", "off")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
 
@@ -95,6 +96,8 @@ def check_value(name: str, value: SettingValue) -> SettingValue:
         raise ValueError(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
     if name == "shard" and value not in SHARD_MODES:
         raise ValueError(f"{value!r} is not one of {', '.join(SHARD_MODES)}")
+    if name == "speculation" and value not in SPECULATION_MODES:
+        raise ValueError(f"{value!r} is not one of {', '.join(SPECULATION_MODES)}")
     if name == "kv_dtype" and value not in KV_DTYPES:
         raise ValueError(f"{value!r} is not one of {', '.join(KV_DTYPES)}")
     if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit", "live_budget") and (

@@ -30,6 +30,7 @@ running one leaves. See cache/kinds.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -40,6 +41,7 @@ from mlx_kvserve.engine import faults, sampling
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.step import Speculator
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -59,8 +61,15 @@ class DecodeBatch:
     """The sequences decoding now, and the caches their next pass runs on."""
 
     def __init__(
-        self, model: nn.Module, on_end: Callable[[Sequence], None], *, mergeable: bool = True
+        self,
+        model: nn.Module,
+        on_end: Callable[[Sequence], None],
+        *,
+        mergeable: bool = True,
+        speculation: str = "off",
     ) -> None:
+        """`speculation` "auto": greedy rows of attention-only models draft by prompt lookup
+        when it pays (engine/speculation/step.py); "off": never."""
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
@@ -69,6 +78,7 @@ class DecodeBatch:
         self._merged: list[LayerCache] | None = None  # merged mode's caches, row i = seqs[i]
         self.steps = 0  # decode steps run
         self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
+        self.speculator = Speculator() if speculation == "auto" else None
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.waiting)
@@ -127,12 +137,23 @@ class DecodeBatch:
         self.steps += 1
         for seq in self.seqs:
             seq.timings.batch_peak = max(seq.timings.batch_peak, len(self.seqs))
-        if any(seq.wants_forward() for seq in self.seqs):
-            self._forward()
-            self._read([(seq, seq.to_read()) for seq in self.seqs])
-        else:
-            self._read([(seq, seq.step) for seq in self.seqs])
+        rows, started, width = len(self.seqs), time.perf_counter(), 0
+        if self.speculator is not None:
+            width = self.speculator.step(
+                self.seqs, self._merged, self.model, self._read, self._leave
+            )
+            self.readbacks += width > 0  # the verify pass's
+        if width <= 0 and self.seqs:
+            if any(seq.wants_forward() for seq in self.seqs):
+                self._forward()
+                self._read([(seq, seq.to_read()) for seq in self.seqs])
+            else:
+                self._read([(seq, seq.step) for seq in self.seqs])
         self._leave()
+        if self.speculator is not None:
+            if width >= 0:  # a plain pipelined step (0) or a verify pass: what a round costs
+                self.speculator.observe(rows, max(width, 1), time.perf_counter() - started)
+            self.speculator.forget(self.seqs)
 
     def fail_all(self) -> list[Sequence]:
         """After a failed pass: the batch's state is unknown, so every sequence leaves."""

@@ -228,6 +228,7 @@ class Generator:
         after_prefill: Callable[[int, bool], None] = _nothing,
         before_done: Callable[[GenerationRequest, Timings | None], None] = _nothing,
         between_steps: Callable[[], None] = _nothing,
+        speculation: str = "off",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -239,6 +240,7 @@ class Generator:
         self.after_prefill = after_prefill
         self.before_done = before_done
         self.between_steps = between_steps
+        self.speculation = speculation  # for `run`'s batch (the engine makes its own)
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req` alone (scripts, tests): prefill it, decode it in a batch of one."""
@@ -246,7 +248,7 @@ class Generator:
         timings, seq = self.start(req)
         if seq is None:
             return timings
-        batch = DecodeBatch(self.model, ended.append)
+        batch = DecodeBatch(self.model, ended.append, speculation=self.speculation)
         batch.add(seq)
         while batch.seqs:
             self.between_steps()

@@ -29,6 +29,8 @@ class Timings:
     restore_seconds: float = 0.0  # copying a RAM/disk checkpoint into the KV caches
     failed_source: str | None = None  # where the state that failed and forced a retry came from
     batch_peak: int = 1  # the most sequences it decoded beside (itself included)
+    drafted: int = 0  # tokens speculation drafted for it (engine/speculation/step.py)
+    accepted: int = 0  # ... and verification kept
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens
@@ -45,6 +47,7 @@ class Timings:
             f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
             f"batch={self.batch_peak} finish={self.finish_reason}"
             + (f" retried={self.failed_source}" if self.retried else "")
+            + (f" drafted={self.drafted} accepted={self.accepted}" if self.drafted else "")
         )
 
 

@@ -26,6 +26,12 @@ from mlx_kvserve.engine import faults
 _MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indexes over the seed space
 
 
+def draw_seed(seed: int, index: int) -> int:
+    """The seed a seeded row's token number `index` is drawn from (speculation's verify draws
+    each position from the seed that position would have had without it)."""
+    return (seed + index * _MIX) % 2**64
+
+
 @dataclass
 class Step:
     """A token sampled on the device, not yet read back."""
@@ -90,7 +96,7 @@ def sample(rows: Sequence[tuple[Decoder, bool]], logits: mx.array) -> list[Step]
     for i in seeded:
         decoder = rows[i][0]
         assert decoder.seed is not None
-        mx.random.seed((decoder.seed + decoder.draws * _MIX) % 2**64)
+        mx.random.seed(draw_seed(decoder.seed, decoder.draws))
         decoder.draws += 1
         parts.append(decoder.sampler(candidates[i : i + 1]))
         order.append(i)

@@ -131,6 +131,24 @@ class Sequence:
             self.step = None
             self._accept(step, token)
 
+    def take_run(self, tokens: list[int], logits: mx.array, logprobs: mx.array) -> int:
+        """A verify pass's emitted `tokens` (engine/speculation/step.py): this row fed its
+        pending token, then `tokens[:-1]` as its kept drafts, then what was rejected. Each is
+        taken as a sampled token (EOS, stop strings, `max_tokens` end it early); the last left
+        becomes the one to feed. Returns the positions of the pass that stay in the caches: the
+        pending token and the kept drafts before the row's last token (`live.tokens` grows by
+        as many, less the pending one the caller already added)."""
+        kept = 1
+        for j, token in enumerate(tokens):
+            step = Step(mx.array([token], dtype=mx.uint32), logprobs[j : j + 1], logits[j : j + 1])
+            self._accept(step, token)
+            if self.done or j == len(tokens) - 1:
+                break
+            self.live.tokens.extend(self.feed)  # it was fed as the next draft: its KV is there
+            self.feed = []
+            kept += 1
+        return kept
+
     def redraw(self) -> None:
         """The speculative sample did not stand (a tool call begins): draw it again from the
         same row with the grammar's real mask, before anything was fed."""

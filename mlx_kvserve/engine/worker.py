@@ -84,6 +84,7 @@ class Engine(Intake, Stopping, Failures):
         kv_budget: int | None = None,
         live_budget: int = 1 << 30,
         kv_reserve: int = RESERVE_TOKENS,
+        speculation: str = "off",
         context_length: int | None = None,
         job: MakeAgreement | None = None,
     ) -> None:
@@ -94,9 +95,11 @@ class Engine(Intake, Stopping, Failures):
         only and closed (pending writes flushed) when the engine stops; `cache_enabled=False`
         also disables reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
-        `context_length` is the window the model's config states (models/context.py); None
-        falls back to the model object's args. `job` makes the agreement of the job this engine
-        steps with across machines (engine/lockstep.py); None: this process alone (`Solo`).
+        `speculation` "auto" lets the decode batch draft and verify (engine/speculation/); it
+        stays off in a job across machines. `context_length` is the window the model's config
+        states (models/context.py); None falls back to the model object's args. `job` makes the
+        agreement of the job this engine steps with across machines (engine/lockstep.py); None:
+        this process alone (`Solo`).
         """
         self._loader = loader
         self.prompt_cache = prompt_cache
@@ -110,6 +113,7 @@ class Engine(Intake, Stopping, Failures):
         self.kv_budget = kv_budget
         self.live_budget = live_budget
         self.kv_reserve = kv_reserve
+        self.speculation = speculation
         self.room: Room | None = None  # the KV ledger, once the model is loaded
         self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
@@ -236,7 +240,10 @@ class Engine(Intake, Stopping, Failures):
             self.kv_reserve,
             batched=self._can_batch,
         )
-        self.batch = DecodeBatch(model, self._ended, mergeable=self._can_batch)
+        speculation = self.speculation if job is None else "off"
+        self.batch = DecodeBatch(
+            model, self._ended, mergeable=self._can_batch, speculation=speculation
+        )
 
     def _loop(self) -> None:
         """Turn after turn, each under the guard (engine/failures.py), until the engine stops."""

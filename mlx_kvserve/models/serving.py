@@ -41,6 +41,7 @@ PER_MODEL = frozenset(
         "checkpoint_interval",
         "max_concurrency",
         "max_queue",
+        "speculation",
         "cache_budget",
         "cache_ram_budget",
         "no_cache",
@@ -162,6 +163,7 @@ def make_engine(
         kv_budget=None if settings.kv_budget == "auto" else parse_size(settings.kv_budget),
         live_budget=parse_size(settings.live_budget),
         kv_reserve=settings.kv_reserve,
+        speculation=settings.speculation,
         context_length=read_context_length(model_dir),
         job=job,
     )

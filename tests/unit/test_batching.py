@@ -205,8 +205,9 @@ def test_solo_pass_uses_plain_caches(model):
 
 
 # ------------------------------------------------------------------------ the engine's loop --
-def serve_together(model, reqs, **engine_args) -> dict[str, int]:
-    """Submit `reqs` at once to a real Engine thread; the batch size each decoded in."""
+def serve_together(model, reqs, started=None, **engine_args) -> dict[str, int]:
+    """Submit `reqs` at once to a real Engine thread; the batch size each decoded in.
+    `started(engine)`, if given, sees the engine once it is ready."""
     import threading
 
     from mlx_kvserve.engine.worker import Engine
@@ -225,6 +226,8 @@ def serve_together(model, reqs, **engine_args) -> dict[str, int]:
     engine.add_observer(observe)
     engine.start()
     assert engine.ready.wait(60), engine.load_error
+    if started is not None:
+        started(engine)
     try:
         for req in reqs:
             engine.submit(req)

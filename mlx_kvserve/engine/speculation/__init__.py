@@ -1,0 +1,33 @@
+"""Speculative decoding's parts, each usable and tested on its own (issue 31, first slice).
+
+- `drafts`: where a row's next tokens are guessed from (`DraftSource`), and prompt lookup, the
+  first source: the tokens that followed the longest earlier match of the row's last n tokens.
+- `verify`: exact acceptance of a batch of drafts from one forward pass (greedy, and sampled
+  rows through their own sampler and seed), pure functions over mx arrays.
+- `depth`: how many tokens each row drafts, from measured acceptance and measured verify cost
+  (0 when nothing pays).
+- `holes`: per-row rollback of a merged KV batch without moving KV.
+- `step`: the speculative decode step the decode batch tries first (imported by
+  engine/batch.py, not re-exported here).
+
+How they fit into the decode step, and how each cache kind rolls back per row, is in
+docs/speculation.md.
+"""
+
+from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.drafts import Draft, Drafter, DraftSource, PromptLookup
+from mlx_kvserve.engine.speculation.verify import Verified, accepted_lengths, draw, verify
+
+__all__ = [
+    "DepthController",
+    "Draft",
+    "DraftSource",
+    "Drafter",
+    "PromptLookup",
+    "Verified",
+    "VerifyCost",
+    "accepted_lengths",
+    "draw",
+    "plan_width",
+    "verify",
+]

@@ -1,0 +1,152 @@
+"""Draft sources: guesses of a row's next tokens that cost no forward pass.
+
+Agents re-emit what they have seen (files, diffs, paths, JSON arguments, tool output), so the
+cheapest useful guess is a copy: prompt lookup finds the latest earlier place where the row's
+last n tokens occurred (n from `n_max` down to `n_min`, the longest match first) and proposes
+the tokens that followed it there.
+
+Drafting runs every decode step for every row, and a row's context can be a 30k-token prompt,
+so nothing here scans it. `PromptLookup` keeps, for each n, a dict from a hash of every n-gram
+to the position just after its latest occurrence, updated as tokens arrive: a proposal costs
+O(n_max + k) (hash the suffix, check the match, slice the continuation), a new token O(n_max).
+A prompt is indexed in bulk with numpy (one vectorised rolling hash per n). Hash collisions are
+harmless: a hit is checked against the tokens before it is used.
+
+Sources see only committed tokens (the prompt, then accepted output), so none needs rolling
+back. Later sources (the prompt cache's token index, SuffixDecoding-style; a model's MTP heads;
+a draft model) implement the same `DraftSource` protocol and join a row's `Drafter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+_BASE = 0x100000001B3  # odd, so the rolling hash is a bijection of each token per position
+_BULK = 64  # appends at least this long are indexed with numpy
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens proposed to follow a row's committed tokens, and what vouches for them."""
+
+    tokens: tuple[int, ...]
+    source: str
+    evidence: int = 0  # the matched n-gram's length (longer: likelier to be accepted)
+
+
+class DraftSource(Protocol):
+    """One place drafts come from, for one row (or shared, if it keeps its own per-row state)."""
+
+    name: str
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """`tokens` were committed to the row (its prompt, then each accepted run)."""
+        ...
+
+    def propose(self, limit: int) -> Draft | None:
+        """At most `limit` tokens to follow the row's committed tokens (None: no guess)."""
+        ...
+
+
+class PromptLookup:
+    """Prompt lookup over one row's own tokens (prompt and output), indexed incrementally."""
+
+    name = "lookup"
+
+    def __init__(self, n_max: int = 4, n_min: int = 2, tokens: Iterable[int] = ()) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        # n -> {hash of an n-gram: the position after its latest occurrence}
+        self._after: dict[int, dict[int, int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.extend(list(tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        first = len(self.tokens)
+        self.tokens.extend(int(t) for t in tokens)
+        if len(tokens) >= _BULK:
+            self._index_bulk(first)
+        else:
+            for position in range(first, len(self.tokens)):
+                self._index_one(position)
+
+    def propose(self, limit: int) -> Draft | None:
+        """The continuation of the longest earlier match of the last n tokens (n_max..n_min);
+        one that runs into the end continues the repetition it is part of (a loop, a list)."""
+        tokens, end = self.tokens, len(self.tokens)
+        if limit <= 0 or end < self.n_min + 1:
+            return None
+        for n, key in reversed(self._suffix_hashes(end)):
+            after = self._after[n].get(key)
+            if after is None or tokens[after - n : after] != tokens[end - n : end]:
+                continue  # unseen, or a hash collision
+            draft = tokens[after : after + limit]
+            period = end - after  # a match ending at the end: the text repeats with this period
+            while len(draft) < limit:
+                draft.append(draft[len(draft) - period])
+            return Draft(tuple(draft), self.name, n)
+        return None
+
+    # ------------------------------------------------------------------------------------
+    def _suffix_hashes(self, end: int) -> list[tuple[int, int]]:
+        """(n, hash of tokens[end-n:end]) for n_min..n_max, shortest first (those that fit)."""
+        out, h, power = [], 0, 1
+        for n in range(1, min(self.n_max, end) + 1):
+            h = (h + self.tokens[end - n] * power) & _MASK  # extend the window to the left
+            power = (power * _BASE) & _MASK
+            if n >= self.n_min:
+                out.append((n, h))
+        return out
+
+    def _index_one(self, position: int) -> None:
+        """Token `position` arrived: it is the continuation of the n-grams ending before it."""
+        for n, key in self._suffix_hashes(position):
+            self._after[n][key] = position
+
+    def _index_bulk(self, first: int) -> None:
+        """Index the continuations at positions first..end-1 with vectorised rolling hashes."""
+        end = len(self.tokens)
+        base = max(0, first - self.n_max)
+        arr = np.asarray(self.tokens[base:end], dtype=np.uint64)
+        h = np.zeros(len(arr), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for n in range(1, self.n_max + 1):
+                if len(arr) < n:
+                    break
+                # h[s] = hash of arr[s:s+n], for every window start s that fits
+                h = h[: len(arr) - n + 1] * np.uint64(_BASE) + arr[n - 1 :]
+                if n < self.n_min:
+                    continue
+                starts = np.arange(len(h)) + base  # absolute window starts
+                after = starts + n
+                keep = (after >= first) & (after < end)
+                # later occurrences come later in the zip, so they win: the latest match
+                self._after[n].update(zip(h[keep].tolist(), after[keep].tolist(), strict=True))
+
+
+class Drafter:
+    """A row's draft sources; a proposal is the one with the most evidence (first on ties)."""
+
+    def __init__(self, sources: Sequence[DraftSource]) -> None:
+        self.sources = list(sources)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for source in self.sources:
+            source.extend(tokens)
+
+    def propose(self, limit: int) -> Draft | None:
+        best: Draft | None = None
+        for source in self.sources:
+            draft = source.propose(limit)
+            if draft and draft.tokens and (best is None or draft.evidence > best.evidence):
+                best = draft
+        return best

@@ -1,0 +1,116 @@
+"""The depth controller (engine/speculation/depth.py) on synthetic acceptance streams: prose
+drafts nothing, re-emitted code drafts long, a row that changes is followed, and the cost of a
+wider pass is measured rather than assumed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from mlx_kvserve.engine.speculation.depth import (
+    PROBE_DEPTH,
+    DepthController,
+    VerifyCost,
+    plan_width,
+)
+
+# This machine's default model, one decode pass = 1 (docs/speculation.md): cheap extra positions.
+MEASURED = {1: 1.0, 2: 1.02, 3: 1.04, 5: 1.11, 9: 1.41}
+
+
+def measured_cost(batch: int = 1, table: dict[int, float] = MEASURED) -> VerifyCost:
+    cost = VerifyCost()
+    for width, relative in table.items():
+        cost.observe(batch, width, relative * 0.01)
+    return cost
+
+
+def run(
+    ctrl: DepthController, rate: float, rounds: int, cost: Callable[[int], float], seed: int = 0
+) -> list[int]:
+    """Rounds of a row whose every draft position is kept with probability `rate` (given the
+    ones before it were): the depth chosen each round."""
+    rng = random.Random(seed)
+    depths = []
+    for _ in range(rounds):
+        k = ctrl.depth(cost)
+        kept = 0
+        while kept < k and rng.random() < rate:
+            kept += 1
+        ctrl.record(k, kept)
+        depths.append(k)
+    return depths
+
+
+def test_prose_drafts_nothing_but_rare_probes() -> None:
+    cost = measured_cost()
+    ctrl = DepthController()
+    depths = run(ctrl, 0.05, 2000, lambda w: cost.cost(1, w))
+    assert depths[-1] == 0
+    assert sum(1 for k in depths[200:] if k) <= 8  # probes only, backing off to 512 rounds
+    assert ctrl.drafted <= 60
+
+
+def test_re_emitted_code_drafts_long() -> None:
+    cost = measured_cost()
+    ctrl = DepthController(max_depth=8)
+    depths = run(ctrl, 0.95, 300, lambda w: cost.cost(1, w))
+    assert min(depths[50:]) >= 6
+    assert ctrl.accepted / ctrl.drafted > 0.8
+
+
+def test_middling_acceptance_drafts_a_few() -> None:
+    cost = measured_cost()
+    ctrl = DepthController(max_depth=8)
+    depths = run(ctrl, 0.6, 400, lambda w: cost.cost(1, w))
+    assert 1 <= sorted(depths[100:])[150] <= 5
+
+
+def test_a_row_that_turns_from_prose_to_code_is_followed() -> None:
+    cost = measured_cost()
+    ctrl = DepthController(max_depth=8)
+    run(ctrl, 0.02, 150, lambda w: cost.cost(1, w))
+    assert ctrl.depth(lambda w: cost.cost(1, w)) == 0
+    depths = run(ctrl, 0.95, 400, lambda w: cost.cost(1, w), seed=1)
+    first_long = next(i for i, k in enumerate(depths) if k >= 6)
+    assert first_long < 200  # within the longest backoff reached, plus a few rounds to learn
+    assert min(depths[first_long + 20 :]) >= 6
+    # ... and back: drafting stops within the rounds the acceptance estimate remembers
+    depths = run(ctrl, 0.02, 300, lambda w: cost.cost(1, w), seed=2)
+    assert max(depths[100:]) <= PROBE_DEPTH and sum(1 for k in depths[100:] if k) <= 6
+
+
+def test_nothing_pays_when_a_wider_pass_costs_its_width() -> None:
+    """Compute-bound (a full batch, a long context): E(k) < k + 1 for any acceptance below 1."""
+    table = {w: float(w) for w in range(1, 10)}
+    cost = measured_cost(8, table)
+    ctrl = DepthController()
+    depths = run(ctrl, 0.9, 500, lambda w: cost.cost(8, w))
+    assert sum(1 for k in depths[100:] if k) <= 4
+
+
+def test_verify_cost_is_relative_to_a_plain_pass_and_interpolated() -> None:
+    cost = VerifyCost(prior_slope=0.1)
+    assert cost.cost(4, 1) == 1.0
+    assert abs(cost.cost(4, 3) - (1 + 0.1 * 2 * 2)) < 1e-9  # the prior, scaled by sqrt(batch)
+    cost.observe(4, 1, 0.020)
+    cost.observe(4, 5, 0.030)
+    assert abs(cost.cost(4, 5) - 1.5) < 1e-9
+    assert abs(cost.cost(4, 3) - 1.25) < 1e-9  # between measured widths
+    assert abs(cost.cost(4, 7) - (1.5 + 0.1 * 2 * 2)) < 1e-9  # past them: the prior slope
+    cost.observe(4, 5, 0.040)  # smoothed, not replaced
+    assert 1.5 < cost.cost(4, 5) < 2.0
+
+
+def test_the_batch_width_serves_the_rows_that_pay() -> None:
+    coder, writer = DepthController(), DepthController()
+    run(coder, 0.95, 100, lambda w: 1.0)
+    run(writer, 0.05, 100, lambda w: 1.0)
+    cheap = measured_cost(4)
+    curves_one_coder = [coder.expected(8)] + [[1.0]] * 3
+    assert plan_width(curves_one_coder, lambda w: cheap.cost(4, w)) >= 7
+    # prose rows' drafts barely count, and a batch whose wider passes cost their width: none
+    dear = measured_cost(4, {w: 0.4 + 0.6 * w for w in range(1, 10)})
+    curves = [writer.expected(8)] * 4
+    assert plan_width(curves, lambda w: dear.cost(4, w)) == 1
+    assert plan_width([[1.0]] * 4, lambda w: cheap.cost(4, w)) == 1

@@ -1,0 +1,131 @@
+"""Prompt lookup (engine/speculation/drafts.py): the longest match's continuation, kept
+incrementally, the same whether tokens arrive in bulk or one by one, and cheap per step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlx_kvserve.engine.speculation import drafts
+from mlx_kvserve.engine.speculation.drafts import Draft, Drafter, PromptLookup
+
+
+def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> tuple[int, ...] | None:
+    """The specification, by scanning: for n from n_max down, the latest earlier occurrence of
+    the last n tokens, and what followed it (read on into the draft itself past the end)."""
+    end = len(tokens)
+    for n in range(min(n_max, end - 1), n_min - 1, -1):
+        suffix = tokens[end - n :]
+        for start in range(end - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                full = list(tokens)
+                for i in range(limit):
+                    full.append(full[start + n + i])
+                return tuple(full[end:])
+    return None
+
+
+def test_proposes_what_followed_the_longest_match() -> None:
+    # "5 6 7" occurred once followed by 8 9; "6 7" occurred later followed by 1 2.
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[5, 6, 7, 8, 9, 0, 6, 7, 1, 2, 3, 5, 6, 7])
+    assert lookup.propose(4) == Draft((8, 9, 0, 6), "lookup", 3)
+    lookup.extend([8, 9])  # now "7 8 9"... the latest "8 9" was followed by 0
+    assert lookup.propose(2) == Draft((0, 6), "lookup", 3)
+
+
+def test_shorter_match_when_the_longest_is_unseen() -> None:
+    lookup = PromptLookup(n_max=4, n_min=2, tokens=[1, 2, 3, 4, 9, 3, 4])
+    assert lookup.propose(3) == Draft((9, 3, 4), "lookup", 2)
+
+
+def test_no_draft_without_a_match_or_room() -> None:
+    lookup = PromptLookup(n_max=4, n_min=2, tokens=[1, 2, 3, 4, 5])
+    assert lookup.propose(4) is None
+    lookup.extend([1, 2])
+    assert lookup.propose(0) is None
+    assert lookup.propose(3) == Draft((3, 4, 5), "lookup", 2)
+
+
+def test_the_latest_occurrence_wins() -> None:
+    lookup = PromptLookup(n_max=2, n_min=2, tokens=[1, 2, 7, 1, 2, 8, 1, 2])
+    assert lookup.propose(1) == Draft((8,), "lookup", 2)
+
+
+def test_a_continuation_that_runs_into_the_end_repeats() -> None:
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[1, 4, 5, 6, 4, 5, 6])
+    assert lookup.propose(8) == Draft((4, 5, 6, 4, 5, 6, 4, 5), "lookup", 3)
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[9, 9, 9])
+    assert lookup.propose(4) == Draft((9, 9, 9, 9), "lookup", 2)
+
+
+@pytest.mark.parametrize("bulk_first", [True, False])
+def test_matches_the_scanning_reference_on_random_streams(bulk_first: bool) -> None:
+    rng = random.Random(7)
+    tokens = [rng.randrange(12) for _ in range(600)]  # a small alphabet: many matches
+    lookup = PromptLookup(n_max=5, n_min=2)
+    if bulk_first:
+        lookup.extend(tokens[:200])  # the prompt, indexed in bulk with numpy
+        fed = 200
+    else:
+        fed = 0
+    checked = 0
+    while fed < len(tokens):
+        step = rng.choice([1, 1, 1, 3, 70])  # accepted runs, and one bulk append now and then
+        lookup.extend(tokens[fed : fed + step])
+        fed = min(fed + step, len(tokens))
+        want = reference(tokens[:fed], 5, 2, 6)
+        got = lookup.propose(6)
+        assert (got.tokens if got else None) == want, fed
+        checked += want is not None
+    assert checked > 20
+
+
+def test_hash_collisions_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # with a degenerate hash every n-gram collides: only the token check keeps drafts right
+    monkeypatch.setattr(drafts, "_BASE", 0)
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[1, 2, 3, 9, 9, 4, 5, 3])
+    assert lookup.propose(2) is None  # "5 3" and "4 5 3" never occurred before
+    lookup.extend([4, 5])
+    assert lookup.propose(2) == Draft((3, 4), "lookup", 2)
+
+
+def test_drafting_does_not_scan_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proposal and a new token touch O(n_max + k) tokens, whatever the context's length."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(30_000) for _ in range(30_000)]
+    lookup = PromptLookup(n_max=4, n_min=2, tokens=prompt)
+    lookup.extend(prompt[1000:1003])  # the row's output starts re-emitting part of the prompt
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            got = super().__getitem__(index)
+            Counting.reads += len(got) if isinstance(index, slice) else 1
+            return got
+
+    lookup.tokens = Counting(lookup.tokens)
+    assert lookup.propose(8) == Draft(tuple(prompt[1003:1011]), "lookup", 3)
+    lookup.extend([prompt[1003]])
+    assert Counting.reads <= 4 * (4 + 8)
+
+
+def test_drafter_takes_the_source_with_most_evidence() -> None:
+    class Fixed:
+        def __init__(self, name: str, draft: Draft | None) -> None:
+            self.name, self.draft, self.seen = name, draft, []
+
+        def extend(self, tokens):  # type: ignore[no-untyped-def]
+            self.seen += list(tokens)
+
+        def propose(self, limit: int) -> Draft | None:
+            return self.draft
+
+    weak, none = Fixed("heads", Draft((1, 2), "heads", 0)), Fixed("cache", None)
+    lookup = PromptLookup(n_max=3, n_min=2, tokens=[7, 8, 9, 7, 8])
+    drafter = Drafter([weak, none, lookup])
+    assert drafter.propose(2) == Draft((9, 7), "lookup", 2)
+    drafter.extend([1])
+    assert weak.seen == [1] and none.seen == [1]
+    assert drafter.propose(2) == Draft((1, 2), "heads", 0)  # lookup has nothing now

@@ -1,0 +1,186 @@
+"""Greedy prompt-lookup speculation in the decode batch (engine/speculation/step.py): the same
+tokens as without it, solo and merged, with drafts really kept, and caches that hold exactly
+each sequence's tokens afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.speculation.step import Speculator, roll_back
+from tests.unit.test_batching import PROMPTS, Driver, check_caches
+from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
+
+# A prompt that repeats itself: the tiny model's greedy output soon loops too, so lookup hits.
+LOOPY = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9, 2, 7]
+# ... and prompts where lookup also guesses wrong: "95 95" is followed by other tokens here than
+# in the model's answer (95 on and on), and PROMPTS[3]'s answer changes token after six.
+MISLED = LOOPY + [95, 95, 3, 95, 95, 4, 95, 95, 95, 6, 95, 95, 95, 7]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def run(model, prompts, lengths, speculation: str, temperature: float = 0.0, seeds=None):
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+    reqs = []
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        req = request(p, max_tokens=n)
+        seed = None if seeds is None else seeds[i]
+        req.params = replace(req.params, temperature=temperature, seed=seed)
+        reqs.append(req)
+    driver.join(reqs[0])
+    driver.step()
+    for req in reqs[1:]:  # later rows join a running batch
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    return driver, reqs
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
+def test_greedy_tokens_are_the_same_with_and_without_speculation(model, rows):
+    prompts = [MISLED, PROMPTS[3], LOOPY, PROMPTS[1]][:rows]
+    lengths = [40, 31, 24, 37][:rows]
+    _, plain = run(model, prompts, lengths, "off")
+    driver, spec = run(model, prompts, lengths, "auto")
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+        assert (b.done.finish_reason, b.done.completion_tokens) == (
+            a.done.finish_reason,
+            a.done.completion_tokens,
+        )
+    speculator = driver.batch.speculator
+    # it really drafted, kept and rejected drafts
+    assert speculator.drafted > speculator.accepted > 0
+    assert driver.batch.steps < sum(lengths)  # ... and saved passes
+    assert sum(seq.timings.drafted for seq in driver.ended) == speculator.drafted
+    assert sum(seq.timings.accepted for seq in driver.ended) == speculator.accepted
+    line = driver.ended[0].timings.log_line(driver.ended[0].req)
+    assert f"drafted={driver.ended[0].timings.drafted} accepted=" in line
+    check_caches(driver.ended)
+
+
+def test_eos_and_stop_strings_inside_a_kept_run_end_it_there(model):
+    _, plain = run(model, [LOOPY], [40], "off")
+    want = tokens_of(plain[0].text)
+    eos = want[25]  # a token the loop repeats: it ends the answer at its first occurrence
+    stop = f"<{want[18]}>"
+    for kind in ("eos", "stop"):
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+        if kind == "eos":
+            driver.gen.tokenizer = StubTokenizer(eos=(eos,))
+            req = request(LOOPY, max_tokens=40)
+            end = want.index(eos)
+        else:
+            req = request(LOOPY, max_tokens=40, stop=(stop,))
+            end = want.index(want[18])
+        driver.join(req)
+        driver.drain()
+        assert tokens_of(req.text) == want[:end], kind
+        assert req.done.finish_reason == "stop"
+        check_caches(driver.ended)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_seeded_rows_give_the_same_tokens_with_and_without_speculation(model, rows):
+    """Each position is drawn from the seed of the token it would be without speculation, so
+    a seeded request's answer does not depend on it."""
+    prompts, lengths, seeds = [MISLED, LOOPY, PROMPTS[3]][:rows], [40, 30, 24][:rows], [7, 8, 9]
+    _, plain = run(model, prompts, lengths, "off", 0.5, seeds)
+    driver, spec = run(model, prompts, lengths, "auto", 0.5, seeds)
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    speculator = driver.batch.speculator
+    assert speculator.drafted > speculator.accepted > 0  # drafts kept, and drafts rejected
+    check_caches(driver.ended)
+
+
+def test_unseeded_sampled_rows_speculate_and_finish(model):
+    driver, reqs = run(model, [LOOPY, PROMPTS[0]], [30, 30], "auto", 0.5)
+    assert driver.batch.speculator.passes > 0
+    assert all(r.done.completion_tokens == 30 for r in reqs)
+    check_caches(driver.ended)
+
+
+def test_rollback_gives_back_each_rows_own_positions(model):
+    """roll_back on a merged cache: each row keeps exactly its own tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    rows = []
+    for n in (6, 9, 4):
+        cache = make_prompt_cache(model)
+        model(mx.array([list(range(1, n + 1))]), cache=cache)
+        rows.append(cache)
+    merged = [BatchKVCache.merge(list(layer)) for layer in zip(*rows, strict=True)]
+    model(mx.array([[1, 2, 3, 4]] * 3), cache=merged)
+    roll_back(merged, [3, 0, 2])
+    sizes = [merged[0].extract(i).offset for i in range(3)]
+    assert sizes == [6 + 1, 9 + 4, 4 + 2]
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["kv", "rotating"])
+def test_the_engine_speculates_where_it_can_and_answers_the_same(sliding):
+    """Through the engine with `speculation="auto"`: plain KV drafts; a sliding-window model
+    (its caches cannot roll back by trimming) decodes as before."""
+    import mlx.core as mx
+
+    from tests.unit.test_batching import serve_together
+    from tests.unit.test_cache_models import tiny_llama
+    from tests.unit.test_engine_units import reference
+
+    mx.random.seed(1)
+    m = tiny_llama(sliding)
+    mx.eval(m.parameters())
+    prompts, lengths = [MISLED, LOOPY, PROMPTS[3]], [30, 24, 20]
+    reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    engines = []
+    serve_together(m, reqs, prefill_step=8, speculation="auto", started=engines.append)
+    for req, p, n in zip(reqs, prompts, lengths, strict=True):
+        assert tokens_of(req.text) == reference(m, p, n)
+    passes = engines[0].batch.speculator.passes
+    assert passes == 0 if sliding else passes > 0
+
+
+def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch):
+    from mlx_kvserve.config.file import ConfigError
+    from mlx_kvserve.config.precedence import resolve_settings
+
+    assert resolve_settings({}, tmp_path / "absent.toml").settings.speculation == "off"
+    flags = {"speculation": "auto"}
+    assert resolve_settings(flags, tmp_path / "absent.toml").settings.speculation == "auto"
+    with pytest.raises(ConfigError, match="speculation.*'on' is not one of auto, off"):
+        resolve_settings({"speculation": "on"}, tmp_path / "absent.toml")
+    monkeypatch.setenv("MLX_KVSERVE_SPECULATION", "fast")
+    with pytest.raises(ConfigError, match="^MLX_KVSERVE_SPECULATION: setting 'speculation'"):
+        resolve_settings({}, tmp_path / "absent.toml")
+
+
+def test_no_match_keeps_the_step_pipelined(model, monkeypatch):
+    """A row whose tokens so far have no earlier match does not read its pending token before
+    the pass (that would give up the pipelining overlap for nothing); one that has, does."""
+    reads = []
+    step = Speculator.step
+
+    def spy(self, seqs, merged, model, read, leave):
+        def counted(pairs):
+            reads.append(len(pairs))
+            read(pairs)
+
+        return step(self, seqs, merged, model, counted, leave)
+
+    monkeypatch.setattr(Speculator, "step", spy)
+    for prompt, read_first in ((list(range(1, 40)), False), (LOOPY, True)):
+        reads.clear()
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+        driver.join(request(prompt, max_tokens=10))
+        driver.step()
+        assert bool(reads) == read_first
