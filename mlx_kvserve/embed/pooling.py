@@ -69,7 +69,7 @@ def embed_rows(model: nn.Module, rows: list[list[int]], pooling: str) -> np.ndar
         )
     width = max(len(row) for row in rows)
     padded = mx.array([row + [0] * (width - len(row)) for row in rows], dtype=mx.int32)
-    hidden = body(padded)
+    hidden = body(padded, cache=None)  # (mamba's body has no default for it)
     if not isinstance(hidden, mx.array) or hidden.ndim != 3 or hidden.shape[:2] != padded.shape:
         raise NoHiddenStates(f"{type(model).__module__}'s body does not return hidden states")
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
