@@ -33,8 +33,7 @@ from hypothesis import strategies as st
 from tests.support.agent_clis import NPM_TIMEOUT, cli_cache_dir
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
-from tests.support.tiny_models import make_model_dir
-from tests.unit.test_embeddings import embedding_model_dir
+from tests.support.tiny_models import embedding_model_dir, make_model_dir
 
 WIDTH = 64  # the tiny llamas' hidden size
 TEXTS = ["Hello there", "The sky is blue because of Rayleigh scattering.", "short"]

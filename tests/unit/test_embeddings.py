@@ -11,7 +11,6 @@ route's shape, naming the field.
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,31 +22,11 @@ from starlette.testclient import TestClient
 from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.embed.pooling import LAST, MEAN, embed_rows
 from mlx_kvserve.engine import Engine
-from tests.support.tiny_models import make_model_dir
+from tests.support.tiny_models import embedding_model_dir, make_model_dir
 
 LOCAL = "http://localhost"
 CONTEXT = 64
 TEXTS = ["Hello", "The sky is blue because of Rayleigh scattering.", "a b c d e f g", "x" * 40]
-POOLING = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "include_prompt": True}
-MODULES = [
-    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    {
-        "idx": 2,
-        "name": "2",
-        "path": "2_Normalize",
-        "type": "sentence_transformers.models.Normalize",
-    },
-]
-
-
-def embedding_model_dir(dest: Path) -> Path:
-    """A tiny llama whose sentence-transformers files say last-token pooling."""
-    model_dir = make_model_dir(dest, "llama", max_position_embeddings=CONTEXT, seed=3)
-    (model_dir / "modules.json").write_text(json.dumps(MODULES))
-    (model_dir / "1_Pooling").mkdir()
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(POOLING))
-    return model_dir
 
 
 def serve(model_dir: Path, name: str) -> TestClient:
