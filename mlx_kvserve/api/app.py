@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, model_admin, ollama, status
+from mlx_kvserve.api import anthropic, model_admin, ollama, ollama_embed, status
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
@@ -25,12 +25,14 @@ from mlx_kvserve.api.failsafe import InternalErrors
 from mlx_kvserve.api.generation import served_model
 from mlx_kvserve.api.guard import BrowserGuard
 from mlx_kvserve.api.openai_chat import chat_completions
+from mlx_kvserve.api.openai_embeddings import embeddings
 from mlx_kvserve.api.openai_responses import responses
 from mlx_kvserve.api.openai_text import completions
 from mlx_kvserve.api.seal import make_reasoning_seal
 from mlx_kvserve.chat import InvalidRequest
 from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
 from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.embed.kind import kind_of
 from mlx_kvserve.engine import EngineNotReady
 from mlx_kvserve.engine.namespaces import cache_for, caches_of, current_namespace
 from mlx_kvserve.json_value import JSON
@@ -160,6 +162,8 @@ def _model_card(request: Request, name: str, slot: Slot) -> dict[str, JSON]:
         "loaded": slot.state == LOADED,
         "state": slot.state,
         "model": slot.name,  # the model an alias stands for
+        # what the model is for (embed/kind.py); a generative model embeds too, by mean pooling
+        "capabilities": ["embedding" if kind_of(slot.model_dir).embedding_model else "completion"],
     }
 
 
@@ -228,6 +232,8 @@ def api_routes() -> list[Route]:
         Route("/api/show", ollama.show, methods=["POST"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
         Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/embed", ollama_embed.embed_endpoint, methods=["POST"]),
+        Route("/api/embeddings", ollama_embed.embeddings_endpoint, methods=["POST"]),
         Route("/api/pull", ollama.pull, methods=["POST"]),
         Route("/api/create", ollama.not_supported, methods=["POST"]),
         Route("/api/copy", ollama.not_supported, methods=["POST"]),
@@ -236,6 +242,7 @@ def api_routes() -> list[Route]:
         Route("/api/blobs/{digest}", ollama.not_supported, methods=["HEAD", "POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
@@ -244,6 +251,7 @@ def api_routes() -> list[Route]:
         Route("/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
+        Route("/embeddings", embeddings, methods=["POST"]),
         Route("/responses", responses, methods=["POST"]),
         Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),

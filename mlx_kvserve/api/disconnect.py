@@ -10,10 +10,15 @@ and cancels the engine request right then: the engine stops within one decode st
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from starlette.requests import Request
 
-from mlx_kvserve.engine import GenerationRequest
+
+class Cancellable(Protocol):
+    """A piece of work the client's departure cancels: an engine request, an embedding job."""
+
+    def cancel(self) -> None: ...
 
 
 class DisconnectWatch:
@@ -23,11 +28,11 @@ class DisconnectWatch:
     nothing but the disconnect.
     """
 
-    def __init__(self, request: Request, req: GenerationRequest) -> None:
+    def __init__(self, request: Request, req: Cancellable) -> None:
         self.gone = asyncio.Event()
         self._task = asyncio.create_task(self._watch(request, req))
 
-    async def _watch(self, request: Request, req: GenerationRequest) -> None:
+    async def _watch(self, request: Request, req: Cancellable) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":

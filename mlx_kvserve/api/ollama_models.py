@@ -7,8 +7,11 @@ alone from disk once) gives the chat template and whether it has a reasoning sec
 
 `capabilities` says what this server really does with the model: `completion` and `tools`
 always (a template without tool support gets the constrained Hermes format), `thinking` when
-the tokenizer has reasoning markers. Not `vision` (images are refused for now) and not
-`embedding` (this adapter has no `/api/embed`).
+the tokenizer has reasoning markers. Not `vision` (images are refused for now). An embedding
+model (embed/kind.py: its sentence-transformers pooling config) says `embedding` alone, as
+Ollama says of its embedding models (Langflow drops such models from its chat lists by this).
+A generative model embeds too, by mean pooling, but does not say `embedding`: it is not what
+the model is for.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.chat.reasoning.thinking import markers_for
+from mlx_kvserve.embed.kind import kind_of
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.budget import weights_bytes
 from mlx_kvserve.models.context import NESTED, context_from_config
@@ -216,7 +220,9 @@ def tag(slot: Slot, name: str) -> dict[str, JSON]:
     }
 
 
-def capabilities(tokens: Tokens) -> list[JSON]:
+def capabilities(slot: Slot, tokens: Tokens) -> list[JSON]:
+    if kind_of(slot.model_dir).embedding_model:
+        return ["embedding"]
     return ["completion", "tools", *(["thinking"] if tokens.thinks else [])]
 
 
@@ -257,7 +263,7 @@ async def show(slot: Slot) -> dict[str, JSON]:
         "system": "",
         "details": details(slot),
         "model_info": info,
-        "capabilities": capabilities(tokens),
+        "capabilities": capabilities(slot, tokens),
         "modified_at": files_of(slot).modified_at,
     }
 

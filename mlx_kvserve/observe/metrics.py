@@ -76,6 +76,12 @@ class Metrics:
         self.generated_tokens = Counter(
             f"{PREFIX}_generated_tokens", "Completion tokens generated.", registry=r
         )
+        self.embedding_inputs = Counter(
+            f"{PREFIX}_embedding_inputs",
+            "Embedding inputs: embedded, or dropped because their client left first.",
+            ["outcome"],
+            registry=r,
+        )
         self.lookups = Counter(
             f"{PREFIX}_cache_lookups",
             "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "

@@ -379,3 +379,30 @@ def scale_output_row(model: Path, token: str, scale: float) -> None:
 def output_weights(weights: dict) -> str:
     """The name of the output projection: `lm_head`, or the embedding when they are tied."""
     return next(k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in weights)
+
+
+EMBEDDING_POOLING = {
+    "word_embedding_dimension": 64,
+    "pooling_mode_lasttoken": True,
+    "include_prompt": True,
+}
+EMBEDDING_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    },
+]
+
+
+def embedding_model_dir(dest: Path, context: int = 64) -> Path:
+    """A tiny llama whose sentence-transformers files say last-token pooling, as
+    Qwen3-Embedding's do (mlx_kvserve/embed/kind.py)."""
+    model_dir = make_model_dir(dest, "llama", max_position_embeddings=context, seed=3)
+    (model_dir / "modules.json").write_text(json.dumps(EMBEDDING_MODULES))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(EMBEDDING_POOLING))
+    return model_dir
