@@ -14,9 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.agent_clis import NPM_TIMEOUT, cli_cache_dir
+from tests.support.node_scripts import run_node_script
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
 from tests.support.tiny_models import embedding_model_dir, make_model_dir
@@ -85,35 +83,11 @@ def test_openai_sdk_float_and_base64_agree(sdk: openai.OpenAI) -> None:
 def test_openai_node_sdk_reads_every_dimension(served: ServerProcess, tmp_path: Path) -> None:
     """The Node SDK asks for base64 unless told otherwise, and decodes it as float32: a server
     that answered floats would leave it a quarter of the dimensions (LocalAI #9135)."""
-    npm, node = shutil.which("npm"), shutil.which("node")
-    if npm is None or node is None:
-        pytest.skip("npm is not installed")
-    root = cli_cache_dir().parent / "openai-js"
-    stamp = root / "installed.json"
-    if not (stamp.is_file() and json.loads(stamp.read_text()) == [NPM_OPENAI]):
-        root.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(root), NPM_OPENAI],
-            capture_output=True,
-            text=True,
-            timeout=NPM_TIMEOUT,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm install {NPM_OPENAI} failed: {done.stderr.strip()[-300:]}")
-        stamp.write_text(json.dumps([NPM_OPENAI]))
-    script = tmp_path / "run.cjs"
-    script.write_text(NODE_SCRIPT)
     env = {
-        "PATH": str(Path(node).parent),
-        "NODE_PATH": str(root / "node_modules"),
         "BASE": served.base_url + "/v1",
         "TEXTS": json.dumps(TEXTS),
     }
-    ran = subprocess.run(
-        [node, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=root
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    out = run_node_script(NPM_OPENAI, "openai-js", NODE_SCRIPT, tmp_path, env)
     floats = httpx.post(
         served.base_url + "/v1/embeddings", json={"model": "gen", "input": TEXTS}, timeout=60
     ).json()

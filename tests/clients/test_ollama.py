@@ -9,8 +9,6 @@ description (tests/support/ollama_spec.py).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import rawhttp
-from tests.support.agent_clis import NPM_TIMEOUT, cli_cache_dir
 from tests.support.fuzz_ollama import PATHS, ollama_body
+from tests.support.node_scripts import run_node_script
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
 from tests.support.thinking_models import build_thinking_model
@@ -319,34 +317,10 @@ def test_errors_in_ollama_shape(
 
 def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
     """The `ollama` npm package: list, show, chat streamed with a tool, generate."""
-    npm, node = shutil.which("npm"), shutil.which("node")
-    if npm is None or node is None:
-        pytest.skip("npm is not installed")
-    root = cli_cache_dir().parent / "ollama-js"
-    stamp = root / "installed.json"
-    if not (stamp.is_file() and json.loads(stamp.read_text()) == [NPM_OLLAMA]):
-        root.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(root), NPM_OLLAMA],
-            capture_output=True,
-            text=True,
-            timeout=NPM_TIMEOUT,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"npm install {NPM_OLLAMA} failed: {done.stderr.strip()[-300:]}")
-        stamp.write_text(json.dumps([NPM_OLLAMA]))
-    script = tmp_path / "run.cjs"
-    script.write_text(NODE_SCRIPT)
     env = {
-        "PATH": str(Path(node).parent),
-        "NODE_PATH": str(root / "node_modules"),
         "HOST": served.base_url,
     }
-    ran = subprocess.run(
-        [node, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=root
-    )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    out = run_node_script(NPM_OLLAMA, "ollama-js", NODE_SCRIPT, tmp_path, env)
     assert out["version"] and out["models"] == [MODEL, THINKER]
     assert out["capabilities"] == ["completion", "tools", "thinking"]
     assert out["chunks"] > 1 and out["final"]["done"] and out["final"]["eval_count"] > 0
