@@ -21,10 +21,11 @@ Every step samples all rows in one call and reads their tokens back in one readb
 mlx-lm's `BatchGenerator` does (engine/sampling.py); `readbacks` and `steps` count them.
 
 Layers whose class cannot merge (`QuantizedKVCache`, `ChunkedKVCache`, classes mlx-lm does not
-define) make the model decode one sequence at a time (`can_batch` is False), which is always
-correct. The queue keeps moving meanwhile: the others are prefilled beside it as usual (their
-own caches, the scheduler's chunks), and wait here (`waiting`), first token sampled, until the
-running one leaves. See cache/kinds.py.
+define), or an architecture whose merged step answers otherwise than its solo one (Gemma 2,
+GPT-BigCode; engine/merge_check.py asks each model at load), make the model decode one sequence
+at a time (`can_batch` is False), which is always correct. The queue keeps moving meanwhile:
+the others are prefilled beside it as usual (their own caches, the scheduler's chunks), and
+wait here (`waiting`), first token sampled, until the running one leaves. See cache/kinds.py.
 """
 
 from __future__ import annotations

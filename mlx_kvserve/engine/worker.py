@@ -48,6 +48,7 @@ from mlx_kvserve.engine.ledger import RESERVE_TOKENS
 from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_ready
 from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
+from mlx_kvserve.engine.merge_check import merged_decoding_agrees
 from mlx_kvserve.engine.namespaces import Caches, CacheSet, make_states
 from mlx_kvserve.engine.protocols import PromptCacheView
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
@@ -218,7 +219,10 @@ class Engine(Intake, Stopping, Failures):
         states = make_states(
             model, checkpoints_to, enabled=self.cache_enabled, live_budget=self.live_budget, job=job
         )
-        self._can_batch = self.lockstep.all_true(can_batch(self.layout), "batching")
+        # Across machines every rank would have to run the check's passes in step: a job
+        # trusts the layout alone (engine/merge_check.py).
+        merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
+        self._can_batch = self.lockstep.all_true(merges, "batching")
         self.generator = Generator(
             model,
             tokenizer,
