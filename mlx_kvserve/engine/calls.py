@@ -2,7 +2,8 @@
 
 The /v1/cache figures, tests' probes and anything else that touches the prompt cache or MLX run
 as a call on the engine thread, between two pieces of its work (a decode step, a prefill chunk)
-or within `IDLE_POLL` seconds when it is idle. The caller gets a `Future`.
+or at once when it is idle (`Engine.call` wakes its wait for requests). The caller gets a
+`Future`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from mlx_kvserve.engine.requests import STOP, CancelLatch, Done, GenerationReque
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.waitlist import WaitQueue
 
-IDLE_POLL = 0.05  # seconds: how soon an idle engine runs a call()
+IDLE_POLL = 0.05  # seconds: how often an idle engine looks for work (a call() wakes it at once)
 
 
 class EngineNotReady(Exception):
@@ -60,7 +60,7 @@ class Intake:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() + isinstance(self._held, GenerationRequest)
+        return self._queue.waiting() + isinstance(self._held, GenerationRequest)
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request for the engine thread; raises instead of waiting when it cannot."""

@@ -34,6 +34,22 @@ class WaitQueue(queue.Queue[Item]):
         self._prune()
         return self.queue.popleft()
 
+    def waiting(self) -> int:
+        """Requests (and STOP) queued: what /health and the size limit count, wakes left out."""
+        with self.mutex:
+            self._prune()
+            return sum(item is not None for item in self.queue)
+
+    def wake(self) -> None:
+        """End an idle engine's wait for a request now (a `call()` came for its thread): a None
+        item, "no request", which `waiting()` does not count; one is enough while queued."""
+        with self.not_empty:
+            if any(item is None for item in self.queue):
+                return
+            self.queue.append(None)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+
     def drain(self) -> list[GenerationRequest]:
         """Take every queued request out (the engine stops or failed: each gets its error)."""
         taken = []

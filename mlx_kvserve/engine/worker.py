@@ -177,7 +177,10 @@ class Engine(Intake, Stopping, Failures):
         """Run `fn` on the engine thread (between requests, decode steps or prefill chunks)."""
         down = self._stopping.is_set() or not self.ready.is_set() or not self._thread.is_alive()
         problem = self.load_error or self.failure or "the engine is not running"
-        return self._calls.put(fn, EngineNotReady(problem) if down else None)
+        future = self._calls.put(fn, EngineNotReady(problem) if down else None)
+        if not down:
+            self._queue.wake()  # an idle engine runs it now, not after its IDLE_POLL wait
+        return future
 
     def _run(self) -> None:
         try:

@@ -11,8 +11,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_kvserve.cache import PromptCache, disk
-from mlx_kvserve.engine import Engine
+from mlx_kvserve.engine import Engine, intake
 from mlx_kvserve.engine.prompt_state import PromptStates
+from mlx_kvserve.engine.requests import Done
 from tests.unit.test_engine_units import PROMPT, StubTokenizer, request, tiny_model
 
 MiB = 1 << 20
@@ -60,6 +61,27 @@ def test_call_runs_on_the_engine_thread_between_decode_steps(model):
         engine.stop()
     with pytest.raises(Exception, match="not running|stopped"):
         engine.call(lambda: None).result(1)
+
+
+def test_an_idle_engine_runs_a_call_at_once_and_counts_no_wake_as_queued(model, monkeypatch):
+    """`call()` wakes an idle engine's wait for requests: with that wait made a minute long,
+    calls still come back (each `result` has 10 s, a hang guard), one after another, and the
+    wake item is never reported as a queued request."""
+    monkeypatch.setattr(intake, "IDLE_POLL", 60.0)
+    engine = started(model)
+    try:
+        for i in range(3):
+            assert engine.call(lambda i=i: i).result(10) == i
+            assert engine.queued == 0
+        engine.call(lambda: None)  # a wake left queued is "no request" to what comes next
+        engine.submit(req := request(max_tokens=2))
+        deadline = time.monotonic() + 30
+        while not any(isinstance(e, Done) for e in req.events):
+            assert time.monotonic() < deadline, "the request after the wakes never ended"
+            time.sleep(0.01)
+        assert req.done.completion_tokens == 2 and engine.queued == 0
+    finally:
+        engine.stop()
 
 
 def test_stop_async_keeps_the_event_loop_running(model):
