@@ -43,3 +43,12 @@ def vocabulary_size(tokenizer: object) -> int | None:
     """How many ids the tokenizer writes (its highest id + 1, added tokens included), or None
     for one without a vocabulary (a test's stub)."""
     return _vocabulary(tokenizer).size
+
+
+def unknown_token_id(tokenizer: object, ids: list[int]) -> tuple[int, int] | None:
+    """The first of `ids` that no token has, with the vocabulary's size; None if all are known.
+    A prompt or an embedding input of token ids may name no other: the model would read past
+    its embedding table, or a padded row no token has."""
+    size = vocabulary_size(tokenizer) or len(getattr(tokenizer, "_tokenizer", tokenizer))
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    return None if bad is None else (bad, size)

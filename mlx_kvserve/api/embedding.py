@@ -28,7 +28,7 @@ from mlx_kvserve.embed.kind import kind_of
 from mlx_kvserve.embed.pooling import NoHiddenStates, hidden_width
 from mlx_kvserve.engine import EngineNotReady
 from mlx_kvserve.models.pool import ModelPool, Slot
-from mlx_kvserve.vocabulary import vocabulary_size
+from mlx_kvserve.vocabulary import unknown_token_id
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
@@ -149,15 +149,15 @@ def _tokenized(
     its special tokens included), checked."""
     tokenizer = engine.tokenizer
     assert tokenizer is not None
-    size = vocabulary_size(tokenizer)
     rows: list[list[int]] = []
     for i, value in enumerate(inputs):
         where = f"{field}[{i}]" if len(inputs) > 1 else field
         if isinstance(value, str):
             row = list(tokenizer.encode(value))
         else:
-            bad = next((t for t in value if size is not None and not 0 <= t < size), None)
-            if bad is not None:
+            unknown = unknown_token_id(tokenizer, value)
+            if unknown is not None:
+                bad, size = unknown
                 raise APIError(
                     400,
                     f"{where}: token id {bad} is outside the vocabulary (0 to {size - 1})",

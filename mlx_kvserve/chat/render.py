@@ -45,7 +45,7 @@ from mlx_kvserve.chat.reasoning.thinking import (
 from mlx_kvserve.chat.request import ChatRequest, Message, ToolCall
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.json_value import JSON
-from mlx_kvserve.vocabulary import vocabulary_size
+from mlx_kvserve.vocabulary import unknown_token_id
 
 
 @dataclass
@@ -167,9 +167,9 @@ def render_token_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
     """A text completion given as token ids (as evaluation harnesses send it): every id must be
     one the tokenizer knows, or the model would read past its embedding table or a padded row
     no token has (mlx_kvserve/vocabulary.py)."""
-    size = vocabulary_size(tokenizer) or len(getattr(tokenizer, "_tokenizer", tokenizer))
-    bad = next((t for t in ids if not 0 <= t < size), None)
-    if bad is not None:
+    unknown = unknown_token_id(tokenizer, ids)
+    if unknown is not None:
+        bad, size = unknown
         raise InvalidRequest(
             f"Invalid value for 'prompt': token id {bad} is outside the vocabulary "
             f"(0 to {size - 1}).",
