@@ -73,14 +73,14 @@ async def tags(request: Request) -> Response:
 async def show(request: Request) -> Response:
     """Ollama's `/api/show`: a model's `model_info` (architecture, context length),
     `capabilities`, chat template, parameters and details, without loading it."""
-    body = await _body(request, NamedModel)
+    body = await read_body(request, NamedModel)
     return JSONResponse(await show_body(find_model(request, body.wanted())))
 
 
 async def pull(request: Request) -> Response:
     """Ollama's `/api/pull`: success for a model this server serves (it downloads nothing on
     request), else a 404 saying so."""
-    body = await _body(request, NamedModel)
+    body = await read_body(request, NamedModel)
     find_model(request, body.wanted())
     steps: list[dict[str, JSON]] = [{"status": "pulling manifest"}, {"status": "success"}]
     return status_lines(steps, body.stream)
@@ -103,7 +103,7 @@ async def chat(request: Request) -> Response:
     `think`, `keep_alive`; NDJSON lines, or one object with `stream: false`. No messages
     loads the model (`keep_alive: 0`: unloads it)."""
     timing = Timing()
-    body = await _body(request, ChatBody)
+    body = await read_body(request, ChatBody)
     options = Options(body.options)
     keep = keep_alive_seconds(body.keep_alive)
     slot = find_model(request, body.model)
@@ -126,7 +126,7 @@ async def generate(request: Request) -> Response:
     is with `raw`; `format`, `options`, `think`, `keep_alive`; an empty prompt loads the model
     (`keep_alive: 0`: unloads it). `suffix`, `template`, `context` and `images` are refused."""
     timing = Timing()
-    body = await _body(request, GenerateBody)
+    body = await read_body(request, GenerateBody)
     options = Options(body.options)
     keep = keep_alive_seconds(body.keep_alive)
     slot = find_model(request, body.model)
@@ -253,5 +253,6 @@ def find_model(request: Request, name: str) -> Slot:
     return slot
 
 
-async def _body(request: Request, model: type[Body]) -> Body:
+async def read_body(request: Request, model: type[Body]) -> Body:
+    """The body parsed as `model`: a 400 in Ollama's shape for bad JSON or a bad field."""
     return parse(model, await read_json(request, request.app.state.settings.max_body_bytes))

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlx_kvserve.api.embedding import Embedded, embed
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.ollama import _body, find_model
+from mlx_kvserve.api.ollama import find_model, read_body
 from mlx_kvserve.api.ollama_schemas import Options, keep_alive_seconds
 from mlx_kvserve.api.schemas import _Body
 from mlx_kvserve.embed.pooling import normalized
@@ -47,7 +47,7 @@ class EmbeddingsBody(_Embedding):
 async def embed_endpoint(request: Request) -> Response:
     """Ollama's `/api/embed`: normalised vectors of one input or many, batched with other
     requests' on the model's engine thread."""
-    body = await _body(request, EmbedBody)
+    body = await read_body(request, EmbedBody)
     slot, limit, keep = _common(request, body)
     if body.dimensions is not None and body.dimensions < 0:
         raise APIError(400, "dimensions must not be negative", param="dimensions")
@@ -78,7 +78,7 @@ async def embed_endpoint(request: Request) -> Response:
 
 async def embeddings_endpoint(request: Request) -> Response:
     """Ollama's older `/api/embeddings`: one `prompt`, one `embedding` (not normalised)."""
-    body = await _body(request, EmbeddingsBody)
+    body = await read_body(request, EmbeddingsBody)
     slot, limit, keep = _common(request, body)
     inputs: list[str] = [body.prompt] if body.prompt else []
     done = await embed(request, slot, list(inputs), field="prompt", truncate=True, limit=limit)

@@ -104,9 +104,7 @@ def output_format(fmt: str | dict[str, JSON] | None) -> OutputFormat:
 def _messages(given: list[OllamaMessage]) -> list[Message]:
     out: list[Message] = []
     unanswered: list[ToolCall] = []
-    for i, m in enumerate(given):
-        if m.images:
-            raise APIError(400, IMAGES_REFUSED, param=f"messages[{i}].images")
+    for i, m in enumerate(given):  # images were refused by the route, before the model loaded
         content = m.content or ""
         if m.role == "assistant":
             calls = [
