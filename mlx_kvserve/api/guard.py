@@ -197,7 +197,7 @@ class BrowserGuard:
             )
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if media != "application/json" and not _ollama_tool(scope["path"], headers):
+            if media != "application/json" and not _ollama_non_browser(scope["path"], headers):
                 return APIError(
                     415,
                     "POST bodies must be sent with 'Content-Type: application/json'.",
@@ -271,7 +271,7 @@ def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
     ]
 
 
-def _ollama_tool(path: str, headers: dict[str, str]) -> bool:
+def _ollama_non_browser(path: str, headers: dict[str, str]) -> bool:
     """A non-browser client of Ollama's native API (curl as Ollama's docs show it, scripts):
     no `Origin` and no `Sec-Fetch-*` header, which browsers send with every POST."""
     browser = "origin" in headers or any(name.startswith("sec-fetch-") for name in headers)

@@ -30,7 +30,7 @@ from mlx_kvserve.chat.reasoning.thinking import markers_for
 from mlx_kvserve.embed.kind import kind_of
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.budget import weights_bytes
-from mlx_kvserve.models.context import NESTED, context_from_config
+from mlx_kvserve.models.context import config_sections, context_from_config
 from mlx_kvserve.models.pool import LOADED, Slot
 
 log = logging.getLogger("mlx_kvserve.api")
@@ -101,13 +101,7 @@ def _read_files(model_dir: Path | None, model_id: str) -> Files:
 
 def _setting(config: dict[str, JSON], name: str) -> JSON:
     """A config value, at the top level or in the language model's nested config."""
-    if config.get(name) is not None:
-        return config[name]
-    for key in NESTED:
-        nested = config.get(key)
-        if isinstance(nested, dict) and nested.get(name) is not None:
-            return nested[name]
-    return None
+    return next((c[name] for c in config_sections(config) if c.get(name) is not None), None)
 
 
 def _bits(config: dict[str, JSON]) -> int | None:

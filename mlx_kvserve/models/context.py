@@ -50,7 +50,8 @@ def _positive(value: object) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _sections(config: dict[str, JSON]) -> list[dict[str, JSON]]:
+def config_sections(config: dict[str, JSON]) -> list[dict[str, JSON]]:
+    """The config's top level, then the language model's nested sections of a wrapper."""
     nested = [config[k] for k in NESTED if isinstance(config.get(k), dict)]
     return [config, *nested]
 
@@ -71,7 +72,7 @@ def _from_rope(section: dict[str, JSON]) -> int | None:
 
 def context_from_config(config: dict[str, JSON]) -> int | None:
     """Rules 1 and 2 above over a parsed config.json."""
-    sections = _sections(config)
+    sections = config_sections(config)
     for section in sections:
         for name in EXPLICIT:
             if (value := _positive(section.get(name))) is not None:
