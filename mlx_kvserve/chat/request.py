@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mlx_kvserve.chat.invalid_request import InvalidRequest
+from mlx_kvserve.images import Image
 from mlx_kvserve.json_value import JSON
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -41,7 +42,12 @@ class ToolCall:
 
 @dataclass
 class Message:
-    """One conversation turn, already reduced to text (only text content is supported)."""
+    """One conversation turn: its text, and its images in their places among the text.
+
+    `content` is the whole text. `parts` is empty for a text-only turn; when the turn carries
+    images it holds the text pieces and the images in the order the client sent them (their
+    text pieces joined are `content`), so a vision template can place each image where it was.
+    """
 
     role: Role
     content: str = ""
@@ -53,6 +59,12 @@ class Message:
     # replayed it (OpenAI `reasoning_content`/`reasoning`, Anthropic `thinking` blocks, Responses
     # `reasoning` items). Templates that render past reasoning read it as `reasoning_content`.
     reasoning: str | None = None
+    parts: tuple[str | Image, ...] = ()
+
+    @property
+    def images(self) -> list[Image]:
+        """The turn's images, in order."""
+        return [p for p in self.parts if isinstance(p, Image)]
 
 
 @dataclass(frozen=True)
