@@ -7,6 +7,21 @@ tests/clients (SDKs, agent CLIs, a browser).
 
 from __future__ import annotations
 
+import pytest
+
 from mlx_kvserve.blas import preload_optimised_blas
+from tests.support import macos_beside
 
 preload_optimised_blas()  # before any test module imports mlx: in-process tests run fast too
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    macos_beside.start(session)  # only with MLX_KVSERVE_TEST_MACOS_BESIDE=1 (.ci/run sets it)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    macos_beside.finish(session)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    macos_beside.report(terminalreporter)
