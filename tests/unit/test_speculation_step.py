@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
@@ -20,6 +21,14 @@ LOOPY = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9, 2, 7]
 MISLED = LOOPY + [95, 95, 3, 95, 95, 4, 95, 95, 95, 6, 95, 95, 95, 7]
 
 
+class PriorCost(VerifyCost):
+    """The cost prior alone: how long passes take on a loaded CI machine must not decide whether
+    a test drafts (a measured wide pass 3x a plain one turns drafting off, rightly)."""
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
@@ -28,6 +37,8 @@ def model():
 def run(model, prompts, lengths, speculation: str, temperature: float = 0.0, seeds=None):
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+    if driver.batch.speculator is not None:
+        driver.batch.speculator.cost = PriorCost()
     reqs = []
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         req = request(p, max_tokens=n)
