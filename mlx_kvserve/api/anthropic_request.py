@@ -84,6 +84,7 @@ def to_chat_request(
             top_k=body.top_k,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
+            speculative=body.speculative,
             max_tokens=body.max_tokens,
             stop=tuple(body.stop_sequences or ()),
         )

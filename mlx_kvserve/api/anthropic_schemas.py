@@ -230,6 +230,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0)] = 0
     seed: Seed | None = None  # extensions, as on the OpenAI bodies (docs/api.md)
     ignore_eos: bool = False
+    speculative: bool = True  # false: no speculative decoding for it
     metadata: dict[str, JSON] | None = None
     stream: bool = False
 

@@ -269,6 +269,7 @@ def _sampling(
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
         ignore_eos=sampling.ignore_eos,
+        speculative=sampling.speculative,
     )
 
 

@@ -73,6 +73,7 @@ def sampling(options: Options, logprobs: bool, top_logprobs: int) -> Sampling:
         stop=options.stop,
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
+        speculative=options.speculative,
     )
 
 

@@ -50,7 +50,9 @@ OPTION_TYPES = {
     "num_thread": "int",
     "draft_num_predict": "int",
 }
-APPLIED = frozenset({"seed", "num_predict", "top_k", "top_p", "temperature", "stop", "num_ctx"})
+APPLIED = frozenset(
+    {"seed", "num_predict", "top_k", "top_p", "temperature", "stop", "num_ctx", "draft_num_predict"}
+)
 # Ollama's defaults (api.DefaultOptions) where a request leaves an option out.
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_K = 40
@@ -86,6 +88,9 @@ class Options:
         self.num_predict = predict if predict > 0 else None  # -1, -2 and 0: no limit
         num_ctx = values.get("num_ctx")
         self.num_ctx = num_ctx if isinstance(num_ctx, int) and num_ctx > 0 else None
+        # Ollama's draft length for speculative decoding: 0 opts out; a positive one leaves the
+        # depth to the server's controller (docs/speculation.md)
+        self.speculative = _int(values.get("draft_num_predict"), -1) != 0
         stop = values.get("stop") or []
         assert isinstance(stop, list)
         self.stop = tuple(str(s) for s in stop if s)

@@ -93,6 +93,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             top_p=body.top_p,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
+            speculative=body.speculative,
             max_tokens=body.token_limit(),
             stop=body.stop_strings(),
             logprobs=bool(body.logprobs),

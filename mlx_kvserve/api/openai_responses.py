@@ -92,6 +92,7 @@ def to_chat_request(
             seed=body.seed,
             max_tokens=body.max_output_tokens,
             ignore_eos=body.ignore_eos,
+            speculative=body.speculative,
         ),
         Thinking(enabled=False if effort == "none" else None, effort=effort),
     )

@@ -151,6 +151,7 @@ class ResponsesRequest(_Body):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     seed: Seed | None = None  # extensions, as on the chat body (docs/api.md)
     ignore_eos: bool = False
+    speculative: bool = True  # false: no speculative decoding for it
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None

@@ -38,6 +38,7 @@ async def completions(request: Request) -> Response:
         top_p=body.top_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         max_tokens=body.token_limit(),
         stop=body.stop_strings(),
         logprobs=n_logprobs is not None,

@@ -83,6 +83,7 @@ class _Sampling(_Body):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Seed | None = None
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens
+    speculative: bool = True  # extension: false opts this request out of speculative decoding
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False

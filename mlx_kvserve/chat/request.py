@@ -184,6 +184,7 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False  # end-of-sequence ids are not sampled: the answer runs its length
+    speculative: bool = True  # False: this request drafts nothing (docs/speculation.md)
 
 
 @dataclass

@@ -67,6 +67,9 @@ class SamplingParams:
     # End-of-sequence ids are never sampled (unless a grammar allows nothing else): the answer
     # runs to max_tokens, a stop string or its grammar's end (the `ignore_eos` extension).
     ignore_eos: bool = False
+    # False: the request's row drafts nothing under `--speculation auto` (the per-request
+    # opt-out: `speculative: false`, Ollama's `draft_num_predict: 0`); its tokens are the same.
+    speculative: bool = True
 
 
 class TokenConstraint(Protocol):

@@ -18,6 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 PATHS = ("/api/chat", "/api/generate", "/api/show", "/api/pull")
 OPTION_NAMES = ["num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop"]
 OPTION_NAMES += ["num_ctx", "repeat_penalty", "use_mmap", "num_gpu", "mirostat", "tfs_z", ""]
+OPTION_NAMES += ["draft_num_predict"]
 numbers = st.one_of(integers, st.floats(allow_nan=False, allow_infinity=False))
 option_value = st.one_of(numbers, st.booleans(), text, st.lists(text, max_size=3), anything)
 options = st.one_of(st.dictionaries(st.sampled_from(OPTION_NAMES), option_value), anything)

@@ -82,6 +82,7 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "response_format": st.one_of(response_format, anything),
     "parallel_tool_calls": maybe(st.booleans()),
     "logprobs": maybe(st.booleans()),
+    "speculative": st.one_of(st.booleans(), anything),  # the opt-out extension
     "top_logprobs": maybe(integers),
     "text": anything,  # Responses: {"format": ...}
     "chat_template_kwargs": st.one_of(

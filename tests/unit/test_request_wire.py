@@ -34,6 +34,8 @@ params = st.builds(
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=4).map(tuple),
     logprobs=st.booleans(),
     top_logprobs=st.integers(0, 20),
+    ignore_eos=st.booleans(),
+    speculative=st.booleans(),
 )
 
 

@@ -195,3 +195,29 @@ def test_no_match_keeps_the_step_pipelined(model, monkeypatch):
         driver.join(request(prompt, max_tokens=10))
         driver.step()
         assert bool(reads) == read_first
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_a_request_that_opted_out_drafts_nothing_and_its_company_still_does(model, rows):
+    """`SamplingParams.speculative` False (the API's `speculative: false`, Ollama's
+    `draft_num_predict: 0`): that row drafts nothing, alone or beside rows that do, and every
+    row answers as without speculation."""
+    prompts, lengths = [LOOPY, MISLED, PROMPTS[3]][:rows], [30, 34, 24][:rows]
+    _, plain = run(model, prompts, lengths, "off")
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+    driver.batch.speculator.cost = PriorCost()
+    reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    reqs[0].params = replace(reqs[0].params, speculative=False)
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    for a, b in zip(plain, reqs, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    drafted = {seq.req.request_id: seq.timings.drafted for seq in driver.ended}
+    assert drafted[reqs[0].request_id] == 0
+    speculator = driver.batch.speculator
+    assert (speculator.passes > 0) == (rows > 1)  # alone it never speculates
+    assert sum(drafted.values()) == speculator.drafted
+    check_caches(driver.ended)

@@ -5,7 +5,9 @@ only when every row can take part (no grammar, no logprobs, no `ignore_eos`: the
 or distributions per position that this first version does not build; greedy, sampled and
 seeded rows are all exact, engine/speculation/verify.py) and every layer's cache is plain KV
 (`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else, or when no row's
-controller wants a draft, or no row has one, the plain step runs.
+controller wants a draft, or no row has one, the plain step runs. A request that opted out
+(`SamplingParams.speculative` False) drafts nothing: it takes part in a verify pass with its
+one token, so its company still speculates.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
 1. each row's depth from its controller; if any is positive and some such row's lookup has a
@@ -91,7 +93,10 @@ class Speculator:
         def cost(width: int) -> float:
             return self.cost.cost(batch, width)
 
-        depths = [state.depth.depth(cost, self.max_depth) for state in states]
+        depths = [
+            state.depth.depth(cost, self.max_depth) if seq.req.params.speculative else 0
+            for seq, state in zip(seqs, states, strict=True)
+        ]  # a row that opted out feeds one token in the verify pass, as in a plain step
         if not any(depths):
             return 0
         for seq, state in zip(seqs, states, strict=True):
