@@ -173,7 +173,7 @@ class Settings:
     speculation: str = field(
         default="off",
         metadata={
-            "help": "Speculative decoding: auto (requests without a grammar or logprobs, on "
+            "help": "Speculative decoding: auto (requests without a grammar, on "
             "attention-only models, draft from their own prompt and output and verify the "
             "drafts in one pass, when it pays; greedy and seeded answers are the same either "
             "way) or off. Off in a job across machines."

@@ -69,7 +69,7 @@ class DecodeBatch:
         mergeable: bool = True,
         speculation: str = "off",
     ) -> None:
-        """`speculation` "auto": greedy rows of attention-only models draft by prompt lookup
+        """`speculation` "auto": rows without a grammar on attention-only models draft by lookup
         when it pays (engine/speculation/step.py); "off": never."""
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch

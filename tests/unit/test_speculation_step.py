@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.requests import TextChunk
 from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
@@ -220,4 +221,85 @@ def test_a_request_that_opted_out_drafts_nothing_and_its_company_still_does(mode
     speculator = driver.batch.speculator
     assert (speculator.passes > 0) == (rows > 1)  # alone it never speculates
     assert sum(drafted.values()) == speculator.drafted
+    check_caches(driver.ended)
+
+
+def logprobs_of(req) -> list:
+    return [lp for e in req.events if isinstance(e, TextChunk) for lp in e.logprobs]
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_logprob_rows_speculate_and_report_the_targets_logprobs(model, rows):
+    """A row with logprobs (and top alternatives) speculates: its tokens are those of plain
+    decoding, and each emitted token's logprob and top list are the model's at that position
+    (a wider pass may differ in float32 rounding only)."""
+    prompts, lengths = [LOOPY, MISLED, PROMPTS[3]][:rows], [30, 34, 24][:rows]
+    kinds = [{"logprobs": True, "top_logprobs": 3}, {"logprobs": True}, {}][:rows]
+
+    def go(speculation):
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+        if driver.batch.speculator is not None:
+            driver.batch.speculator.cost = PriorCost()
+        reqs = [
+            request(p, max_tokens=n, **k) for p, n, k in zip(prompts, lengths, kinds, strict=True)
+        ]
+        for req in reqs:
+            driver.join(req)
+            driver.step()
+        driver.drain()
+        return driver, reqs
+
+    _, plain = go("off")
+    driver, spec = go("auto")
+    assert driver.batch.speculator.accepted > 0
+    for a, b, k in zip(plain, spec, kinds, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+        mine, theirs = logprobs_of(b), logprobs_of(a)
+        assert len(mine) == len(theirs) == (b.done.completion_tokens if k else 0)
+        for x, y in zip(mine, theirs, strict=True):
+            assert x.token == y.token
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
+    drafted = {seq.req.request_id: seq.timings.drafted for seq in driver.ended}
+    assert drafted[spec[0].request_id] > 0  # the logprob row itself drafted
+    check_caches(driver.ended)
+
+
+def sampled(req, temperature: float, seed: int):
+    req.params = replace(req.params, temperature=temperature, seed=seed)
+    return req
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "seeded"])
+def test_ignore_eos_rows_run_past_their_end_token_inside_kept_runs(model, temperature):
+    """`ignore_eos` with an end id the answer would otherwise take (a token its loop repeats,
+    drafted by lookup): the row runs on past it, as its plain steps do, and speculates."""
+    _, plain = run(model, [LOOPY], [40], "off")
+    eos = tokens_of(plain[0].text)[25]
+
+    def go(speculation):
+        driver = Driver(model)
+        driver.gen.tokenizer = StubTokenizer(eos=(eos,))
+        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+        if driver.batch.speculator is not None:
+            driver.batch.speculator.cost = PriorCost()
+        reqs = [
+            sampled(request(LOOPY, max_tokens=40, ignore_eos=True), temperature, 5),
+            sampled(request(MISLED, max_tokens=30), temperature, 6),  # may end on it
+        ]
+        for req in reqs:
+            driver.join(req)
+            driver.step()
+        driver.drain()
+        return driver, reqs
+
+    _, want = go("off")
+    driver, got = go("auto")
+    for a, b in zip(want, got, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text)
+        assert b.done.finish_reason == a.done.finish_reason
+    assert eos not in tokens_of(got[0].text) and got[0].done.completion_tokens == 40
+    assert driver.ended[[s.req for s in driver.ended].index(got[0])].timings.accepted > 0
     check_caches(driver.ended)

@@ -1,9 +1,10 @@
 """A decode step that drafts and verifies: prompt lookup on attention-only rows.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
-only when every row can take part (no grammar, no logprobs, no `ignore_eos`: they need masks
-or distributions per position that this first version does not build; greedy, sampled and
-seeded rows are all exact, engine/speculation/verify.py) and every layer's cache is plain KV
+only when every row can take part (no grammar yet; greedy, sampled and seeded rows are all
+exact, engine/speculation/verify.py; logprobs are the target's at each emitted position, and an
+`ignore_eos` row's end ids are masked at every position as its plain step masks them) and
+every layer's cache is plain KV
 (`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else, or when no row's
 controller wants a draft, or no row has one, the plain step runs. A request that opted out
 (`SamplingParams.speculative` False) drafts nothing: it takes part in a verify pass with its
@@ -56,10 +57,9 @@ class Speculator:
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
-        """Rows without a grammar, logprobs or `ignore_eos` (they need per-position masks or
-        distributions); greedy, sampled and seeded alike (verify.py keeps each exact)."""
-        d = seq.decoder
-        return d.constraint is None and not d.want_logprobs and not seq.req.params.ignore_eos
+        """Rows without a grammar (it would need a mask per drafted position); greedy, sampled
+        and seeded alike (verify.py keeps each exact), logprobs and `ignore_eos` too."""
+        return seq.decoder.constraint is None
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         self.cost.observe(batch, width, seconds)
@@ -155,7 +155,8 @@ class Speculator:
         caches = merged if merged is not None else seqs[0].live.caches
         logits = model(tokens, cache=caches)
         vocab = min((s.decoder.vocab for s in seqs if s.decoder.vocab is not None), default=None)
-        verified = verify([s.decoder for s in seqs], logits, drafts, vocab=vocab)
+        masks = row_masks(seqs, vocab or logits.shape[-1], width)
+        verified = verify([s.decoder for s in seqs], logits, drafts, vocab=vocab, masks=masks)
         emitted = verified.read()
         rejected = []
         for i, (seq, out) in enumerate(zip(seqs, emitted, strict=True)):
@@ -164,6 +165,18 @@ class Speculator:
             rejected.append(width - seq.take_run(out, logits[i], verified.logprobs[i]))
         roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted]
+
+
+def row_masks(seqs: list[Sequence], vocab: int, width: int) -> mx.array | None:
+    """(B, W, vocab) the tokens each row may take at every position of the pass, or None when
+    no row masks any: an `ignore_eos` row's mask (every id but the end ones) is the same at
+    every position, so it is its plain step's mask repeated."""
+    masks = [seq.decoder.mask(vocab, False) for seq in seqs]
+    if all(m is None for m in masks):
+        return None
+    every = mx.ones((vocab,), dtype=mx.bool_)
+    rows = mx.stack([every if m is None else m for m in masks])
+    return mx.broadcast_to(rows[:, None, :], (len(seqs), width, vocab))
 
 
 def sync(seq: Sequence, lookup: PromptLookup) -> None:
