@@ -31,6 +31,7 @@ class Timings:
     batch_peak: int = 1  # the most sequences it decoded beside (itself included)
     drafted: int = 0  # tokens speculation drafted for it (engine/speculation/step.py)
     accepted: int = 0  # ... and verification kept
+    verify_passes: int = 0  # ... in this many verify passes (those it drafted in)
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens
@@ -47,7 +48,11 @@ class Timings:
             f"prefill={prefill_tps:.1f} tok/s decode={decode_tps:.1f} tok/s "
             f"batch={self.batch_peak} finish={self.finish_reason}"
             + (f" retried={self.failed_source}" if self.retried else "")
-            + (f" drafted={self.drafted} accepted={self.accepted}" if self.drafted else "")
+            + (
+                f" drafted={self.drafted} accepted={self.accepted} passes={self.verify_passes}"
+                if self.drafted
+                else ""
+            )
         )
 
 

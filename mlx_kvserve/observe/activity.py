@@ -58,6 +58,9 @@ class Activity:
             "cached_tokens": 0,
             "generated_tokens": 0,
             "prefill_seconds_saved": 0.0,
+            "drafted_tokens": 0,  # speculative decoding, as /metrics counts it
+            "accepted_tokens": 0,
+            "verify_passes": 0,
         }
         self._prefill_rate = 0.0  # recent seconds per prefilled token (for seconds saved)
 
@@ -102,6 +105,9 @@ class Activity:
             totals["cached_tokens"] += t.cached_tokens
             totals["generated_tokens"] += t.completion_tokens
             totals["prefill_seconds_saved"] += t.cached_tokens * self._prefill_rate
+            totals["drafted_tokens"] += t.drafted
+            totals["accepted_tokens"] += t.accepted
+            totals["verify_passes"] += t.verify_passes
             second = self._second(now)
             second[1] += t.completion_tokens
             if t.completion_tokens > 0 and t.ttft_seconds > 0:
@@ -122,9 +128,19 @@ class Activity:
         with self._lock:
             self._second(self._clock())
             seconds = [s for s in self._seconds if s[1] or s[3]]
+            totals = dict(self.totals)
+            drafted, accepted, passes = (
+                totals["drafted_tokens"],
+                totals["accepted_tokens"],
+                totals["verify_passes"],
+            )
             return {
                 "recent": [f.as_dict() for f in reversed(self._recent)],
-                "totals": dict(self.totals),
+                "totals": totals,
+                "speculation": {  # None until something was drafted
+                    "acceptance_rate": accepted / drafted if drafted else None,
+                    "tokens_per_pass": (accepted + passes) / passes if passes else None,
+                },
                 "series": {
                     "time": [s[0] for s in seconds],
                     "tokens_per_second": [s[1] for s in seconds],

@@ -29,6 +29,8 @@ TIERS = ("live", "ram", "disk")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PREFILL_TPS_BUCKETS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800)
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+# Where speculative decoding's drafts come from (engine/speculation/drafts.py); one source so far.
+DRAFT_SOURCES = ("prompt_lookup",)
 RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -82,6 +84,28 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.drafted = Counter(
+            f"{PREFIX}_speculation_drafted_tokens",
+            "Tokens speculative decoding drafted, by draft source (docs/speculation.md).",
+            ["source"],
+            registry=r,
+        )
+        self.accepted = Counter(
+            f"{PREFIX}_speculation_accepted_tokens",
+            "Drafted tokens that verification kept (each saved a decode pass), by source.",
+            ["source"],
+            registry=r,
+        )
+        self.verify_passes = Counter(
+            f"{PREFIX}_speculation_passes",
+            "Verify passes, counted once per request that drafted in the pass, by source: "
+            "(accepted + passes) / passes is the tokens a row got per pass.",
+            ["source"],
+            registry=r,
+        )
+        for source in DRAFT_SOURCES:  # every series exists from the start, at 0
+            for counter in (self.drafted, self.accepted, self.verify_passes):
+                counter.labels(source)
         self.lookups = Counter(
             f"{PREFIX}_cache_lookups",
             "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "
@@ -174,6 +198,11 @@ class Metrics:
             self.prefill_tps.observe(prefilled / t.prefill_seconds)
         if t.completion_tokens > 1 and t.decode_seconds > 0:
             self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
+        if t.drafted:
+            (source,) = DRAFT_SOURCES
+            self.drafted.labels(source).inc(t.drafted)
+            self.accepted.labels(source).inc(t.accepted)
+            self.verify_passes.labels(source).inc(t.verify_passes)
         if not self.cache_enabled:
             return
         if t.failed_source in TIERS:

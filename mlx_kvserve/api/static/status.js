@@ -37,6 +37,7 @@ function format(value, how) {
   if (how === "bytes") return fmtBytes(value);
   if (how === "seconds") return fmtSeconds(value);
   if (how === "percent") return (100 * value).toFixed(1) + " %";
+  if (how === "ratio") return value.toFixed(2);
   if (typeof value === "number") return value.toLocaleString("en-US");
   return String(value);
 }

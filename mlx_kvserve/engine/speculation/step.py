@@ -131,6 +131,7 @@ class Speculator:
             state.depth.record(len(draft), kept)
             seq.timings.drafted += len(draft)
             seq.timings.accepted += kept
+            seq.timings.verify_passes += bool(draft)
             self.drafted += len(draft)
             self.accepted += kept
         self.passes += 1
