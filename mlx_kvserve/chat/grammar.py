@@ -99,6 +99,12 @@ class Constraint:
         """The grammar is complete: nothing but end-of-sequence may follow."""
         return self._matcher.is_stopped()
 
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` tokens consumed: speculation walks a draft through the grammar
+        for its masks, then gives the draft back (engine/decode.py `Decoder.walk`)."""
+        if n and not self._matcher.rollback(n):
+            raise RuntimeError(f"grammar could not roll back {n}: {self._matcher.get_error()}")
+
 
 class GrammarCompiler:
     """Compiles requests' grammars against one tokenizer (its llguidance twin is built once)."""

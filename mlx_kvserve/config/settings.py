@@ -173,8 +173,8 @@ class Settings:
     speculation: str = field(
         default="off",
         metadata={
-            "help": "Speculative decoding: auto (requests without a grammar, on "
-            "attention-only models, draft from their own prompt and output and verify the "
+            "help": "Speculative decoding: auto (requests on attention-only models, grammars "
+            "included, draft from their own prompt and output and verify the "
             "drafts in one pass, when it pays; greedy and seeded answers are the same either "
             "way) or off. Off in a job across machines."
         },

@@ -25,6 +25,7 @@ A request with `ignore_eos` never samples an end-of-sequence id while anything e
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -35,8 +36,17 @@ from mlx_lm.tokenizer_utils import (
     StreamingDetokenizer,
 )
 
-from mlx_kvserve.engine.requests import GenerationRequest, TokenLogprob
+from mlx_kvserve.engine.requests import GenerationRequest, Rewindable, TokenLogprob
 from mlx_kvserve.engine.sampling import Step
+
+
+@dataclass
+class Walk:
+    """A draft walked through a row's grammar (`Decoder.walk`)."""
+
+    drafts: list[int] = field(default_factory=list)  # checked against the row's samples
+    forced: list[list[int]] = field(default_factory=list)  # after each draft: fed, not sampled
+    masks: list[mx.array] = field(default_factory=list)  # at each sample slot: len(drafts) + 1
 
 
 class Cancelled(Exception):
@@ -156,6 +166,49 @@ class Decoder:
         if self.constraint is None or self.want_logprobs or room <= 0:
             return []
         return self.constraint.forced(room)
+
+    @property
+    def rewindable(self) -> bool:
+        """A grammar speculation can walk drafts through (and take them back), or none."""
+        return self.constraint is None or isinstance(self.constraint, Rewindable)
+
+    def walk(
+        self, proposal: list[int], n_logits: int, depth: int, left: int, eos: set[int]
+    ) -> Walk:
+        """A grammar row's draft, checked token by token as plain decoding would take it.
+
+        `proposal`: a source's guess of the tokens to come (they include what the grammar will
+        force); `left`: tokens the row may still emit. Each drafted token must be allowed by the
+        mask of its position (a refused one, or an end id, ends the draft); after it, the tokens
+        the grammar then forces (`forced_tokens`, as `Sequence._accept` takes them) are fed
+        without a sample or a search, and the proposal goes on only if it agrees with them.
+        The grammar is given everything back at the end: the row's accept takes the tokens it
+        keeps, so its matcher ends at the accepted length."""
+        assert isinstance(self.constraint, Rewindable)
+        out = Walk()
+        consumed = 0
+        try:
+            while True:
+                allowed = self.constraint.allowed(n_logits)
+                mask = mx.array(allowed)
+                out.masks.append(self._without_eos(mask, n_logits) if self._eos else mask)
+                done = self.constraint.finished or left <= 1
+                if done or len(out.drafts) >= depth or not proposal:
+                    break
+                token = proposal[0]
+                if token in eos or token >= n_logits or not allowed[token]:
+                    break
+                self.constraint.advance(token)
+                forced = self.forced_tokens(left - 1)
+                consumed += 1 + len(forced)
+                out.drafts.append(token)
+                out.forced.append(forced)
+                left -= 1 + len(forced)
+                agrees = proposal[1 : 1 + len(forced)] == forced
+                proposal = proposal[1 + len(forced) :] if agrees else []
+        finally:
+            self.constraint.rollback(consumed)
+        return out
 
     @property
     def grammar_complete(self) -> bool:

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
@@ -80,6 +80,14 @@ class TokenConstraint(Protocol):
     def forced(self, limit: int) -> list[int]: ...  # next tokens with no alternative (consumed)
     @property
     def finished(self) -> bool: ...
+
+
+@runtime_checkable
+class Rewindable(TokenConstraint, Protocol):
+    """A constraint that can take back consumed tokens (chat.grammar.Constraint; the reasoning
+    gates cannot): the kind whose rows speculative decoding drafts for."""
+
+    def rollback(self, n: int) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -131,22 +131,26 @@ class Sequence:
             self.step = None
             self._accept(step, token)
 
-    def take_run(self, tokens: list[int], logits: mx.array, logprobs: mx.array) -> int:
-        """A verify pass's emitted `tokens` (engine/speculation/step.py): this row fed its
-        pending token, then `tokens[:-1]` as its kept drafts, then what was rejected. Each is
-        taken as a sampled token (EOS, stop strings, `max_tokens` end it early); the last left
-        becomes the one to feed. Returns the positions of the pass that stay in the caches: the
-        pending token and the kept drafts before the row's last token (`live.tokens` grows by
-        as many, less the pending one the caller already added)."""
-        kept = 1
+    def take_run(
+        self, tokens: list[int], logits: mx.array, logprobs: mx.array, fed: int = 1
+    ) -> int:
+        """A verify pass's emitted `tokens` (engine/speculation/step.py): this row fed its `fed`
+        pending tokens, then `tokens[:-1]` as its kept drafts (each with the tokens its grammar
+        forces after it), then what was rejected; `logits`/`logprobs` are at its sample slots.
+        Each is taken as a sampled token (EOS, stop strings, `max_tokens` end it early; forced
+        tokens follow as in a plain step); the last left becomes the one to feed. Returns the
+        positions of the pass that stay in the caches: the pending tokens and the kept drafts
+        with their forced tokens (`live.tokens` grows by as many, less the pending ones the
+        caller already added)."""
+        kept = fed
         for j, token in enumerate(tokens):
             step = Step(mx.array([token], dtype=mx.uint32), logprobs[j : j + 1], logits[j : j + 1])
             self._accept(step, token)
             if self.done or j == len(tokens) - 1:
                 break
-            self.live.tokens.extend(self.feed)  # it was fed as the next draft: its KV is there
+            kept += len(self.feed)  # fed as the next draft and its forced tokens: KV is there
+            self.live.tokens.extend(self.feed)
             self.feed = []
-            kept += 1
         return kept
 
     def redraw(self) -> None:

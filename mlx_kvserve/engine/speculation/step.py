@@ -1,10 +1,11 @@
 """A decode step that drafts and verifies: prompt lookup on attention-only rows.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
-only when every row can take part (no grammar yet; greedy, sampled and seeded rows are all
-exact, engine/speculation/verify.py; logprobs are the target's at each emitted position, and an
-`ignore_eos` row's end ids are masked at every position as its plain step masks them) and
-every layer's cache is plain KV
+only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
+engine/speculation/verify.py; logprobs are the target's at each emitted position; an
+`ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
+row's draft is walked through its matcher, engine/decode.py `Decoder.walk`, and fed with the
+tokens the grammar forces, engine/speculation/plan.py) and every layer's cache is plain KV
 (`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else, or when no row's
 controller wants a draft, or no row has one, the plain step runs. A request that opted out
 (`SamplingParams.speculative` False) drafts nothing: it takes part in a verify pass with its
@@ -14,8 +15,11 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 1. each row's depth from its controller; if any is positive and some such row's lookup has a
    match for its tokens so far, every row's pending token is read (speculating rows give up the
    pipelining overlap: the drafter needs that token);
-2. each row's draft (its `PromptLookup`, synced with its tokens), cut to the batch's width;
-3. one pass of W tokens per row (its token, its draft, padding), logits at every position;
+2. each row's draft (its `PromptLookup`, synced with its tokens; a grammar row's checked token
+   by token, a refused token ending it, forced tokens following each drafted one), cut to the
+   batch's width;
+3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
+   sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
 5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what all
    rows reject and holes for the rest (engine/speculation/holes.py).
@@ -35,6 +39,7 @@ from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
 from mlx_kvserve.engine.speculation.drafts import PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
+from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
 from mlx_kvserve.engine.speculation.verify import verify
 
 
@@ -57,9 +62,12 @@ class Speculator:
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
-        """Rows without a grammar (it would need a mask per drafted position); greedy, sampled
-        and seeded alike (verify.py keeps each exact), logprobs and `ignore_eos` too."""
-        return seq.decoder.constraint is None
+        """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
+        `ignore_eos` too; a grammar row if its grammar can take tokens back (not the reasoning
+        gates) and it is not seeded (its forced tokens draw no seed, which slots do not yet
+        follow)."""
+        d = seq.decoder
+        return d.constraint is None or (d.rewindable and not d.seeded)
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         self.cost.observe(batch, width, seconds)
@@ -112,27 +120,35 @@ class Speculator:
         leave()
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
-        drafts = []
+        vocab = min(s.decoder.vocab or s.last_logits.shape[-1] for s in seqs)
+        plans = []
         for seq, state, depth in zip(seqs, states, depths, strict=True):
-            assert seq.step is None and len(seq.feed) == 1
+            assert seq.step is None and seq.feed
             sync(seq, state.lookup)
-            room = seq.limit - seq.timings.completion_tokens - 1
-            draft = state.lookup.propose(min(depth, room))
-            drafts.append(list(draft.tokens) if draft else [])
-        if not any(drafts):
+            left = seq.limit - seq.timings.completion_tokens
+            if seq.decoder.constraint is None:
+                draft = state.lookup.propose(min(depth, left - 1))
+                plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
+                continue
+            # the proposal runs through what the grammar forces, which costs no draft
+            draft = state.lookup.propose(min(2 * self.max_depth, left - 1)) if depth else None
+            proposal = list(draft.tokens) if draft else []
+            walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
+            plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
+        if not any(plan.drafts for plan in plans):
             return -1
-        curves = [s.depth.expected(len(d)) for s, d in zip(states, drafts, strict=True)]
-        width = plan_width(curves, cost, margin=0.0)
-        if width == 1:
+        curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
+        planned = plan_width(curves, cost, margin=0.0)
+        if planned == 1:
             return -1
-        drafts = [d[: width - 1] for d in drafts]
-        accepted = self._verify(seqs, merged, model, drafts, width)
-        for seq, state, draft, kept in zip(seqs, states, drafts, accepted, strict=True):
-            state.depth.record(len(draft), kept)
-            seq.timings.drafted += len(draft)
+        plans = [plan.cut(planned - 1) for plan in plans]
+        accepted, width = self._verify(seqs, merged, model, plans, vocab)
+        for seq, state, plan, kept in zip(seqs, states, plans, accepted, strict=True):
+            state.depth.record(len(plan.drafts), kept)
+            seq.timings.drafted += len(plan.drafts)
             seq.timings.accepted += kept
-            seq.timings.verify_passes += bool(draft)
-            self.drafted += len(draft)
+            seq.timings.verify_passes += bool(plan.drafts)
+            self.drafted += len(plan.drafts)
             self.accepted += kept
         self.passes += 1
         return width
@@ -142,42 +158,32 @@ class Speculator:
         seqs: list[Sequence],
         merged: list | None,
         model: nn.Module,
-        drafts: list[list[int]],
-        width: int,
-    ) -> list[int]:
-        """Feed, verify, take and roll back; the drafts each row kept."""
-        rows = []
-        for seq, draft in zip(seqs, drafts, strict=True):
-            (token,) = seq.feed
-            rows.append([token, *draft] + [token] * (width - 1 - len(draft)))
-            seq.live.tokens.append(token)
+        plans: list[Plan],
+        vocab: int,
+    ) -> tuple[list[int], int]:
+        """Feed, verify, take and roll back; the drafts each row kept, and the pass's width."""
+        rows = [plan.inputs() for plan in plans]
+        width = max(len(row) for row in rows)
+        for seq, row in zip(seqs, rows, strict=True):
+            row += [row[0]] * (width - len(row))  # padding: rejected whatever it holds
+            seq.live.tokens.extend(seq.feed)
             seq.feed = []
-        tokens = mx.array(rows, dtype=mx.uint32)
         caches = merged if merged is not None else seqs[0].live.caches
-        logits = model(tokens, cache=caches)
-        vocab = min((s.decoder.vocab for s in seqs if s.decoder.vocab is not None), default=None)
-        masks = row_masks(seqs, vocab or logits.shape[-1], width)
+        logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
+        slots = max(len(plan.drafts) for plan in plans) + 1
+        logits = slot_logits(logits, plans, slots)
+        masks = row_masks(seqs, plans, vocab, slots)
+        drafts = [plan.drafts for plan in plans]
         verified = verify([s.decoder for s in seqs], logits, drafts, vocab=vocab, masks=masks)
         emitted = verified.read()
         rejected = []
-        for i, (seq, out) in enumerate(zip(seqs, emitted, strict=True)):
-            if seq.decoder.seeded:  # position j was drawn as its token number draws + j
+        for i, (seq, plan, out) in enumerate(zip(seqs, plans, emitted, strict=True)):
+            if seq.decoder.seeded:  # slot j was drawn as its token number draws + j
                 seq.decoder.draws += len(out)
-            rejected.append(width - seq.take_run(out, logits[i], verified.logprobs[i]))
+            kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
+            rejected.append(width - kept)
         roll_back(caches, rejected)
-        return [len(out) - 1 for out in emitted]
-
-
-def row_masks(seqs: list[Sequence], vocab: int, width: int) -> mx.array | None:
-    """(B, W, vocab) the tokens each row may take at every position of the pass, or None when
-    no row masks any: an `ignore_eos` row's mask (every id but the end ones) is the same at
-    every position, so it is its plain step's mask repeated."""
-    masks = [seq.decoder.mask(vocab, False) for seq in seqs]
-    if all(m is None for m in masks):
-        return None
-    every = mx.ones((vocab,), dtype=mx.bool_)
-    rows = mx.stack([every if m is None else m for m in masks])
-    return mx.broadcast_to(rows[:, None, :], (len(seqs), width, vocab))
+        return [len(out) - 1 for out in emitted], width
 
 
 def sync(seq: Sequence, lookup: PromptLookup) -> None:

@@ -1,0 +1,202 @@
+"""Speculation on grammar rows: tool calls (forced and lazy grammars) and JSON output.
+
+A tiny random llama with the default model's real tokenizer writes a script (as in
+test_decode_steps.py: a large bonus on the script's token at each position) under llguidance's
+real grammars. The prompt holds an earlier call, so prompt lookup drafts the new one; the
+second call differs from the first in its argument, so drafts are rejected there too. With
+and without speculation the tokens are the same; drafts are checked against the grammar, the
+tokens it forces are fed without drafting, and after every step the row's matcher is in the
+state of a fresh one fed exactly the tokens the row emitted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.unit.test_decode_steps import Scripted, tokenizer  # noqa: F401  (a fixture)
+from tests.unit.test_engine_units import request
+from tests.unit.test_speculation_step import PriorCost
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+SCRIPTS = {
+    "required": CALL % "Paris" + "\n" + CALL % "Lyon",
+    "auto": "Let me look that up.\n" + CALL % "Paris",
+    "json_schema": '{"city": "Paris", "days": [1, 2, 3], "unit": "celsius", "city2": "Lyon"}',
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "array", "items": {"type": "integer"}},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "city2": {"type": "string"},
+    },
+    "required": ["city", "days", "unit", "city2"],
+    "additionalProperties": False,
+}
+
+
+COMPILERS: dict = {}
+
+
+def constraint(tokenizer, kind: str):  # noqa: F811
+    from mlx_kvserve.chat.formats.hermes import FORMAT as HERMES
+    from mlx_kvserve.chat.grammar import GrammarCompiler
+    from mlx_kvserve.chat.request import ChatRequest, Message, Tool, ToolChoice
+
+    compiler = COMPILERS.setdefault(id(tokenizer), GrammarCompiler(tokenizer))
+    if kind == "json_schema":
+        return compiler.json_constraint(SCHEMA, "response_format")
+    tool = Tool("get_weather", None, {"type": "object", "properties": {"city": {}}})
+    chat = ChatRequest([Message("user", "Weather?")], tools=[tool], tool_choice=ToolChoice(kind))
+    return compiler.constraint_for(chat, HERMES)
+
+
+@pytest.fixture(scope="module")
+def inner(tokenizer):  # noqa: F811
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(3)
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=len(tokenizer.get_vocab()),
+        )
+    )
+    mx.eval(model.parameters())
+    return model
+
+
+def run(inner, tokenizer, kind: str, speculation: str):  # noqa: F811
+    from mlx_kvserve.engine.batch import DecodeBatch
+    from mlx_kvserve.engine.generate import Generator
+    from mlx_kvserve.engine.prompt_state import PromptStates
+
+    script = tokenizer.encode(SCRIPTS[kind], add_special_tokens=False)
+    earlier = tokenizer.encode("Earlier: " + CALL % "Paris" + "\nNow:", add_special_tokens=False)
+    model = Scripted(inner, len(earlier), script)
+    req = request(earlier, max_tokens=len(script) + 8)
+    req.constraint = constraint(tokenizer, kind)
+    gen = Generator(model, tokenizer, PromptStates(model, None, enabled=False))
+    _, seq = gen.start(req)
+    ended: list = []
+    batch = DecodeBatch(model, ended.append, speculation=speculation)
+    if batch.speculator is not None:
+        batch.speculator.cost = PriorCost()
+    batch.add(seq)
+    vocab = len(tokenizer.get_vocab())
+    while batch.seqs:
+        batch.step()
+        if seq.done:
+            break
+        fresh = constraint(tokenizer, kind)
+        for token in req.sampled:
+            fresh.advance(token)
+        assert np.array_equal(fresh.allowed(vocab), seq.decoder.constraint.allowed(vocab))
+        assert len(seq.live.tokens) == seq.live.caches[0].offset
+    return req, seq, batch
+
+
+@pytest.mark.parametrize("kind", ["required", "auto", "json_schema"])
+def test_grammar_rows_speculate_and_answer_the_same(inner, tokenizer, kind):  # noqa: F811
+    plain, alone, _ = run(inner, tokenizer, kind, "off")
+    req, seq, batch = run(inner, tokenizer, kind, "auto")
+    assert req.sampled == plain.sampled
+    assert req.text == plain.text
+    ends = [(s.timings.finish_reason, s.timings.completion_tokens) for s in (alone, seq)]
+    assert ends[0] == ends[1]
+    if kind != "auto":
+        assert req.text.startswith(SCRIPTS[kind][:20]), req.text
+    speculator = batch.speculator
+    assert speculator.passes > 0 and speculator.accepted > 0
+    assert seq.timings.accepted == speculator.accepted
+    assert batch.steps < alone.timings.completion_tokens  # fewer steps than tokens
+
+
+class Cycle:
+    """A rewindable grammar of a simple shape, for merged batches on the tiny model: in every
+    cycle of five tokens, after two free ones the grammar forces 7 then 9, and the fifth is
+    one of `FIFTH`. `rollback` steps back, as llguidance's matcher does."""
+
+    FIFTH = np.array([t % 3 == 0 for t in range(512)])
+    lazy = False
+    finished = False
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def allowed(self, n_logits: int) -> np.ndarray:
+        mask = np.ones(n_logits, dtype=bool)
+        phase = self.count % 5
+        if phase in (2, 3):
+            mask[:] = False
+            mask[(7, 9)[phase - 2]] = True
+        elif phase == 4:
+            mask[:] = False
+            mask[: len(self.FIFTH)] = self.FIFTH[:n_logits]
+        return mask
+
+    def advance(self, token: int) -> None:
+        assert self.allowed(max(token + 1, 512))[token], (token, self.count)
+        self.count += 1
+
+    def forced(self, limit: int) -> list[int]:
+        out = []
+        while self.count % 5 in (2, 3) and len(out) < limit:
+            out.append((7, 9)[self.count % 5 - 2])
+            self.count += 1
+        return out
+
+    def rollback(self, n: int) -> None:
+        assert 0 <= n <= self.count
+        self.count -= n
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["forced", "logprobs"])
+def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs):
+    """Grammar rows (forced tokens fed in the verify pass; with logprobs they are sampled
+    under one-token masks instead) beside free rows, merged: the same tokens as without
+    speculation, every row's grammar at its emitted tokens, caches exact."""
+    from dataclasses import replace
+
+    from mlx_kvserve.engine.batch import DecodeBatch
+    from tests.unit.test_batching import Driver, check_caches
+    from tests.unit.test_engine_units import tiny_model, tokens_of
+    from tests.unit.test_speculation_step import LOOPY, MISLED
+
+    model = tiny_model()
+    prompts, lengths = [LOOPY, MISLED, LOOPY[3:], MISLED[2:]], [30, 34, 26, 28]
+
+    def go(speculation):
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+        if driver.batch.speculator is not None:
+            driver.batch.speculator.cost = PriorCost()
+        reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        for req in reqs[::2]:
+            req.constraint = Cycle()
+            req.params = replace(req.params, logprobs=logprobs)
+        for req in reqs:
+            driver.join(req)
+            driver.step()
+        driver.drain()
+        return driver, reqs
+
+    _, plain = go("off")
+    driver, spec = go("auto")
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    for req in spec[::2]:
+        assert req.constraint.count == len(req.sampled)  # its grammar is at its tokens
+        assert all(t in (7, 9) for t in req.sampled[2::5] + req.sampled[3::5])
+    drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
+    assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
+    check_caches(driver.ended)
