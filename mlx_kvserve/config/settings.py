@@ -173,10 +173,10 @@ class Settings:
     speculation: str = field(
         default="off",
         metadata={
-            "help": "Speculative decoding: auto (requests on attention-only models, grammars "
-            "included, draft from their own prompt and output and verify the "
-            "drafts in one pass, when it pays; greedy and seeded answers are the same either "
-            "way) or off. Off in a job across machines."
+            "help": "Speculative decoding: auto (requests, grammars included, draft from their "
+            "own prompt and output (on window and recurrent models while decoding alone) and "
+            "verify the drafts in one pass, when it pays; greedy and seeded answers are the "
+            "same either way) or off. Off in a job across machines."
         },
     )
     mlx_cache_limit: str = field(

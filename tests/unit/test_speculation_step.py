@@ -138,27 +138,69 @@ def test_rollback_gives_back_each_rows_own_positions(model):
     assert sizes == [6 + 1, 9 + 4, 4 + 2]
 
 
-@pytest.mark.parametrize("sliding", [False, True], ids=["kv", "rotating"])
-def test_the_engine_speculates_where_it_can_and_answers_the_same(sliding):
-    """Through the engine with `speculation="auto"`: plain KV drafts; a sliding-window model
-    (its caches cannot roll back by trimming) decodes as before."""
+def kinds_of_model(kind: str):
     import mlx.core as mx
 
+    from tests.unit.test_cache_models import tiny_llama, tiny_mamba2
+
+    mx.random.seed(28 if kind == "mamba2" else 1)  # a mamba2 whose answers loop: lookup hits
+    m = tiny_mamba2() if kind == "mamba2" else tiny_llama(kind == "rotating")
+    mx.eval(m.parameters())
+    return m
+
+
+KINDS = ["kv", "rotating", "mamba2"]  # plain KV, a sliding window of 8, recurrent state
+# For that mamba2: its answer runs 91 91 91 with other tokens between, so drafts are kept and
+# rejected.
+RECURRENT = LOOPY + [91, 91, 3, 91, 91, 4, 7, 91, 91, 91, 6]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_engine_speculates_where_it_can_and_answers_the_same(kind):
+    """Through the engine with `speculation="auto"`: every model drafts; a sliding-window or a
+    recurrent model (caches trimming cannot roll back) while a row decodes alone (snapshot
+    and replay, engine/speculation/snapshot.py), and steps plainly while rows are merged."""
     from tests.unit.test_batching import serve_together
-    from tests.unit.test_cache_models import tiny_llama
     from tests.unit.test_engine_units import reference
 
-    mx.random.seed(1)
-    m = tiny_llama(sliding)
-    mx.eval(m.parameters())
-    prompts, lengths = [MISLED, LOOPY, PROMPTS[3]], [30, 24, 20]
+    m = kinds_of_model(kind)
+    prompts, lengths = [RECURRENT if kind == "mamba2" else MISLED, LOOPY, PROMPTS[3]], [30, 24, 20]
     reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     engines = []
     serve_together(m, reqs, prefill_step=8, speculation="auto", started=engines.append)
     for req, p, n in zip(reqs, prompts, lengths, strict=True):
         assert tokens_of(req.text) == reference(m, p, n)
-    passes = engines[0].batch.speculator.passes
-    assert passes == 0 if sliding else passes > 0
+    assert engines[0].batch.speculator.passes > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lone_row_rolls_back_windows_and_recurrent_states_exactly(kind):
+    """A lone row on each kind of model, with drafts kept and rejected (MISLED): the tokens of
+    mlx-lm's plain loop, and the row's caches continue exactly like a fresh prefill of its
+    tokens (its next logits)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tests.unit.test_engine_units import reference
+
+    m = kinds_of_model(kind)
+    driver = Driver(m)
+    driver.batch = DecodeBatch(m, driver._end, speculation="auto")
+    driver.batch.speculator.cost = PriorCost()
+    prompt = RECURRENT if kind == "mamba2" else MISLED
+    req = request(prompt, max_tokens=40)
+    driver.join(req)
+    driver.drain()
+    assert tokens_of(req.text) == reference(m, prompt, 40)
+    speculator = driver.batch.speculator
+    assert speculator.accepted > 0
+    if kind != "kv":  # drafts rejected too: the snapshot restored and the kept prefix replayed
+        assert speculator.drafted > speculator.accepted
+    (seq,) = driver.ended
+    fresh = make_prompt_cache(m)
+    want = m(mx.array([seq.live.tokens + [5]]), cache=fresh)[0, -1]
+    got = m(mx.array([[5]]), cache=seq.live.caches)[0, -1]
+    assert mx.allclose(got, want, atol=1e-4).item()
 
 
 def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch):

@@ -5,11 +5,12 @@ only when every row can take part (`eligible`: greedy, sampled and seeded rows a
 engine/speculation/verify.py; logprobs are the target's at each emitted position; an
 `ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
 row's draft is walked through its matcher, engine/decode.py `Decoder.walk`, and fed with the
-tokens the grammar forces, engine/speculation/plan.py) and every layer's cache is plain KV
-(`KVCache` solo, `BatchKVCache` merged), whose rows roll back exactly. Else, or when no row's
-controller wants a draft, or no row has one, the plain step runs. A request that opted out
-(`SamplingParams.speculative` False) drafts nothing: it takes part in a verify pass with its
-one token, so its company still speculates.
+tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
+exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or, solo, a window
+or recurrent state (engine/speculation/snapshot.py: snapshot, then replay of the kept prefix).
+Else, or when no row's controller wants a draft, or no row has one, the plain step runs. A
+request that opted out (`SamplingParams.speculative` False) drafts nothing: it takes part in a
+verify pass with its one token, so its company still speculates.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
 1. each row's depth from its controller; if any is positive and some such row's lookup has a
@@ -21,8 +22,8 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
    sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
-5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what all
-   rows reject and holes for the rest (engine/speculation/holes.py).
+5. each row's rejected positions rolled back: `trim` solo (or snapshot and replay); merged, a
+   uniform `trim` of what all rows reject and holes for the rest (engine/speculation/holes.py).
 Steps are timed whole (plain ones too), so `VerifyCost` compares what a round really costs.
 """
 
@@ -33,13 +34,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
 from mlx_kvserve.engine.speculation.drafts import PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
+from mlx_kvserve.engine.speculation.snapshot import Snapshot, needs_snapshot, restorable
 from mlx_kvserve.engine.speculation.verify import verify
 
 
@@ -92,8 +94,9 @@ class Speculator:
         if not seqs or not all(self.eligible(s) for s in seqs):
             return 0
         caches = merged if merged is not None else seqs[0].live.caches
-        kinds = (KVCache,) if merged is None else (BatchKVCache, HoleKVCache)
-        if not all(type(c) in kinds for c in caches):
+        if merged is None and not all(restorable(c) for c in caches):
+            return 0
+        if merged is not None and not all(type(c) in (BatchKVCache, HoleKVCache) for c in caches):
             return 0
         batch = len(seqs)
         states = [self.rows.setdefault(id(s), RowState()) for s in seqs]
@@ -169,6 +172,7 @@ class Speculator:
             seq.live.tokens.extend(seq.feed)
             seq.feed = []
         caches = merged if merged is not None else seqs[0].live.caches
+        snapshot = Snapshot(caches) if merged is None and needs_snapshot(caches) else None
         logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
         slots = max(len(plan.drafts) for plan in plans) + 1
         logits = slot_logits(logits, plans, slots)
@@ -182,7 +186,11 @@ class Speculator:
                 seq.decoder.draws += len(out)
             kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
             rejected.append(width - kept)
-        roll_back(caches, rejected)
+        if snapshot is not None and rejected[0]:  # solo: back to before the pass, then replay
+            snapshot.restore()
+            model(mx.array([rows[0][: width - rejected[0]]], dtype=mx.uint32), cache=caches)
+        elif snapshot is None:
+            roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted], width
 
 
