@@ -30,8 +30,10 @@ CHROMIUM = os.environ.get("MLX_KVSERVE_CHROMIUM") or shutil.which("chromium") or
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server with an API key, a few requests served (a miss, then a hit)."""
-    proc = ServerProcess(tmp_path_factory.mktemp("status"), "--api-key", KEY).wait_ready()
+    """One server with an API key and speculation on, a few requests served (a miss, then a
+    hit)."""
+    folder = tmp_path_factory.mktemp("status")
+    proc = ServerProcess(folder, "--api-key", KEY, "--speculation", "auto").wait_ready()
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     with httpx.Client(base_url=proc.base_url, headers=AUTH, timeout=120) as http:
         for _ in range(2):
@@ -145,6 +147,11 @@ def test_status_agrees_with_the_api(keyed: ServerProcess) -> None:
         keyed.base_url, "mlx_kvserve_generated_tokens_total"
     )
     assert s["recent"][0]["cached_tokens"] > 0 and s["recent"][1]["cached_tokens"] == 0
+    drafted = metric(keyed.base_url, "mlx_kvserve_speculation_drafted_tokens_total")
+    accepted = metric(keyed.base_url, "mlx_kvserve_speculation_accepted_tokens_total")
+    assert (totals["drafted_tokens"], totals["accepted_tokens"]) == (drafted, accepted)
+    rate = s["speculation"]["acceptance_rate"]
+    assert rate is None if not drafted else rate == pytest.approx(accepted / drafted)
     chain = s["cache"]["chains"][0]
     assert chain["tokens"] == max(e["n_tokens"] for e in cache["entries_list"])
     assert [link["tokens"] for link in chain["links"]] == sorted(
@@ -241,6 +248,11 @@ def test_the_page_in_a_real_browser(keyed: ServerProcess) -> None:
                 ("generated_tokens", "mlx_kvserve_generated_tokens_total"),
             ):
                 assert float(shown(f"totals.{field}")) == metric(keyed.base_url, name), field
+            drafted = metric(keyed.base_url, "mlx_kvserve_speculation_drafted_tokens_total")
+            assert float(shown("totals.drafted_tokens")) == drafted
+            rate = status(keyed.base_url)["speculation"]["acceptance_rate"]
+            page_rate = shown("speculation.acceptance_rate")
+            assert page_rate == "" if rate is None else float(page_rate) == pytest.approx(rate)
             assert shown("requests.running") == "0"
             assert page.locator("#recent tbody tr").count() == 2
             assert page.locator("#chains tbody tr").count() >= 1
