@@ -160,8 +160,12 @@ class Cycle:
         self.count -= n
 
 
-@pytest.mark.parametrize("logprobs", [False, True], ids=["forced", "logprobs"])
-def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs):
+@pytest.mark.parametrize(
+    ("logprobs", "temperature"),
+    [(False, 0.0), (True, 0.0), (False, 0.8)],
+    ids=["forced", "logprobs", "seeded"],
+)
+def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs, temperature):
     """Grammar rows (forced tokens fed in the verify pass; with logprobs they are sampled
     under one-token masks instead) beside free rows, merged: the same tokens as without
     speculation, every row's grammar at its emitted tokens, caches exact."""
@@ -181,6 +185,8 @@ def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs):
         if driver.batch.speculator is not None:
             driver.batch.speculator.cost = PriorCost()
         reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        for i, req in enumerate(reqs):
+            req.params = replace(req.params, temperature=temperature, seed=10 + i)
         for req in reqs[::2]:
             req.constraint = Cycle()
             req.params = replace(req.params, logprobs=logprobs)

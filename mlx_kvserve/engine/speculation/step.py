@@ -66,10 +66,9 @@ class Speculator:
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
         `ignore_eos` too; a grammar row if its grammar can take tokens back (not the reasoning
-        gates) and it is not seeded (its forced tokens draw no seed, which slots do not yet
-        follow)."""
-        d = seq.decoder
-        return d.constraint is None or (d.rewindable and not d.seeded)
+        gates). A seeded grammar row's slots draw the seeds of its sampled tokens in order, and
+        its forced tokens none, as without speculation."""
+        return seq.decoder.rewindable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         self.cost.observe(batch, width, seconds)
