@@ -46,7 +46,7 @@ class Walk:
 
     drafts: list[int] = field(default_factory=list)  # checked against the row's samples
     forced: list[list[int]] = field(default_factory=list)  # after each draft: fed, not sampled
-    masks: list[mx.array] = field(default_factory=list)  # at each sample slot: len(drafts) + 1
+    masks: list[mx.array | None] = field(default_factory=list)  # per slot: len(drafts) + 1
 
 
 class Cancelled(Exception):
@@ -189,14 +189,18 @@ class Decoder:
         consumed = 0
         try:
             while True:
-                allowed = self.constraint.allowed(n_logits)
-                mask = mx.array(allowed)
+                allowed = self.constraint.allowed(n_logits)  # None: no mask (reasoning)
+                mask = None if allowed is None else mx.array(allowed)
                 out.masks.append(self._without_eos(mask, n_logits) if self._eos else mask)
                 done = self.constraint.finished or left <= 1
                 if done or len(out.drafts) >= depth or not proposal:
                     break
                 token = proposal[0]
-                if token in eos or token >= n_logits or not allowed[token]:
+                if (
+                    token in eos
+                    or token >= n_logits
+                    or (allowed is not None and not allowed[token])
+                ):
                     break
                 self.constraint.advance(token)
                 forced = self.forced_tokens(left - 1)

@@ -206,3 +206,61 @@ def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs, temperat
     drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
     assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
     check_caches(driver.ended)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_reasoning_gate_rows_speculate_and_answer_the_same(temperature):
+    """A reasoning model's rows with a thinking budget and an answer grammar (the reasoning
+    gate: free and pipelined while reasoning, the closing marker forced at the budget, then
+    the grammar), merged beside free rows: the same tokens with and without speculation, and
+    the gate ends where a fresh one fed the row's tokens ends."""
+    from dataclasses import replace
+
+    from mlx_kvserve.chat.reasoning.reasoning_gate import ReasoningGate
+    from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
+    from mlx_kvserve.engine.batch import DecodeBatch
+    from tests.unit.test_batching import Driver, check_caches
+    from tests.unit.test_engine_units import tiny_model, tokens_of
+    from tests.unit.test_speculation_step import LOOPY, MISLED
+
+    markers = ThinkMarkers("<t>", "</t>", (90,), (91,), (91, 92))
+    model = tiny_model()
+    prompts, lengths = [LOOPY, MISLED, MISLED[2:], LOOPY[3:]], [34, 30, 32, 26]
+
+    def gate() -> ReasoningGate:
+        return ReasoningGate(markers, reasoning=True, budget=12, inner=Cycle())
+
+    def go(speculation):
+        driver = Driver(model)
+        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
+        if driver.batch.speculator is not None:
+            driver.batch.speculator.cost = PriorCost()
+        reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        for i, req in enumerate(reqs):
+            req.params = replace(req.params, temperature=temperature, seed=20 + i)
+        for req in reqs[:2]:
+            req.constraint = gate()
+        for req in reqs:
+            driver.join(req)
+            driver.step()
+        driver.drain()
+        return driver, reqs
+
+    _, plain = go("off")
+    driver, spec = go("auto")
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    for req in spec[:2]:
+        fresh = gate()
+        for token in req.sampled:
+            fresh.advance(token)
+        used = req.constraint
+        assert (used.reasoning, used.spent, used.closing) == (
+            fresh.reasoning,
+            fresh.spent,
+            fresh.closing,
+        )
+        assert used.inner.count == fresh.inner.count > 0  # the answer's grammar took over
+    drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
+    assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
+    check_caches(driver.ended)

@@ -23,7 +23,7 @@ class Plan:
     feed: list[int]  # pending tokens, already taken by the grammar and emitted
     drafts: list[int] = field(default_factory=list)  # checked against the row's samples
     forced: list[list[int]] = field(default_factory=list)  # after each draft: fed, not sampled
-    masks: list[mx.array] | None = None  # the grammar's mask at each slot, or None (no grammar)
+    masks: list[mx.array | None] | None = None  # the grammar's mask at each slot (None: any)
 
     def __post_init__(self) -> None:
         if not self.forced:
@@ -66,7 +66,7 @@ def row_masks(seqs: list[Sequence], plans: list[Plan], vocab: int, slots: int) -
     rows: list[mx.array | None] = []
     for seq, plan in zip(seqs, plans, strict=True):
         if plan.masks is not None:
-            own = [m[:vocab] for m in plan.masks]
+            own = [every if m is None else m[:vocab] for m in plan.masks]
             rows.append(mx.stack(own + [every] * (slots - len(own))))
         else:
             mask = seq.decoder.mask(vocab, False)

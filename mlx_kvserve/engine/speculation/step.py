@@ -65,9 +65,9 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
-        `ignore_eos` too; a grammar row if its grammar can take tokens back (not the reasoning
-        gates). A seeded grammar row's slots draw the seeds of its sampled tokens in order, and
-        its forced tokens none, as without speculation."""
+        `ignore_eos` too; a grammar row if its constraint can take tokens back (llguidance's
+        matcher, the reasoning gate; not Harmony's gate). A seeded grammar row's slots draw the
+        seeds of its sampled tokens in order, and its forced tokens none, as without it."""
         return seq.decoder.rewindable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
