@@ -345,3 +345,37 @@ def test_ignore_eos_rows_run_past_their_end_token_inside_kept_runs(model, temper
     assert eos not in tokens_of(got[0].text) and got[0].done.completion_tokens == 40
     assert driver.ended[[s.req for s in driver.ended].index(got[0])].timings.accepted > 0
     check_caches(driver.ended)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_a_request_cancelled_while_speculating_ends_at_the_next_step(model, rows):
+    """A client that leaves in the middle of a verify pass's run of tokens (its cancel flag set
+    as a kept draft's text is emitted): the row ends "cancelled" at the next step, within one
+    pass of tokens, and every row's caches hold exactly its tokens; the others answer as
+    without speculation."""
+    prompts, lengths = [LOOPY, MISLED, PROMPTS[3]][:rows], [40, 34, 24][:rows]
+    _, plain = run(model, prompts, lengths, "off")
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto")
+    driver.batch.speculator.cost = PriorCost()
+    reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    leaving = reqs[0]
+    emit = type(leaving).emit
+
+    def leave_midway(self, event) -> None:
+        emit(self, event)
+        if len(tokens_of(self.text)) >= 12 and driver.batch.speculator.accepted:
+            self.cancel()
+
+    leaving.emit = leave_midway.__get__(leaving)  # type: ignore[method-assign]
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    (gone,) = [s for s in driver.ended if s.req is leaving]
+    assert gone.timings.finish_reason == "cancelled"
+    assert 12 <= gone.timings.completion_tokens <= 12 + driver.batch.speculator.max_depth + 1
+    assert tokens_of(leaving.text) == tokens_of(plain[0].text)[: len(tokens_of(leaving.text))]
+    for a, b in zip(plain[1:], reqs[1:], strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text)
+    check_caches(driver.ended)
