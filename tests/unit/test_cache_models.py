@@ -17,7 +17,7 @@ from mlx_kvserve.cache import PromptCache
 MiB = 1 << 20
 
 
-def tiny_llama(sliding: bool):
+def tiny_llama(sliding: bool, vocab: int = 97):
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=32,
@@ -26,7 +26,7 @@ def tiny_llama(sliding: bool):
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=97,
+        vocab_size=vocab,
         layer_types=["sliding_attention", "full_attention"] if sliding else None,
         sliding_window=8 if sliding else None,
     )

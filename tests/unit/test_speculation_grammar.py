@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.test_decode_steps import Scripted, tokenizer  # noqa: F401  (a fixture)
 from tests.unit.test_engine_units import request
-from tests.unit.test_speculation_step import PriorCost
+from tests.unit.test_speculation_step import PriorCost, driver_for, serve
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 SCRIPTS = {
@@ -56,21 +56,11 @@ def constraint(tokenizer, kind: str):  # noqa: F811
 @pytest.fixture(scope="module")
 def inner(tokenizer):  # noqa: F811
     import mlx.core as mx
-    from mlx_lm.models import llama
+
+    from tests.unit.test_cache_models import tiny_llama
 
     mx.random.seed(3)
-    model = llama.Model(
-        llama.ModelArgs(
-            model_type="llama",
-            hidden_size=32,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-            vocab_size=len(tokenizer.get_vocab()),
-        )
-    )
+    model = tiny_llama(False, vocab=len(tokenizer.get_vocab()))
     mx.eval(model.parameters())
     return model
 
@@ -171,8 +161,7 @@ def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs, temperat
     speculation, every row's grammar at its emitted tokens, caches exact."""
     from dataclasses import replace
 
-    from mlx_kvserve.engine.batch import DecodeBatch
-    from tests.unit.test_batching import Driver, check_caches
+    from tests.unit.test_batching import check_caches
     from tests.unit.test_engine_units import tiny_model, tokens_of
     from tests.unit.test_speculation_step import LOOPY, MISLED
 
@@ -180,21 +169,13 @@ def test_merged_grammar_rows_beside_free_rows_answer_the_same(logprobs, temperat
     prompts, lengths = [LOOPY, MISLED, LOOPY[3:], MISLED[2:]], [30, 34, 26, 28]
 
     def go(speculation):
-        driver = Driver(model)
-        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
-        if driver.batch.speculator is not None:
-            driver.batch.speculator.cost = PriorCost()
         reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
         for i, req in enumerate(reqs):
             req.params = replace(req.params, temperature=temperature, seed=10 + i)
         for req in reqs[::2]:
             req.constraint = Cycle()
             req.params = replace(req.params, logprobs=logprobs)
-        for req in reqs:
-            driver.join(req)
-            driver.step()
-        driver.drain()
-        return driver, reqs
+        return serve(driver_for(model, speculation), reqs), reqs
 
     _, plain = go("off")
     driver, spec = go("auto")
@@ -218,8 +199,7 @@ def test_reasoning_gate_rows_speculate_and_answer_the_same(temperature):
 
     from mlx_kvserve.chat.reasoning.reasoning_gate import ReasoningGate
     from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
-    from mlx_kvserve.engine.batch import DecodeBatch
-    from tests.unit.test_batching import Driver, check_caches
+    from tests.unit.test_batching import check_caches
     from tests.unit.test_engine_units import tiny_model, tokens_of
     from tests.unit.test_speculation_step import LOOPY, MISLED
 
@@ -231,20 +211,12 @@ def test_reasoning_gate_rows_speculate_and_answer_the_same(temperature):
         return ReasoningGate(markers, reasoning=True, budget=12, inner=Cycle())
 
     def go(speculation):
-        driver = Driver(model)
-        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
-        if driver.batch.speculator is not None:
-            driver.batch.speculator.cost = PriorCost()
         reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
         for i, req in enumerate(reqs):
             req.params = replace(req.params, temperature=temperature, seed=20 + i)
         for req in reqs[:2]:
             req.constraint = gate()
-        for req in reqs:
-            driver.join(req)
-            driver.step()
-        driver.drain()
-        return driver, reqs
+        return serve(driver_for(model, speculation), reqs), reqs
 
     _, plain = go("off")
     driver, spec = go("auto")

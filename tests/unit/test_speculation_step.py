@@ -35,24 +35,34 @@ def model():
     return tiny_model()
 
 
-def run(model, prompts, lengths, speculation: str, temperature: float = 0.0, seeds=None):
+def driver_for(model, speculation: str, eos: tuple[int, ...] = ()) -> Driver:
+    """A batch driver with `speculation` as given, drafting on the cost prior alone."""
     driver = Driver(model)
+    if eos:
+        driver.gen.tokenizer = StubTokenizer(eos=eos)
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
     if driver.batch.speculator is not None:
         driver.batch.speculator.cost = PriorCost()
+    return driver
+
+
+def serve(driver: Driver, reqs: list) -> Driver:
+    """Each request joins the running batch a step after the one before; then all run out."""
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    return driver
+
+
+def run(model, prompts, lengths, speculation: str, temperature: float = 0.0, seeds=None):
     reqs = []
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         req = request(p, max_tokens=n)
         seed = None if seeds is None else seeds[i]
         req.params = replace(req.params, temperature=temperature, seed=seed)
         reqs.append(req)
-    driver.join(reqs[0])
-    driver.step()
-    for req in reqs[1:]:  # later rows join a running batch
-        driver.join(req)
-        driver.step()
-    driver.drain()
-    return driver, reqs
+    return serve(driver_for(model, speculation), reqs), reqs
 
 
 @pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
@@ -184,13 +194,9 @@ def test_a_lone_row_rolls_back_windows_and_recurrent_states_exactly(kind):
     from tests.unit.test_engine_units import reference
 
     m = kinds_of_model(kind)
-    driver = Driver(m)
-    driver.batch = DecodeBatch(m, driver._end, speculation="auto")
-    driver.batch.speculator.cost = PriorCost()
     prompt = RECURRENT if kind == "mamba2" else MISLED
     req = request(prompt, max_tokens=40)
-    driver.join(req)
-    driver.drain()
+    driver = serve(driver_for(m, "auto"), [req])
     assert tokens_of(req.text) == reference(m, prompt, 40)
     speculator = driver.batch.speculator
     assert speculator.accepted > 0
@@ -247,15 +253,9 @@ def test_a_request_that_opted_out_drafts_nothing_and_its_company_still_does(mode
     row answers as without speculation."""
     prompts, lengths = [LOOPY, MISLED, PROMPTS[3]][:rows], [30, 34, 24][:rows]
     _, plain = run(model, prompts, lengths, "off")
-    driver = Driver(model)
-    driver.batch = DecodeBatch(model, driver._end, speculation="auto")
-    driver.batch.speculator.cost = PriorCost()
     reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     reqs[0].params = replace(reqs[0].params, speculative=False)
-    for req in reqs:
-        driver.join(req)
-        driver.step()
-    driver.drain()
+    driver = serve(driver_for(model, "auto"), reqs)
     for a, b in zip(plain, reqs, strict=True):
         assert tokens_of(b.text) == tokens_of(a.text), b.request_id
     drafted = {seq.req.request_id: seq.timings.drafted for seq in driver.ended}
@@ -279,18 +279,10 @@ def test_logprob_rows_speculate_and_report_the_targets_logprobs(model, rows):
     kinds = [{"logprobs": True, "top_logprobs": 3}, {"logprobs": True}, {}][:rows]
 
     def go(speculation):
-        driver = Driver(model)
-        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
-        if driver.batch.speculator is not None:
-            driver.batch.speculator.cost = PriorCost()
         reqs = [
             request(p, max_tokens=n, **k) for p, n, k in zip(prompts, lengths, kinds, strict=True)
         ]
-        for req in reqs:
-            driver.join(req)
-            driver.step()
-        driver.drain()
-        return driver, reqs
+        return serve(driver_for(model, speculation), reqs), reqs
 
     _, plain = go("off")
     driver, spec = go("auto")
@@ -322,19 +314,11 @@ def test_ignore_eos_rows_run_past_their_end_token_inside_kept_runs(model, temper
     eos = tokens_of(plain[0].text)[25]
 
     def go(speculation):
-        driver = Driver(model)
-        driver.gen.tokenizer = StubTokenizer(eos=(eos,))
-        driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
-        if driver.batch.speculator is not None:
-            driver.batch.speculator.cost = PriorCost()
         reqs = [
             sampled(request(LOOPY, max_tokens=40, ignore_eos=True), temperature, 5),
             sampled(request(MISLED, max_tokens=30), temperature, 6),  # may end on it
         ]
-        for req in reqs:
-            driver.join(req)
-            driver.step()
-        driver.drain()
+        driver = serve(driver_for(model, speculation, eos=(eos,)), reqs)
         return driver, reqs
 
     _, want = go("off")
@@ -355,9 +339,7 @@ def test_a_request_cancelled_while_speculating_ends_at_the_next_step(model, rows
     without speculation."""
     prompts, lengths = [LOOPY, MISLED, PROMPTS[3]][:rows], [40, 34, 24][:rows]
     _, plain = run(model, prompts, lengths, "off")
-    driver = Driver(model)
-    driver.batch = DecodeBatch(model, driver._end, speculation="auto")
-    driver.batch.speculator.cost = PriorCost()
+    driver = driver_for(model, "auto")
     reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     leaving = reqs[0]
     emit = type(leaving).emit
@@ -368,10 +350,7 @@ def test_a_request_cancelled_while_speculating_ends_at_the_next_step(model, rows
             self.cancel()
 
     leaving.emit = leave_midway.__get__(leaving)  # type: ignore[method-assign]
-    for req in reqs:
-        driver.join(req)
-        driver.step()
-    driver.drain()
+    serve(driver, reqs)
     (gone,) = [s for s in driver.ended if s.req is leaving]
     assert gone.timings.finish_reason == "cancelled"
     assert 12 <= gone.timings.completion_tokens <= 12 + driver.batch.speculator.max_depth + 1

@@ -7,6 +7,8 @@
 - `depth`: how many tokens each row drafts, from measured acceptance and measured verify cost
   (0 when nothing pays).
 - `holes`: per-row rollback of a merged KV batch without moving KV.
+- `snapshot`: a lone row's rollback of windows and recurrent states (snapshot, then replay).
+- `plan`: what a row feeds a verify pass (its grammar's forced tokens too) and where it samples.
 - `step`: the speculative decode step the decode batch tries first (imported by
   engine/batch.py, not re-exported here).
 
