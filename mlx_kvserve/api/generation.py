@@ -27,7 +27,13 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
-from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
+from mlx_kvserve.chat.render import (
+    Prompt,
+    continuing,
+    render_chat,
+    render_text,
+    render_token_ids,
+)
 from mlx_kvserve.engine import (
     Done,
     EngineBusy,
@@ -85,8 +91,10 @@ async def start_chat(
     model: str | None,
     id_prefix: str = "call_",
     kind: str = "chat",
+    context: list[int] | None = None,
 ) -> Generation:
-    """Template, constrain and queue a chat request (raises APIError for the client)."""
+    """Template, constrain and queue a chat request (raises APIError for the client);
+    `context`: token ids the prompt continues (Ollama's, checked by the caller)."""
     slot = served_model(request, model)
     engine = await acquire_model(request, slot)
     settings = request.app.state.settings
@@ -96,6 +104,7 @@ async def start_chat(
     def build() -> tuple[Prompt, TokenConstraint | None]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
+        prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
         grammar = _grammar(engine).constraint_for(chat, fmt)
         budget = chat.thinking.budget or settings.thinking_budget or None
