@@ -8,14 +8,19 @@ Every answer is validated against Ollama's OpenAPI description.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import ollama
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from tests.support.ollama_spec import Recorder
+from tests.support.fuzz_values import anything, text
+from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
 from tests.support.tiny_models import make_model_dir
 
@@ -113,3 +118,27 @@ def test_pull_is_refused_unless_the_server_allows_it(tmp_path: Path, hub: Path) 
         assert list(reply.json()) == ["error"]
         whole = http.post("/api/pull", json={"model": SERVED, "stream": False})
         assert whole.json() == {"status": "success"}
+
+
+name_part = st.from_regex(r"[A-Za-z0-9][\w.-]{0,8}", fullmatch=True)
+names = st.one_of(
+    st.builds("{}/{}".format, name_part, name_part),
+    st.builds("hf.co/{}/{}:latest".format, name_part, name_part),
+    st.sampled_from(["acme/no-weights", "acme/../acme/tiny-chat", "a/b/c", "hf.co/", SERVED]),
+    text,
+    anything,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    model=names, stream=st.one_of(st.booleans(), anything), key=st.sampled_from(["model", "name"])
+)
+def test_fuzzed_pulls_never_5xx(served: ServerProcess, model, stream, key: str) -> None:
+    """Whatever the name, an answer in Ollama's shape (a 4xx `{"error"}` or valid lines)."""
+    body = json.dumps({key: model, "stream": stream}, ensure_ascii=True)  # lone surrogates too
+    headers = {"Content-Type": "application/json"}
+    reply = httpx.post(served.base_url + "/api/pull", content=body, headers=headers, timeout=120)
+    assert reply.status_code < 500, (model, reply.status_code, reply.text[:300])
+    media = reply.headers.get("content-type", "").split(";")[0]
+    check(Recorded("POST", "/api/pull", reply.status_code, media, reply.content))
