@@ -23,6 +23,11 @@ from mlx_kvserve.json_value import JSON
 log = logging.getLogger("mlx_kvserve.embed")
 
 POOLING_MODULE = "sentence_transformers.models.Pooling"
+DENSE_MODULE = "sentence_transformers.models.Dense"
+# Bidirectional encoders (BERT's family: all-MiniLM, bge, e5, nomic-embed-text, gte...)
+ENCODERS = frozenset(
+    {"bert", "distilbert", "roberta", "xlm-roberta", "modernbert", "mpnet", "nomic_bert", "new"}
+)
 # sentence-transformers' Pooling config keys, in the order of preference when several are set
 _MODES = (
     ("pooling_mode_lasttoken", LAST),
@@ -40,6 +45,32 @@ class EmbeddingKind:
 
 
 GENERATIVE = EmbeddingKind(MEAN, False)
+
+
+def encoder_problem(model_dir: Path) -> str | None:
+    """Why the model's embeddings cannot be computed as its model card says, or None: an
+    encoder (mlx-lm runs causal models only), or a decoder made bidirectional or followed by
+    Dense layers (EmbeddingGemma), which mlx-lm would load as a causal model and whose vectors
+    would silently differ from the model card's."""
+    config = _json(model_dir / "config.json")
+    if not isinstance(config, dict):
+        return None
+    model_type = config.get("model_type")
+    modules = _json(model_dir / "modules.json")
+    dense = isinstance(modules, list) and any(
+        isinstance(m, dict) and m.get("type") == DENSE_MODULE for m in modules
+    )
+    if model_type in ENCODERS:
+        why = f"{model_type} is a bidirectional encoder, which mlx-lm does not run"
+    elif config.get("use_bidirectional_attention") is True or dense:
+        why = (
+            f"this {model_type} embedding model attends both ways or projects its pooled "
+            "vector through Dense layers (as EmbeddingGemma does), which mlx-lm's causal "
+            f"{model_type} would not: its vectors would not be its model card's"
+        )
+    else:
+        return None
+    return f"{why}; this server does not serve such embedding models yet (docs/embeddings.md)"
 
 
 def kind_of(model_dir: Path | None) -> EmbeddingKind:

@@ -4,8 +4,10 @@ The model itself loads on the engine thread after the server is up (so /health c
 "loading"); a directory that can never load would leave a server that answers 503 for ever. The
 checks here are the cheap ones `mlx_lm.load` would fail on first: a readable config.json with a
 `model_type`, an architecture the installed mlx-lm implements, no custom code to run, weights;
-and one it would not: a tokenizer that writes more ids than the embedding has rows (the
-tokenizer of another model), whose ids past the table no loader can reconcile. The opposite, an
+and two it would not: an embedding model whose vectors mlx-lm's causal models cannot compute
+(embed/kind.py: BERT's family, EmbeddingGemma), and a tokenizer that writes more ids than the
+embedding has rows (the tokenizer of another model), whose ids past the table no loader can
+reconcile. The opposite, an
 embedding padded past the tokenizer, is how Qwen, Gemma 3 and DeepSeek-V3 ship, and is served
 (mlx_kvserve/vocabulary.py).
 """
@@ -31,6 +33,11 @@ def model_dir_problem(model_dir: Path) -> str | None:
         return f"{path} names no model_type"
     if config.get("model_file") is not None:
         return f"the model needs its own code ({config['model_file']!r}), which is not run"
+    from mlx_kvserve.embed.kind import encoder_problem
+
+    encoder = encoder_problem(Path(model_dir))
+    if encoder is not None:
+        return encoder
     import mlx_lm
     from mlx_lm.utils import _get_classes  # what mlx_lm.load resolves the architecture with
 

@@ -243,3 +243,32 @@ def test_rows_padded_in_a_batch_equal_rows_alone(tmp_path: Path, model_type: str
             np.testing.assert_allclose(
                 got, embed_rows(model, [row], pooling)[0], rtol=1e-4, atol=1e-5
             )
+
+
+def test_embedding_models_mlx_lm_would_compute_wrongly_are_refused_before_serving(
+    dirs, tmp_path: Path
+) -> None:
+    """BERT's family, and a decoder made bidirectional or followed by Dense layers
+    (EmbeddingGemma's files), are refused by the preflight with why, instead of loading as a
+    causal model whose vectors are not the model card's."""
+    import json
+    import shutil
+
+    from mlx_kvserve.models.preflight import model_dir_problem
+    from tests.support.tiny_models import EMBEDDING_MODULES
+
+    assert model_dir_problem(dirs["embedder"]) is None
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
+    assert "bert is a bidirectional encoder" in model_dir_problem(bert)
+    both_ways = shutil.copytree(dirs["embedder"], tmp_path / "both-ways")
+    config = json.loads((both_ways / "config.json").read_text())
+    config["use_bidirectional_attention"] = True
+    (both_ways / "config.json").write_text(json.dumps(config))
+    dense = shutil.copytree(dirs["embedder"], tmp_path / "dense")
+    dense_module = {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    (dense / "modules.json").write_text(json.dumps([*EMBEDDING_MODULES, dense_module]))
+    for model in (both_ways, dense):
+        problem = model_dir_problem(model)
+        assert problem is not None and "EmbeddingGemma" in problem, problem
