@@ -84,6 +84,20 @@ async def acquire_model(request: Request, slot: Slot) -> EngineView:
     return engine
 
 
+async def acquire_generator(request: Request, slot: Slot) -> EngineView:
+    """`acquire_model` for a generation: a model that only embeds is a 400."""
+    engine = await acquire_model(request, slot)
+    if not engine.generates:
+        request.app.state.pool.release(slot)
+        raise APIError(
+            400,
+            f"the model {slot.name!r} is an embedding model: it does not generate text "
+            "(ask it for embeddings)",
+            param="model",
+        )
+    return engine
+
+
 async def start_chat(
     request: Request,
     chat: ChatRequest,
@@ -96,7 +110,7 @@ async def start_chat(
     """Template, constrain and queue a chat request (raises APIError for the client);
     `context`: token ids the prompt continues (Ollama's, checked by the caller)."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     settings = request.app.state.settings
 
     sampled = sampled_turns(request)
@@ -159,7 +173,7 @@ async def start_text(
 ) -> Generation:
     """Tokenize (or check the token ids of) and queue a plain text completion."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     try:
         if isinstance(text, str):
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
@@ -176,7 +190,7 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)
     try:

@@ -157,6 +157,9 @@ def make_engine(
 ) -> Engine:
     """One model's engine (not started) with its prompt cache open."""
     from mlx_kvserve.chat.formats import add_end_tokens, tool_format_notice
+    from mlx_kvserve.embed.encoder import EncoderEngine, load_encoder
+    from mlx_kvserve.embed.kind import kind_of, pooling_config
+    from mlx_kvserve.embed.pooling import ENCODER
     from mlx_kvserve.models.context import read_context_length
     from mlx_kvserve.models.precision import (
         apply_kv_dtype,
@@ -165,6 +168,13 @@ def make_engine(
         served_dtype,
     )
 
+    if kind_of(model_dir).pooling == ENCODER:  # a model that only embeds (embed/encoder.py)
+        pooling = pooling_config(model_dir)
+        return EncoderEngine(  # type: ignore[return-value]  # the pool's engine, as EngineView
+            lambda: load_encoder(model_dir, pooling),
+            context_length=read_context_length(model_dir),
+            mlx_cache_limit=parse_size(settings.mlx_cache_limit),
+        )
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
     prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
 

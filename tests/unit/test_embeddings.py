@@ -246,22 +246,29 @@ def test_rows_padded_in_a_batch_equal_rows_alone(tmp_path: Path, model_type: str
 
 
 def test_embedding_models_mlx_lm_would_compute_wrongly_are_refused_before_serving(
-    dirs, tmp_path: Path
+    dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """BERT's family, and a decoder made bidirectional or followed by Dense layers
-    (EmbeddingGemma's files), are refused by the preflight with why, instead of loading as a
-    causal model whose vectors are not the model card's."""
+    """An encoder this server cannot serve (an architecture mlx-vlm's embedding models lack,
+    or the embeddings extra not installed), and a decoder made bidirectional or followed by
+    Dense layers (EmbeddingGemma's files on another architecture), are refused by the preflight
+    with why, instead of loading as a causal model whose vectors are not the model card's."""
     import json
     import shutil
 
+    from mlx_kvserve.embed import encoder
     from mlx_kvserve.models.preflight import model_dir_problem
     from tests.support.tiny_models import EMBEDDING_MODULES
 
     assert model_dir_problem(dirs["embedder"]) is None
+    mpnet = tmp_path / "mpnet"
+    mpnet.mkdir()
+    (mpnet / "config.json").write_text(json.dumps({"model_type": "mpnet", "hidden_size": 32}))
+    assert "mpnet is an embedding model that attends both ways" in model_dir_problem(mpnet)
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
-    assert "bert is a bidirectional encoder" in model_dir_problem(bert)
+    monkeypatch.setattr(encoder, "encoder_library", lambda: "install the embeddings extra")
+    assert "install the embeddings extra" in model_dir_problem(bert)
     both_ways = shutil.copytree(dirs["embedder"], tmp_path / "both-ways")
     config = json.loads((both_ways / "config.json").read_text())
     config["use_bidirectional_attention"] = True
@@ -271,4 +278,4 @@ def test_embedding_models_mlx_lm_would_compute_wrongly_are_refused_before_servin
     (dense / "modules.json").write_text(json.dumps([*EMBEDDING_MODULES, dense_module]))
     for model in (both_ways, dense):
         problem = model_dir_problem(model)
-        assert problem is not None and "EmbeddingGemma" in problem, problem
+        assert problem is not None and "llama is an embedding model that attends" in problem

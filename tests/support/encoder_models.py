@@ -1,0 +1,87 @@
+"""A tiny random-weight BERT embedding model, as sentence-transformers ships one (all-MiniLM,
+bge): mlx-vlm's `bert` weights, a WordPiece tokenizer in BERT's configuration (lower-casing,
+BERT's pre-tokenizer, `[CLS] ... [SEP]`, `[PAD]` 0) trained here on a small corpus, and the
+`modules.json` and `1_Pooling/config.json` that say its pooling. Needs the `embeddings` extra
+(mlx-vlm); its tests skip without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = [
+    "The sky is blue because of Rayleigh scattering.",
+    "Embeddings map text to vectors; similar texts get similar vectors.",
+    "def add(a, b): return a + b",
+    "A quick brown fox jumps over the lazy dog.",
+    "Servers batch requests of like length together.",
+] * 4
+MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    },
+]
+
+
+def _tokenizer(dest: Path) -> int:
+    """Write a WordPiece tokenizer into `dest`; return its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers.trainers import WordPieceTrainer
+    from transformers import BertTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(CORPUS, WordPieceTrainer(vocab_size=300, special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    wrapped = BertTokenizerFast(tokenizer_object=tok, model_max_length=64)
+    wrapped.save_pretrained(str(dest))
+    return tok.get_vocab_size()
+
+
+def tiny_bert_dir(dest: Path, pooling: str = "pooling_mode_cls_token", seed: int = 0) -> Path:
+    """A tiny BERT embedding model in `dest` (created), pooling as `pooling` says."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.bert import Model, ModelConfig
+
+    dest.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(dest)
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": 0,
+    }
+    mx.random.seed(seed)
+    model = Model(ModelConfig.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    (dest / "modules.json").write_text(json.dumps(MODULES))
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}
+    (dest / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, **modes, pooling: True})
+    )
+    return dest
