@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -68,16 +69,12 @@ def encode_rows(model: nn.Module, rows: list[list[int]], pad: int) -> np.ndarray
 
 
 class _NoKV:
-    """An encoder's KV: none (for the status page and /health)."""
+    """An encoder's KV layout: none (for the status page)."""
 
     bytes_per_token = 0
-    last: dict[str, int] = {}
 
     def summary(self) -> str:
         return "an encoder: no KV cache"
-
-    def report(self) -> dict[str, int]:
-        return {}
 
 
 class EncoderEngine:
@@ -87,7 +84,9 @@ class EncoderEngine:
     unloadable = True
     cluster: dict[str, JSON] | None = None
     prompt_cache = None
-    generator = None
+    generator = None  # no generation, KV ledger or decode batch (None: as read by /metrics)
+    room = None
+    batch = None
     kv_budget = 0
     queued = 0
     running = 0
@@ -107,7 +106,8 @@ class EncoderEngine:
         self.failure: str | None = None
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
-        self.room = self.layout = _NoKV()
+        self.layout = _NoKV()
+        self.busy_seconds = 0.0  # in calls: the embedding batches (/metrics)
         self.memory = MemoryPolicy(mlx_cache_limit)
         self._calls: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="mlx-kvserve-encoder", daemon=True)
@@ -129,10 +129,12 @@ class EncoderEngine:
         while (item := self._calls.get()) is not None:
             fn, future = item
             if future.set_running_or_notify_cancel():
+                started = time.perf_counter()
                 try:
                     future.set_result(fn())
                 except Exception as exc:  # the caller's to handle
                     future.set_exception(exc)
+                self.busy_seconds += time.perf_counter() - started
         self.failure = "the engine stopped"
         while not self._calls.empty():  # calls queued behind the stop
             left = self._calls.get_nowait()
