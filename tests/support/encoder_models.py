@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.support.tiny_models import EMBEDDING_MODULES
+
 CORPUS = [
     "The sky is blue because of Rayleigh scattering.",
     "Embeddings map text to vectors; similar texts get similar vectors.",
@@ -17,16 +19,6 @@ CORPUS = [
     "A quick brown fox jumps over the lazy dog.",
     "Servers batch requests of like length together.",
 ] * 4
-MODULES = [
-    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    {
-        "idx": 2,
-        "name": "2",
-        "path": "2_Normalize",
-        "type": "sentence_transformers.models.Normalize",
-    },
-]
 
 
 def _tokenizer(dest: Path) -> int:
@@ -78,7 +70,7 @@ def tiny_bert_dir(dest: Path, pooling: str = "pooling_mode_cls_token", seed: int
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    (dest / "modules.json").write_text(json.dumps(MODULES))
+    (dest / "modules.json").write_text(json.dumps(EMBEDDING_MODULES))
     (dest / "1_Pooling").mkdir(exist_ok=True)
     modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}
     (dest / "1_Pooling" / "config.json").write_text(

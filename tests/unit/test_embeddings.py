@@ -19,26 +19,12 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.embed.pooling import LAST, MEAN, embed_rows
-from mlx_kvserve.engine import Engine
+from tests.support.in_process import serve
 from tests.support.tiny_models import embedding_model_dir, make_model_dir
 
-LOCAL = "http://localhost"
 CONTEXT = 64
 TEXTS = ["Hello", "The sky is blue because of Rayleigh scattering.", "a b c d e f g", "x" * 40]
-
-
-def serve(model_dir: Path, name: str) -> TestClient:
-    from mlx_lm import load
-
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    engine = Engine(lambda: load(str(model_dir)), cache_enabled=False)
-    pool = ModelPool.single(engine, name)
-    pool.default.model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
 
 
 @pytest.fixture(scope="module")

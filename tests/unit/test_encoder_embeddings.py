@@ -16,23 +16,20 @@ from starlette.testclient import TestClient
 pytest.importorskip("mlx_vlm.embedding_loader", reason="the embeddings extra (mlx-vlm)")
 
 from mlx_kvserve.config.settings import Settings  # noqa: E402
+from tests.support import in_process  # noqa: E402
 from tests.support.encoder_models import tiny_bert_dir  # noqa: E402
 
-LOCAL = "http://localhost"
 TEXTS = ["The sky is blue.", "def add(a, b): return a + b", "fox", "Servers batch requests " * 3]
 
 
 def serve(model_dir: Path, name: str) -> TestClient:
-    from mlx_kvserve.api.app import create_app
+    """The app on the engine the server makes for the model (models/serving.py)."""
     from mlx_kvserve.embed.encoder import EncoderEngine
-    from mlx_kvserve.models.pool import ModelPool
     from mlx_kvserve.models.serving import make_engine
 
     engine = make_engine(Settings(), model_dir, name, lambda *args: None, lambda path: None)
     assert isinstance(engine, EncoderEngine)
-    pool = ModelPool.single(engine, name)
-    pool.default.model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+    return in_process.serve(model_dir, name, engine)
 
 
 @pytest.fixture(scope="module")

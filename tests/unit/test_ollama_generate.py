@@ -16,26 +16,12 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
-from mlx_kvserve.engine import Engine
+from tests.support.in_process import serve
 from tests.support.thinking_models import build_thinking_model
 from tests.support.tiny_models import make_model_dir
 
-LOCAL = "http://localhost"
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's
 GREEDY = {"temperature": 0, "num_predict": 4}
-
-
-def serve(model_dir: Path, name: str) -> TestClient:
-    from mlx_lm import load
-
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    engine = Engine(lambda: load(str(model_dir)), cache_enabled=False)
-    pool = ModelPool.single(engine, name)
-    pool.default.model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
 
 
 @pytest.fixture(scope="module")
