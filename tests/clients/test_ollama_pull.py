@@ -33,6 +33,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hub")
     make_model_dir(root / "acme" / "tiny-coder", "llama", seed=5)
     make_model_dir(root / "acme" / "tiny-chat", "llama", seed=6)
+    make_model_dir(root / "acme" / "tiny-left", "llama", seed=7)
     (root / "acme" / "no-weights").mkdir()
     (root / "acme" / "no-weights" / "config.json").write_text("{}")
     return root
@@ -99,6 +100,20 @@ def test_pull_without_streaming_and_what_it_refuses(client: ollama.Client) -> No
         with pytest.raises(ollama.ResponseError) as refused:
             client.pull(name)
         assert refused.value.status_code == status and words in refused.value.error
+
+
+def test_a_client_that_leaves_mid_pull_leaves_the_server_whole(
+    served: ServerProcess, client: ollama.Client
+) -> None:
+    """A client gone after the first progress line: the pull stops there; pulled again, the
+    model is fetched and served once."""
+    body = {"model": "acme/tiny-left"}
+    with httpx.stream("POST", served.base_url + "/api/pull", json=body, timeout=60) as reply:
+        first = next(reply.iter_lines())
+    assert json.loads(first) == {"status": "pulling manifest"}
+    assert client.pull("acme/tiny-left").status == "success"
+    listed = [m.model for m in client.list().models]
+    assert listed.count("acme/tiny-left") == 1
 
 
 def test_pull_is_refused_unless_the_server_allows_it(tmp_path: Path, hub: Path) -> None:
