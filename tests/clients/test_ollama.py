@@ -324,7 +324,8 @@ def test_errors_in_ollama_shape(
 
 
 def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
-    """The `ollama` npm package: list, show, chat streamed with a tool, generate."""
+    """The `ollama` npm package: list, show, chat streamed with a tool, generate, and generate
+    continued from the `context` it returned."""
     env = {
         "HOST": served.base_url,
     }
@@ -334,6 +335,8 @@ def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
     assert out["chunks"] > 1 and out["final"]["done"] and out["final"]["eval_count"] > 0
     check(Recorded("POST", "/api/chat", 200, "application/json", json.dumps(out["final"]).encode()))
     assert out["generated"]["done"] and isinstance(out["generated"]["response"], str)
+    context = out["generated"]["context"]  # continued: the next exchange starts with it
+    assert context and out["continued"]["context"][: len(context)] == context
     assert out["error"] == 404
 
 
@@ -355,6 +358,8 @@ const MODEL = 'SmolLM2-135M-Instruct';
   out.chunks = chunks;
   const options = { num_predict: 4 };
   out.generated = await client.generate({ model: MODEL, prompt: 'Hi', options });
+  const context = out.generated.context;
+  out.continued = await client.generate({ model: MODEL, prompt: 'More', context, options });
   try {
     await client.chat({ model: 'nope', messages: [{ role: 'user', content: 'x' }] });
     out.error = 0;
