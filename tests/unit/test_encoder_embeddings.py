@@ -17,7 +17,7 @@ pytest.importorskip("mlx_vlm.embedding_loader", reason="the embeddings extra (ml
 
 from mlx_kvserve.config.settings import Settings  # noqa: E402
 from tests.support import in_process  # noqa: E402
-from tests.support.encoder_models import tiny_bert_dir  # noqa: E402
+from tests.support.encoder_models import tiny_bert_dir, tiny_embeddinggemma_dir  # noqa: E402
 
 TEXTS = ["The sky is blue.", "def add(a, b): return a + b", "fox", "Servers batch requests " * 3]
 
@@ -61,7 +61,7 @@ def alone(model_dir: Path, text: str, pooling: str) -> np.ndarray:
 
 
 def vectors(client: TestClient, inputs: list[str]) -> list[np.ndarray]:
-    reply = client.post("/v1/embeddings", json={"model": "bert", "input": inputs})
+    reply = client.post("/v1/embeddings", json={"input": inputs})
     assert reply.status_code == 200, reply.text
     return [np.array(d["embedding"], dtype=np.float32) for d in reply.json()["data"]]
 
@@ -99,3 +99,30 @@ def test_an_encoder_embeds_on_every_route_and_generates_nothing(cls: TestClient)
         reply = cls.post(path, json={"model": "bert", **body})
         assert reply.status_code == 400, (path, reply.text)
         assert "embedding model" in reply.text, (path, reply.text)
+
+
+def test_embeddinggemma_pools_then_projects_through_its_dense_layers(tmp_path: Path) -> None:
+    """EmbeddingGemma's files (a bidirectional gemma3_text, mean pooling, `2_Dense` and
+    `3_Dense`): its vector is the mean of its hidden states through both Dense layers,
+    normalised, whichever rows share its batch."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm.embedding_loader import load_embedding_model
+    from safetensors.numpy import load_file
+
+    model_dir = tiny_embeddinggemma_dir(tmp_path / "embeddinggemma")
+    model = load_embedding_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    dense = [
+        load_file(str(model_dir / d / "model.safetensors"))["linear.weight"]
+        for d in ("2_Dense", "3_Dense")
+    ]
+    with serve(model_dir, "gemma") as client:
+        shown = client.post("/api/show", json={"model": "gemma"}).json()
+        assert shown["capabilities"] == ["embedding"]
+        got = vectors(client, TEXTS)
+    for text, vector in zip(TEXTS, got, strict=True):
+        ids = mx.array([tokenizer.encode(text)])
+        hidden = np.array(model(ids).last_hidden_state[0].astype(mx.float32))
+        want = dense[1] @ (dense[0] @ hidden.mean(axis=0))
+        assert np.allclose(vector, want / np.linalg.norm(want), atol=1e-4)
