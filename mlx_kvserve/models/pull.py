@@ -1,7 +1,7 @@
 """Fetching a model while serving (Ollama's `/api/pull`): the repo's files one by one, each
 checked against the digest the Hub lists for it, into the Hugging Face cache the server
 already downloads `--model org/name` into at start (models/resolve.py: mlx-lm's `_download`,
-the same files and patterns).
+whose `snapshot_download` and patterns `HuggingFaceHub` uses).
 
 The Hub is reached through a named seam, `Hub`: `HuggingFaceHub` talks to the Hub;
 `MirrorHub` reads `org/name` folders from a directory instead. `hub()` picks the mirror when
@@ -91,15 +91,18 @@ class HuggingFaceHub:
             if wanted(s.rfilename)
         ]
 
+    # mlx-lm's `_download` with its patterns, minus its first step: a local directory of the
+    # repo's name (relative to where the server runs) is never what a client pulls
     def fetch(self, repo: str, name: str) -> Path:
-        from mlx_lm.utils import _download
+        from huggingface_hub import snapshot_download
 
-        return _download(repo, allow_patterns=[name]) / name
+        return Path(snapshot_download(repo, allow_patterns=[name])) / name
 
     def folder(self, repo: str) -> Path:
-        from mlx_kvserve.models.resolve import local_model_dir
+        from huggingface_hub import snapshot_download
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-        return local_model_dir(repo)
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
 
 
 class MirrorHub:
