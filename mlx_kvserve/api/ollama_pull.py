@@ -12,7 +12,6 @@ Ollama writes it. The files go through models/pull.py's `Hub` seam.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
@@ -27,9 +26,9 @@ from mlx_kvserve.api.ollama_stream import NDJSON, line, status_lines
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import ModelPool
 from mlx_kvserve.models.pull import Hub, PullError, RemoteFile, hub, sha256_of
+from mlx_kvserve.models.resolve import hub_repo
 from mlx_kvserve.models.serving import ModelSetupError
 
-_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 _HUB_HOSTS = ("hf.co/", "huggingface.co/")
 
 
@@ -83,7 +82,7 @@ def repo_of(asked: str) -> str | None:
     name = asked.removesuffix(":latest")
     for host in _HUB_HOSTS:
         name = name.removeprefix(host)
-    return name if _HF_REPO.fullmatch(name) and ".." not in name else None
+    return name if hub_repo(name) else None
 
 
 async def _lines(steps: AsyncIterator[dict[str, JSON]]) -> AsyncIterator[str]:
