@@ -16,11 +16,14 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("mlx_vlm.embedding_loader", reason="the embeddings extra (mlx-vlm)")
 
 from tests.support.encoder_models import tiny_bert_dir  # noqa: E402
-from tests.support.ollama_spec import Recorder  # noqa: E402
+from tests.support.fuzz_embeddings import PATHS, embedding_body  # noqa: E402
+from tests.support.ollama_spec import Recorded, Recorder, check  # noqa: E402
 from tests.support.servers import ServerProcess  # noqa: E402
 
 TEXTS = ["The sky is blue.", "def add(a, b): return a + b", "fox"]
@@ -58,3 +61,17 @@ def test_the_official_clients_embed_with_an_encoder(served: ServerProcess) -> No
         assert httpx.get(served.base_url + path).status_code == 200, path
     status = httpx.get(served.base_url + "/v1/status").json()
     assert status["models"][0]["layers"] == "an encoder: no KV cache"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_bodies_never_5xx(served: ServerProcess, data: st.DataObject) -> None:
+    """Whatever the body, an encoder answers in the route's shape: never a 5xx."""
+    path = data.draw(st.sampled_from(PATHS))
+    body = data.draw(embedding_body(path, ["bert", "", "nope", 5]))
+    headers = {"Content-Type": "application/json"}
+    reply = httpx.post(served.base_url + path, content=body, headers=headers, timeout=120)
+    assert reply.status_code < 500, (body, reply.status_code, reply.text[:300])
+    if path.startswith("/api/"):
+        media = reply.headers.get("content-type", "").split(";")[0]
+        check(Recorded("POST", path, reply.status_code, media, reply.content))
