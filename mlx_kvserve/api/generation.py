@@ -43,6 +43,7 @@ from mlx_kvserve.engine import (
     SamplingParams,
 )
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
@@ -169,9 +170,15 @@ def _keep_turn(
 
 
 async def start_text(
-    request: Request, text: str | list[int], sampling: Sampling, *, model: str | None
+    request: Request,
+    text: str | list[int],
+    sampling: Sampling,
+    *,
+    model: str | None,
+    schema: tuple[dict[str, JSON], str] | None = None,
 ) -> Generation:
-    """Tokenize (or check the token ids of) and queue a plain text completion."""
+    """Tokenize (or check the token ids of) and queue a plain text completion; `schema`: the
+    JSON Schema its answer follows and the field that gave it (Ollama's `format`)."""
     slot = served_model(request, model)
     engine = await acquire_generator(request, slot)
     try:
@@ -179,8 +186,11 @@ async def start_text(
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
         else:
             prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
+        constraint = None
+        if schema is not None:
+            constraint = await _off_loop(lambda: _grammar(engine).json_constraint(*schema))
         parser = OutputParser(None)
-        return _submit(request, engine, slot, prompt, sampling, "text", parser, None)
+        return _submit(request, engine, slot, prompt, sampling, "text", parser, constraint)
     except BaseException:
         request.app.state.pool.release(slot)
         raise

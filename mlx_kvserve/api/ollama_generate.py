@@ -7,7 +7,8 @@ the prompt:
   `template` if one is given (`.Prompt` and `.Suffix`); a model without such tokens is
   Ollama's 400 "... does not support insert" (its `/api/show` says `insert` when it has them).
 * `template`: the Go-template subset clients send (api/ollama_template.py) with `.System` and
-  `.Prompt`, rendered in place of the model's chat template; the answer is then plain text.
+  `.Prompt`, rendered in place of the model's chat template; the answer is then plain text
+  (`format` still holds it to JSON, as with `raw` and `suffix`).
 * otherwise: `system` and the prompt as a user turn through the model's chat template, with
   its reasoning and `format` as on `/api/chat`.
 * `context`: the token ids the last answer returned (the prompt's and the answer's), put
@@ -29,12 +30,19 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat, start_text
 from mlx_kvserve.api.ollama import answer_with, find_model, load_or_unload, read_body
 from mlx_kvserve.api.ollama_models import tokens_from
-from mlx_kvserve.api.ollama_request import IMAGES_REFUSED, generate_request, sampling, thinking
+from mlx_kvserve.api.ollama_request import (
+    IMAGES_REFUSED,
+    generate_request,
+    output_format,
+    sampling,
+    thinking,
+)
 from mlx_kvserve.api.ollama_schemas import GenerateBody, Options, keep_alive_seconds
 from mlx_kvserve.api.ollama_stream import Answer, Timing
 from mlx_kvserve.api.ollama_template import TemplateError, render
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat.fill_in_middle import fill_format
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.vocabulary import unknown_token_id
 
 
@@ -66,8 +74,11 @@ async def generate(request: Request) -> Response:
                 param="context",
             )
         text_sampling = sampling(options, body.logprobs, body.top_logprobs)
+        schema = _schema(body)
         if body.raw:
-            return await start_text(request, body.prompt, text_sampling, model=slot.name)
+            return await start_text(
+                request, body.prompt, text_sampling, model=slot.name, schema=schema
+            )
         text = _text_prompt(body, tokenizer)
         if text is None:
             chat = generate_request(body, options, thinks=thinks)
@@ -75,7 +86,7 @@ async def generate(request: Request) -> Response:
         ids = context + list(await run_in_threadpool(tokenizer.encode, text))
         if not ids:
             raise APIError(400, "template: the prompt it makes is empty", param="template")
-        return await start_text(request, ids, text_sampling, model=slot.name)
+        return await start_text(request, ids, text_sampling, model=slot.name, schema=schema)
 
     return await answer_with(request, slot, options, keep, body.stream, answer, timing, begin)
 
@@ -86,19 +97,22 @@ def _check(body: GenerateBody) -> None:
         raise APIError(400, IMAGES_REFUSED, param="images")
     if body.raw and (body.template or body.system or body.context):
         raise APIError(400, "raw mode does not support template, system, or context")
-    if body.raw and body.format:
-        raise APIError(400, "`format` is not supported with raw mode", param="format")
+    _schema(body)  # a `format` that is neither "json" nor a schema: a 400 before loading
     if body.template:
         try:
             render(body.template, {})
         except TemplateError as exc:
             raise APIError(400, f"template: {exc}", param="template") from None
-    if (body.suffix or body.template) and body.format:
-        raise APIError(
-            400,
-            "`format` is not supported with `suffix` or `template`: the answer is plain text",
-            param="format",
-        )
+
+
+def _schema(body: GenerateBody) -> tuple[dict[str, JSON], str] | None:
+    """`format` as the JSON Schema a plain-text answer follows (raw, `suffix`, `template`)."""
+    output = output_format(body.format)
+    if output.kind == "json_object":
+        return {"type": "object"}, "format"
+    if output.kind == "json_schema":
+        return output.schema or {"type": "object"}, "format"
+    return None
 
 
 def _text_prompt(body: GenerateBody, tokenizer: object) -> str | None:

@@ -153,3 +153,29 @@ def test_the_go_template_subset(template: str, values: dict, text: str) -> None:
     from mlx_kvserve.api.ollama_template import render
 
     assert render(template, values) == text
+
+
+def test_format_holds_a_plain_text_answer_to_json(plain: TestClient) -> None:
+    """With `raw`, `template` or `suffix` the answer is plain text; `format` still decodes it
+    under the JSON grammar, as Ollama applies it whatever the prompt."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    options = {"temperature": 0, "num_predict": 40}
+    raw = generate(plain, model="plain", prompt="Answer:", raw=True, format=schema, options=options)
+    assert raw["done_reason"] == "stop" and set(json.loads(raw["response"])) == {"ok"}
+    templated = generate(
+        plain,
+        model="plain",
+        prompt="Hi",
+        template="Q: {{ .Prompt }}\nA:",
+        format=schema,
+        options=options,
+    )
+    assert set(json.loads(templated["response"])) == {"ok"}
+    bad = refused(plain, model="plain", prompt="x", raw=True, format={"type": "nonsense"})
+    assert "format" in bad
+    assert "format" in refused(plain, model="plain", prompt="x", raw=True, format="yaml")
