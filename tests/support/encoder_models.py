@@ -41,13 +41,22 @@ def _tokenizer(dest: Path) -> int:
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
     )
-    wrapped = BertTokenizerFast(tokenizer_object=tok, model_max_length=64)
+    wrapped = BertTokenizerFast(tokenizer_object=tok, model_max_length=512)
     wrapped.save_pretrained(str(dest))
     return tok.get_vocab_size()
 
 
-def tiny_bert_dir(dest: Path, pooling: str = "pooling_mode_cls_token", seed: int = 0) -> Path:
-    """A tiny BERT embedding model in `dest` (created), pooling as `pooling` says."""
+def tiny_bert_dir(
+    dest: Path,
+    pooling: str = "pooling_mode_cls_token",
+    seed: int = 0,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 2,
+) -> Path:
+    """A tiny BERT embedding model in `dest` (created), pooling as `pooling` says (`hidden=384,
+    layers=6, heads=12`: all-MiniLM-L6-v2's shape, for scripts/bench_embeddings.py)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models.bert import Model, ModelConfig
@@ -58,11 +67,11 @@ def tiny_bert_dir(dest: Path, pooling: str = "pooling_mode_cls_token", seed: int
         "architectures": ["BertModel"],
         "model_type": "bert",
         "vocab_size": vocab,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-        "max_position_embeddings": 64,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "intermediate_size": 4 * hidden if hidden > 32 else 64,
+        "max_position_embeddings": 512 if hidden > 32 else 64,
         "type_vocab_size": 2,
         "layer_norm_eps": 1e-12,
         "pad_token_id": 0,
@@ -76,7 +85,7 @@ def tiny_bert_dir(dest: Path, pooling: str = "pooling_mode_cls_token", seed: int
     (dest / "1_Pooling").mkdir(exist_ok=True)
     modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}
     (dest / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, **modes, pooling: True})
+        json.dumps({"word_embedding_dimension": hidden, **modes, pooling: True})
     )
     return dest
 
