@@ -20,11 +20,12 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.engine import EngineNotReady, GenerationRequest
 from mlx_kvserve.engine.memory import MemoryPolicy
@@ -46,7 +47,9 @@ def encoder_library() -> str | None:
     return None
 
 
-def load_encoder(model_dir: Path, pooling: dict[str, JSON] | None) -> tuple[nn.Module, Any]:
+def load_encoder(
+    model_dir: Path, pooling: dict[str, JSON] | None
+) -> tuple[nn.Module, TokenizerWrapper]:
     """ENGINE THREAD. The model (pooling as `pooling`, sentence-transformers' config, says)
     and its tokenizer."""
     from mlx_lm.utils import load_tokenizer
@@ -94,7 +97,7 @@ class EncoderEngine:
 
     def __init__(
         self,
-        load: Callable[[], tuple[nn.Module, Any]],
+        load: Callable[[], tuple[nn.Module, TokenizerWrapper]],
         *,
         context_length: int | None,
         mlx_cache_limit: int = 0,
@@ -105,11 +108,11 @@ class EncoderEngine:
         self.load_error: str | None = None
         self.failure: str | None = None
         self.model: nn.Module | None = None
-        self.tokenizer: Any = None
+        self.tokenizer: TokenizerWrapper | None = None
         self.layout = _NoKV()
         self.busy_seconds = 0.0  # in calls: the embedding batches (/metrics)
         self.memory = MemoryPolicy(mlx_cache_limit)
-        self._calls: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._calls: queue.Queue[tuple[Callable[[], object], Future[object]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="mlx-kvserve-encoder", daemon=True)
 
     def start(self) -> None:
@@ -147,7 +150,7 @@ class EncoderEngine:
         if not self._thread.is_alive() and self.ready.is_set():
             future.set_exception(EngineNotReady("the engine stopped"))
             return future
-        self._calls.put((fn, future))
+        self._calls.put((fn, future))  # type: ignore[arg-type]  # Future[T] is a Future[object]
         return future
 
     def submit(self, req: GenerationRequest) -> None:
