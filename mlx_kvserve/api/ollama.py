@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -20,12 +21,13 @@ from mlx_kvserve.api import status
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import acquire_model, start_chat, start_text
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.ollama_models import show as show_body
 from mlx_kvserve.api.ollama_models import tag, tokens_from
 from mlx_kvserve.api.ollama_request import (
-    IMAGES_REFUSED,
     chat_request,
     generate_request,
+    read_images,
     sampling,
     thinking,
 )
@@ -109,13 +111,11 @@ async def chat(request: Request) -> Response:
     slot = find_model(request, body.model)
     if not body.messages:
         return await _load_or_unload(request, slot, body.model, keep, "chat")
-    for i, message in enumerate(body.messages):
-        if message.images:
-            raise APIError(400, IMAGES_REFUSED, param=f"messages[{i}].images")
+    images = await run_in_threadpool(read_images, body, image_reader(request))
     answer = Answer("chat", body.model, body.logprobs or body.top_logprobs > 0, body.top_logprobs)
 
     async def begin(thinks: bool) -> Generation:
-        chat = chat_request(body, options, thinks=thinks)
+        chat = chat_request(body, options, thinks=thinks, images=images)
         return await start_chat(request, chat, model=slot.name)
 
     return await _answer(request, slot, options, keep, body.stream, answer, timing, begin)
@@ -124,13 +124,14 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     """Ollama's `/api/generate`: a prompt (after `system`) through the chat template, or as it
     is with `raw`; `format`, `options`, `think`, `keep_alive`; an empty prompt loads the model
-    (`keep_alive: 0`: unloads it). `suffix`, `template`, `context` and `images` are refused."""
+    (`keep_alive: 0`: unloads it). `suffix`, `template` and `context` are refused."""
     timing = Timing()
     body = await read_body(request, GenerateBody)
     options = Options(body.options)
     keep = keep_alive_seconds(body.keep_alive)
     slot = find_model(request, body.model)
     _refuse_unsupported(body)
+    images = await run_in_threadpool(read_images, body, image_reader(request))
     if not body.prompt:
         return await _load_or_unload(request, slot, body.model, keep, "generate")
     answer = Answer(
@@ -139,7 +140,7 @@ async def generate(request: Request) -> Response:
 
     async def begin(thinks: bool) -> Generation:
         if not body.raw:
-            chat = generate_request(body, options, thinks=thinks)
+            chat = generate_request(body, options, thinks=thinks, images=images)
             return await start_chat(request, chat, model=slot.name)
         thinking(body.think, thinks, body.model)  # a 400 as Ollama's, else nothing to switch
         text_sampling = sampling(options, body.logprobs, body.top_logprobs)
@@ -149,8 +150,6 @@ async def generate(request: Request) -> Response:
 
 
 def _refuse_unsupported(body: GenerateBody) -> None:
-    if body.images:
-        raise APIError(400, IMAGES_REFUSED, param="images")
     if body.suffix:
         raise APIError(
             400,

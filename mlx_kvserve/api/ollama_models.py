@@ -7,7 +7,8 @@ alone from disk once) gives the chat template and whether it has a reasoning sec
 
 `capabilities` says what this server really does with the model: `completion` and `tools`
 always (a template without tool support gets the constrained Hermes format), `thinking` when
-the tokenizer has reasoning markers. Not `vision` (images are refused for now). An embedding
+the tokenizer has reasoning markers, `vision` when the model sees images (`Slot.sees_images`;
+no model does yet: a text model is shown a note in an image's place). An embedding
 model (embed/kind.py: its sentence-transformers pooling config) says `embedding` alone, as
 Ollama says of its embedding models (Langflow drops such models from its chat lists by this).
 A generative model embeds too, by mean pooling, but does not say `embedding`: it is not what
@@ -217,7 +218,8 @@ def tag(slot: Slot, name: str) -> dict[str, JSON]:
 def capabilities(slot: Slot, tokens: Tokens) -> list[JSON]:
     if kind_of(slot.model_dir).embedding_model:
         return ["embedding"]
-    return ["completion", "tools", *(["thinking"] if tokens.thinks else [])]
+    thinking = ["thinking"] if tokens.thinks else []
+    return ["completion", "tools", *thinking, *(["vision"] if slot.sees_images else [])]
 
 
 def model_info(slot: Slot) -> dict[str, JSON]:

@@ -1,0 +1,146 @@
+"""Images read the one way for every protocol: decoded from their bytes under the caps, URLs
+fetched only where allowed and never from a private address (mlx_kvserve/images)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_kvserve.chat import InvalidRequest, Message
+from mlx_kvserve.images.decode import ImageLimits, ImageRefused, decode_image
+from mlx_kvserve.images.fetch import Fetcher
+from mlx_kvserve.images.note import note, noted_text
+from mlx_kvserve.images.reader import ImageReader
+from tests.support.images import SVG, b64, data_url, encoded, huge_png, image_server
+
+LIMITS = ImageLimits()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP"])
+def test_the_format_is_read_from_the_bytes(fmt: str) -> None:
+    image = decode_image(encoded(fmt, 30, 20), LIMITS, "x")
+    assert (image.format, image.width, image.height) == (fmt.lower(), 30, 20)
+
+
+def test_a_mislabelled_image_is_what_its_bytes_say() -> None:
+    png = encoded("PNG")
+    image = ImageReader().from_url(data_url(png, "image/jpeg"), "f")
+    assert image.format == "png"
+
+
+def test_the_digest_is_the_pixels_not_the_encoding() -> None:
+    """The same pixels as PNG and as lossless WebP are one image; other pixels are another."""
+    reader = ImageReader()
+    png = reader.from_base64(b64(encoded("PNG")), "a")
+    webp = reader.from_url(data_url(encoded("WEBP", lossless=True), "image/webp"), "b")
+    other = decode_image(encoded("PNG", color=(0, 255, 0)), LIMITS)
+    assert png.digest == webp.digest != other.digest
+    assert png.format != webp.format
+
+
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"hello, not an image", "not an image"),
+        (encoded("PNG")[:60], "truncated"),
+        (huge_png(), "pixels"),
+        (SVG, "SVG"),
+        (encoded("BMP"), "not an image"),
+        (b"", "empty"),
+    ],
+    ids=["text", "truncated-png", "20000x20000", "svg", "bmp", "empty"],
+)
+def test_bad_bytes_are_refused_with_the_reason(data: bytes, why: str) -> None:
+    with pytest.raises(ImageRefused, match=why):
+        decode_image(data, LIMITS)
+
+
+def test_the_caps_are_the_settings() -> None:
+    png = encoded("PNG", 64, 40)
+    with pytest.raises(ImageRefused, match="byte cap"):
+        decode_image(png, ImageLimits(max_bytes=len(png) - 1))
+    with pytest.raises(ImageRefused, match="pixel cap"):
+        decode_image(png, ImageLimits(max_pixels=64 * 40 - 1))
+    assert decode_image(png, ImageLimits(max_bytes=len(png), max_pixels=64 * 40)).width == 64
+
+
+@pytest.mark.parametrize(
+    "url", ["data:image/png,abc", "data:image/png;base64,%%%", "ftp://x/y.png", "file:///etc/x"]
+)
+def test_a_bad_url_names_the_field(url: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        ImageReader().from_url(url, "messages[0].content[1].image_url")
+    assert refused.value.param == "messages[0].content[1].image_url"
+
+
+def test_urls_are_refused_unless_allowed_and_nothing_is_fetched() -> None:
+    with image_server(encoded("PNG")) as server:
+        with pytest.raises(InvalidRequest, match="image URLs are off"):
+            ImageReader().from_url(server.url("/image.png"), "f")
+        assert server.hits == []
+
+
+def test_an_allowed_url_is_fetched_through_the_test_seam() -> None:
+    png = encoded("PNG", 50, 30)
+    with image_server(png) as server:
+        fetcher = Fetcher(("127.0.0.1",), trusted=frozenset({("127.0.0.1", server.port)}))
+        image = ImageReader(fetcher=fetcher).from_url(server.url("/image.png"), "f")
+        assert (image.width, image.height, server.hits) == (50, 30, ["/image.png"])
+        redirected = ImageReader(fetcher=fetcher).from_url(
+            server.url("/redirect?to=/image.png"), "f"
+        )
+        assert redirected.digest == image.digest
+
+
+def test_loopback_is_private_without_the_seam() -> None:
+    with image_server(encoded("PNG")) as server:
+        fetcher = Fetcher(("127.0.0.1",))
+        with pytest.raises(InvalidRequest, match="private"):
+            ImageReader(fetcher=fetcher).from_url(server.url("/image.png"), "f")
+        assert server.hits == []
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://169.254.169.254/latest/meta-data/",  # link-local: the cloud metadata service
+        "http://10.0.0.1/x.png",
+        "http://[::1]/x.png",
+        "http://[::ffff:127.0.0.1]/x.png",
+        "http://127.0.0.1:{other}/image.png",  # loopback on a port the seam does not trust
+    ],
+)
+def test_a_redirect_to_a_private_address_is_refused_before_it_is_fetched(target: str) -> None:
+    with image_server(encoded("PNG")) as server, image_server(encoded("PNG")) as other:
+        hosts = ("127.0.0.1", "169.254.169.254", "10.0.0.1", "::1", "::ffff:127.0.0.1")
+        fetcher = Fetcher(hosts, trusted=frozenset({("127.0.0.1", server.port)}))
+        url = server.url("/redirect?to=" + target.format(other=other.port))
+        with pytest.raises(InvalidRequest, match="private"):
+            ImageReader(fetcher=fetcher).from_url(url, "f")
+        assert other.hits == [] and len(server.hits) == 1
+
+
+def test_a_host_off_the_allowlist_is_refused_at_every_hop() -> None:
+    with image_server(encoded("PNG")) as server:
+        fetcher = Fetcher(("127.0.0.1",), trusted=frozenset({("127.0.0.1", server.port)}))
+        url = server.url("/redirect?to=http://images.example/x.png")
+        with pytest.raises(InvalidRequest, match="not on this server's --image-urls list"):
+            ImageReader(fetcher=fetcher).from_url(url, "f")
+
+
+def test_the_byte_cap_holds_for_a_fetched_image() -> None:
+    png = encoded("PNG", 200, 200)
+    with image_server(png) as server:
+        trusted = frozenset({("127.0.0.1", server.port)})
+        fetcher = Fetcher(("127.0.0.1",), max_bytes=len(png) - 1, trusted=trusted)
+        with pytest.raises(InvalidRequest, match="over the cap"):
+            ImageReader(fetcher=fetcher).from_url(server.url("/image.png"), "f")
+
+
+def test_the_note_is_the_same_every_time_and_keeps_the_text_around_it() -> None:
+    image = decode_image(encoded("PNG", 1280, 800), LIMITS)
+    assert note(image) == "[image: PNG 1280x800, not shown: this model does not see images]"
+    message = Message.from_parts("user", ["Look:", image, "what is it?"])
+    assert message.content == "Look:what is it?" and message.images == [image]
+    assert noted_text(message.parts) == f"Look:\n{note(image)}\nwhat is it?"
+    assert noted_text([image]) == note(image)
+    assert Message.from_parts("user", ["a", "b"]).parts == ()
