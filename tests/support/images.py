@@ -16,7 +16,7 @@ def picture(width: int = 64, height: int = 40, color: tuple[int, int, int] = (20
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (width, height), color)
-    ImageDraw.Draw(image).rectangle((2, 2, width // 2, height // 2), fill=(10, 10, 240))
+    ImageDraw.Draw(image).rectangle((0, 0, width // 2, height // 2), fill=(10, 10, 240))
     return image
 
 

@@ -362,3 +362,33 @@ def test_the_agents_image_shapes_answer(
         reply = client.post(route, json=body)
     assert reply.status_code == 200, reply.text
     assert sum("does not see images" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- fuzzing the image fields ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_fuzzed_image_fields_are_answered_or_a_400(client: TestClient, protocol: str) -> None:
+    """Whatever the image field holds: a 200, or a 400 in the protocol's shape; never a 5xx,
+    and nothing fetched (URLs are off)."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.support.fuzz_images import field
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(value=field(protocol))
+    def probe(value: object) -> None:
+        route, body = image_body(protocol, value)  # type: ignore[arg-type]
+        body = {"model": "tiny", "temperature": 0.0, **body}
+        if route.startswith("/api/"):
+            body |= {"stream": False, "options": {"num_predict": 1}}
+        else:
+            body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = 1
+        reply = client.post(
+            route, content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert reply.status_code in (200, 400), reply.text
+        if reply.status_code == 400:
+            error_message(route, reply.json())
+
+    probe()
