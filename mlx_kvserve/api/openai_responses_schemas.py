@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from mlx_kvserve.api.schemas import Seed, _Body
 from mlx_kvserve.json_value import JSON
@@ -44,7 +44,17 @@ class InputImage(_Body):
     detail: Literal["auto", "low", "high", "original"] | None = None
 
 
-Part = ContentPart | InputImage
+def _part_kind(part: JSON) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "InputImage" if kind == "input_image" else "ContentPart"
+
+
+# Chosen by `type`, so an error names the field of the part sent; the tags are dropped from
+# error paths (api/schemas.py `_is_union_tag`).
+Part = Annotated[
+    Annotated[ContentPart, Tag("ContentPart")] | Annotated[InputImage, Tag("InputImage")],
+    Discriminator(_part_kind),
+]
 
 
 class InputItem(_Body):

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
@@ -49,6 +57,19 @@ class ImagePart(_Body):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
+def _part_kind(part: JSON) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "image_url": "ImagePart"}.get(kind)  # type: ignore[arg-type]
+
+
+# Chosen by `type` (so an error names the field of the part sent, not of another kind); the
+# tags are dropped from error paths (`_is_union_tag`).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(_part_kind),
+]
+
+
 class FunctionCall(_Body):
     name: Annotated[str, Field(min_length=1)]
     arguments: str = ""
@@ -62,7 +83,7 @@ class ToolCallIn(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
