@@ -3,9 +3,13 @@ fetched only where allowed and never from a private address (mlx_kvserve/images)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import InvalidRequest, Message
+from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.images.decode import ImageLimits, ImageRefused, decode_image
 from mlx_kvserve.images.fetch import Fetcher
 from mlx_kvserve.images.note import note, noted_text
@@ -144,3 +148,43 @@ def test_the_note_is_the_same_every_time_and_keeps_the_text_around_it() -> None:
     assert noted_text(message.parts) == f"Look:\n{note(image)}\nwhat is it?"
     assert noted_text([image]) == note(image)
     assert Message.from_parts("user", ["a", "b"]).parts == ()
+
+
+def test_the_image_settings_come_from_flags_environment_and_the_config_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mlx_kvserve.api.images import make_image_reader
+    from mlx_kvserve.config.precedence import load_settings
+    from mlx_kvserve.config.values import check_value
+
+    config = tmp_path / "config.toml"
+    config.write_text('images = "reject"\nimage_urls = ["a.example", "*.b.example"]\n')
+    monkeypatch.setenv("MLX_KVSERVE_MAX_IMAGE_PIXELS", "1000")
+    settings = load_settings({"image_url_timeout": 2.5}, config)
+    assert settings.images == "reject" and settings.image_urls == ["a.example", "*.b.example"]
+    reader = make_image_reader(settings)
+    assert reader.limits.max_pixels == 1000 and reader.fetcher.timeout == 2.5
+    assert reader.fetcher.hosts == ("a.example", "*.b.example")
+    assert Settings().images == "note" and Settings().image_urls == []  # URLs off by default
+    with pytest.raises(ValueError, match="note, reject"):
+        check_value("images", "drop")
+    with pytest.raises(ValueError, match="positive"):
+        check_value("max_image_pixels", 0)
+
+
+def test_a_model_that_sees_images_gets_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam a vision backend plugs into: `Slot.sees_images` True passes the images on."""
+    from mlx_kvserve.api.images import for_model
+    from mlx_kvserve.chat import ChatRequest
+    from mlx_kvserve.models.pool import Slot
+
+    image = decode_image(encoded("PNG"), LIMITS, "messages[0].content[1]")
+    chat = ChatRequest([Message.from_parts("user", ["Look:", image])])
+    slot = Slot.__new__(Slot)  # no model behind it: only what for_model reads
+    monkeypatch.setattr(Slot, "name", property(lambda self: "m"))
+    assert for_model(chat, slot, "note").messages[0].content == "Look:\n" + note(image)
+    with pytest.raises(APIError, match="'m' does not see images") as refused:
+        for_model(chat, slot, "reject")
+    assert refused.value.param == "messages[0].content[1]"
+    monkeypatch.setattr(Slot, "sees_images", property(lambda self: True))
+    assert for_model(chat, slot, "reject") is chat

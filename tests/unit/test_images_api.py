@@ -392,3 +392,14 @@ def test_fuzzed_image_fields_are_answered_or_a_400(client: TestClient, protocol:
             error_message(route, reply.json())
 
     probe()
+
+
+def test_count_tokens_counts_the_note(client: TestClient) -> None:
+    """Anthropic's count_tokens reads images as /v1/messages does: the note's tokens."""
+    _, body = image_body("anthropic", good_image("anthropic"))
+    _, plain = text_body("anthropic", f"What is this?\n{NOTE}")
+    route = "/v1/messages/count_tokens"
+    counted = client.post(route, json={"model": "tiny", **body})
+    assert counted.status_code == 200, counted.text
+    expected = client.post(route, json={"model": "tiny", **plain}).json()["input_tokens"]
+    assert counted.json()["input_tokens"] == expected
