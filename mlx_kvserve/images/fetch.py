@@ -8,10 +8,12 @@ and resolve only to public addresses; the connection goes to the very address th
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,19 +86,29 @@ class Fetcher:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         address = self._checked_address(host, port)
         conn = _connection(parts.scheme, host, port, address, self._left(deadline))
+        # A hard deadline: a server that drips bytes, each within the socket timeout, is cut
+        # off (its socket shut down, so a blocked read returns) when the time is up.
+        watchdog = threading.Timer(self._left(deadline), _cut, [conn])
+        watchdog.daemon = True
+        watchdog.start()
         try:
             path = parts.path or "/"
             conn.request("GET", path + (f"?{parts.query}" if parts.query else ""))
             reply = conn.getresponse()
+            self._left(deadline)  # cut off while the headers dripped in: say so
             if reply.status in (301, 302, 303, 307, 308):
                 location = reply.getheader("Location")
                 if not location:
                     raise ImageRefused(f"the image URL redirected ({reply.status}) to nowhere")
                 return reply.status, location, b""
-            return reply.status, None, self._read(reply, deadline)
+            body = self._read(reply, deadline)
+            self._left(deadline)
+            return reply.status, None, body
         except (OSError, http.client.HTTPException) as exc:
+            self._left(deadline)  # cut off by the watchdog: say so
             raise ImageRefused(f"the image URL could not be fetched ({exc})") from None
         finally:
+            watchdog.cancel()
             conn.close()
 
     def _allowed(self, host: str) -> bool:
@@ -113,6 +125,8 @@ class Fetcher:
             addresses = self.resolver(host, port)
         except OSError as exc:
             raise ImageRefused(f"the image URL's host {host!r} does not resolve ({exc})") from None
+        if not addresses:
+            raise ImageRefused(f"the image URL's host {host!r} does not resolve")
         for text in addresses:
             address = ipaddress.ip_address(text.split("%", 1)[0])
             if not public(address) and (str(address), port) not in self.trusted:
@@ -120,8 +134,6 @@ class Fetcher:
                     f"the image URL's host {host!r} resolves to {address}, a private, loopback "
                     "or link-local address: refused"
                 )
-        if not addresses:
-            raise ImageRefused(f"the image URL's host {host!r} does not resolve")
         return addresses[0]
 
     def _read(self, reply: http.client.HTTPResponse, deadline: float) -> bytes:
@@ -129,7 +141,7 @@ class Fetcher:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             raise ImageRefused(f"the image at the URL is {length} bytes, over the cap")
         body = bytearray()
-        while chunk := reply.read(CHUNK):
+        while chunk := reply.read1(CHUNK):
             body += chunk
             if len(body) > self.max_bytes:
                 raise ImageRefused(f"the image at the URL is over the {self.max_bytes}-byte cap")
@@ -141,6 +153,14 @@ class Fetcher:
         if left <= 0:
             raise ImageRefused(f"fetching the image URL took over {self.timeout} s")
         return left
+
+
+def _cut(conn: http.client.HTTPConnection) -> None:
+    """End a fetch past its deadline: a blocked read returns at once."""
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _connection(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,11 +56,14 @@ SVG = b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg" width="9" h
 
 @dataclass
 class ImageServer:
-    """`GET /image.png` the PNG; `/redirect?to=URL` a 302 to URL; anything else 404."""
+    """`GET /image.png` the PNG; `/redirect?to=URL` a 302 to URL; `/slow` a header line
+    dripped a byte every 0.1 s; anything else 404."""
 
     port: int = 0
     image: bytes = b""
     hits: list[str] = field(default_factory=list)
+    dripped: int = 0  # bytes `/slow` sent before it ended
+    drip_ended: threading.Event = field(default_factory=threading.Event)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -78,6 +82,17 @@ def image_server(image: bytes) -> Iterator[ImageServer]:
                 self.send_header("Content-Length", str(len(state.image)))
                 self.end_headers()
                 self.wfile.write(state.image)
+            elif self.path == "/slow":  # a header, a byte every 0.1 s: within any socket timeout
+                try:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Drip: ")
+                    for _ in range(100):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        state.dripped += 1
+                        time.sleep(0.1)
+                except OSError:  # the client hung up
+                    pass
+                state.drip_ended.set()
             elif self.path.startswith("/redirect?to="):
                 self.send_response(302)
                 self.send_header("Location", self.path.removeprefix("/redirect?to="))

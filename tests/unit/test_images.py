@@ -188,3 +188,14 @@ def test_a_model_that_sees_images_gets_them(monkeypatch: pytest.MonkeyPatch) -> 
     assert refused.value.param == "messages[0].content[1]"
     monkeypatch.setattr(Slot, "sees_images", property(lambda self: True))
     assert for_model(chat, slot, "reject") is chat
+
+
+def test_a_fetch_that_drips_past_its_deadline_is_cut_off() -> None:
+    """Each byte arrives within any socket timeout; the whole fetch still has its deadline."""
+    with image_server(encoded("PNG")) as server:
+        trusted = frozenset({("127.0.0.1", server.port)})
+        fetcher = Fetcher(("127.0.0.1",), timeout=0.5, trusted=trusted)
+        with pytest.raises(InvalidRequest, match="took over 0.5 s"):
+            ImageReader(fetcher=fetcher).from_url(server.url("/slow"), "f")
+        assert server.drip_ended.wait(30)
+        assert server.dripped < 100  # the connection was cut, not left to finish
