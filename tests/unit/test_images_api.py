@@ -403,3 +403,73 @@ def test_count_tokens_counts_the_note(client: TestClient) -> None:
     assert counted.status_code == 200, counted.text
     expected = client.post(route, json={"model": "tiny", **plain}).json()["input_tokens"]
     assert counted.json()["input_tokens"] == expected
+
+
+def test_the_official_sdks_send_images(client: TestClient) -> None:
+    """The OpenAI and Anthropic SDKs' own image shapes, through the same app."""
+    import anthropic
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{LOCAL}/v1", api_key="unused", http_client=client)
+    chat = oai.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        temperature=0.0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": data_url(PNG), "detail": "low"}},
+                ],
+            }
+        ],
+    )
+    response = oai.responses.create(
+        model="tiny",
+        max_output_tokens=2,
+        temperature=0.0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {"type": "input_image", "image_url": data_url(PNG), "detail": "auto"},
+                ],
+            }
+        ],
+    )
+    claude = anthropic.Anthropic(base_url=LOCAL, api_key="unused", http_client=client)
+    message = claude.messages.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": b64(PNG)},
+                    },
+                ],
+            }
+        ],
+    )
+    _, plain = text_body("openai", f"What is this?\n{NOTE}")
+    expected = post(client, "/v1/chat/completions", plain).json()["usage"]["prompt_tokens"]
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == expected
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == expected
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(
+            model="tiny",
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": data_url(SVG)}}],
+                }
+            ],
+        )
+    assert refused.value.body["param"] == "messages[0].content[0].image_url"
