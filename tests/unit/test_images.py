@@ -199,3 +199,32 @@ def test_a_fetch_that_drips_past_its_deadline_is_cut_off() -> None:
             ImageReader(fetcher=fetcher).from_url(server.url("/slow"), "f")
         assert server.drip_ended.wait(30)
         assert server.dripped < 100  # the connection was cut, not left to finish
+
+
+def test_an_image_sent_again_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents resend the conversation's images every turn: the same bytes are decoded once
+    (keyed by their hash, each use keeping its own field), other bytes again; a URL is still
+    fetched every time."""
+    import mlx_kvserve.images.reader as reader_module
+
+    decoded: list[str] = []
+
+    def counting(data: bytes, limits: ImageLimits, origin: str = ""):
+        decoded.append(origin)
+        return decode_image(data, limits, origin)
+
+    monkeypatch.setattr(reader_module, "decode_image", counting)
+    reader = ImageReader()
+    png = encoded("PNG")
+    first = reader.from_base64(b64(png), "turn1")
+    again = reader.from_url(data_url(png), "turn2")
+    other = reader.from_base64(b64(encoded("PNG", color=(1, 2, 3))), "other")
+    assert decoded == ["turn1", "other"]
+    assert (again.digest, again.origin, first.origin) == (first.digest, "turn2", "turn1")
+    assert other.digest != first.digest
+    with image_server(png) as server:
+        trusted = frozenset({("127.0.0.1", server.port)})
+        fetching = ImageReader(fetcher=Fetcher(("127.0.0.1",), trusted=trusted))
+        for _ in range(2):
+            fetching.from_url(server.url("/image.png"), "f")
+        assert server.hits == ["/image.png"] * 2
