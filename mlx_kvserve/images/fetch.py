@@ -46,7 +46,8 @@ class Fetcher:
     """Fetches image URLs under the server's rules; `hosts` empty: URLs are refused.
 
     `trusted` is the test seam: (address, port) pairs treated as public, so a test's own server
-    on loopback can answer while every other private address is still refused.
+    on loopback can answer while every other private address is still refused; `resolver` and
+    `tls` (None: the system's certificate authorities) let a test name its HTTPS server.
     """
 
     hosts: Sequence[str] = ()
@@ -54,6 +55,7 @@ class Fetcher:
     timeout: float = 10.0
     trusted: frozenset[tuple[str, int]] = field(default_factory=frozenset)
     resolver: Resolve = resolve
+    tls: ssl.SSLContext | None = None
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +87,7 @@ class Fetcher:
             raise ImageRefused(f"the host {host!r} is not on this server's --image-urls list")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         address = self._checked_address(host, port)
-        conn = _connection(parts.scheme, host, port, address, self._left(deadline))
+        conn = _connection(parts.scheme, host, port, address, self._left(deadline), self.tls)
         # A hard deadline: a server that drips bytes, each within the socket timeout, is cut
         # off (its socket shut down, so a blocked read returns) when the time is up.
         watchdog = threading.Timer(self._left(deadline), _cut, [conn])
@@ -164,11 +166,11 @@ def _cut(conn: http.client.HTTPConnection) -> None:
 
 
 def _connection(
-    scheme: str, host: str, port: int, address: str, timeout: float
+    scheme: str, host: str, port: int, address: str, timeout: float, tls: ssl.SSLContext | None
 ) -> http.client.HTTPConnection:
     """A connection to `address` (already checked) that speaks to `host` (Host header, SNI)."""
     if scheme == "https":
-        return _PinnedHTTPS(host, port, address, timeout)
+        return _PinnedHTTPS(host, port, address, timeout, tls or ssl.create_default_context())
     return _PinnedHTTP(host, port, address, timeout)
 
 
@@ -182,8 +184,10 @@ class _PinnedHTTP(http.client.HTTPConnection):
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+    def __init__(
+        self, host: str, port: int, address: str, timeout: float, tls: ssl.SSLContext
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=tls)
         self.address = address
 
     def connect(self) -> None:

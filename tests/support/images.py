@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ class ImageServer:
     port: int = 0
     image: bytes = b""
     hits: list[str] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)  # the Host header of each request
     dripped: int = 0  # bytes `/slow` sent before it ended
     drip_ended: threading.Event = field(default_factory=threading.Event)
 
@@ -70,12 +72,14 @@ class ImageServer:
 
 
 @contextmanager
-def image_server(image: bytes) -> Iterator[ImageServer]:
+def image_server(image: bytes, tls: ssl.SSLContext | None = None) -> Iterator[ImageServer]:
+    """The server on loopback (`tls`: HTTPS with that server context)."""
     state = ImageServer(image=image)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             state.hits.append(self.path)
+            state.hosts.append(self.headers.get("Host", ""))
             if self.path == "/image.png":
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
@@ -105,6 +109,8 @@ def image_server(image: bytes) -> Iterator[ImageServer]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     state.port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()

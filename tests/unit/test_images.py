@@ -228,3 +228,33 @@ def test_an_image_sent_again_is_not_decoded_again(monkeypatch: pytest.MonkeyPatc
         for _ in range(2):
             fetching.from_url(server.url("/image.png"), "f")
         assert server.hits == ["/image.png"] * 2
+
+
+def test_https_speaks_to_the_host_at_the_checked_address() -> None:
+    """Over TLS the fetch connects to the address that was checked and names the URL's host
+    (SNI, certificate, Host header); a certificate for another name is refused."""
+    import ssl
+
+    import trustme
+
+    authority = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("images.test").configure_cert(server_tls)
+    client_tls = ssl.create_default_context()
+    authority.configure_trust(client_tls)
+    with image_server(encoded("PNG", 12, 34), tls=server_tls) as server:
+        for name, works in (("images.test", True), ("other.test", False)):
+            fetcher = Fetcher(
+                (name,),
+                trusted=frozenset({("127.0.0.1", server.port)}),
+                resolver=lambda host, port: ["127.0.0.1"],
+                tls=client_tls,
+            )
+            url = f"https://{name}:{server.port}/image.png"
+            if works:
+                image = ImageReader(fetcher=fetcher).from_url(url, "f")
+                assert (image.width, image.height) == (12, 34)
+                assert server.hosts == [f"images.test:{server.port}"]
+            else:
+                with pytest.raises(InvalidRequest, match="could not be fetched"):
+                    ImageReader(fetcher=fetcher).from_url(url, "f")
