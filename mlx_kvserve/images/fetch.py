@@ -70,7 +70,12 @@ class Fetcher:
             )
         deadline = time.monotonic() + self.timeout
         for _ in range(MAX_REDIRECTS + 1):
-            status, location, body = self._hop(url, deadline)
+            try:
+                status, location, body = self._hop(url, deadline)
+            except ImageRefused:
+                raise
+            except ValueError as exc:  # a port out of range, a host IDNA cannot encode, ...
+                raise ImageRefused(f"the image URL is not usable ({exc})") from None
             if location is None:
                 if status != 200:
                     raise ImageRefused(f"fetching the image URL answered HTTP {status}")

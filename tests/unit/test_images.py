@@ -258,3 +258,38 @@ def test_https_speaks_to_the_host_at_the_checked_address() -> None:
             else:
                 with pytest.raises(InvalidRequest, match="could not be fetched"):
                     ImageReader(fetcher=fetcher).from_url(url, "f")
+
+
+def test_any_url_is_a_refusal_naming_the_field_never_an_error() -> None:
+    """URLs of every shape through a fetcher that allows every host (its resolver answers a
+    private address, so nothing is ever connected to)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    fetcher = Fetcher(("*",), resolver=lambda host, port: ["10.9.8.7"])
+    reader = ImageReader(fetcher=fetcher)
+    hosts = st.one_of(
+        st.text(max_size=12), st.sampled_from(["ex ample", "a\x00b", "xn--", "ü.example", "[::1"])
+    )
+    ports = st.one_of(
+        st.just(""), st.integers(-5, 99999).map(lambda p: f":{p}"), st.text(max_size=4)
+    )
+    urls = st.one_of(
+        st.builds(
+            lambda scheme, host, port, path: f"{scheme}://{host}{port}/{path}",
+            st.sampled_from(["http", "https", "HTTP", "ftp", "javascript"]),
+            hosts,
+            ports,
+            st.text(max_size=10),
+        ),
+        st.text(max_size=30),
+    )
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(url=urls)
+    def probe(url: str) -> None:
+        with pytest.raises(InvalidRequest) as refused:
+            reader.from_url(url, "input[0].content[0].image_url")
+        assert refused.value.param == "input[0].content[0].image_url"
+
+    probe()
