@@ -10,7 +10,8 @@
   it; one it cannot is a 400 there).
 * `/api/generate` without `raw` is one user turn (after `system`) through the chat template.
 * `images` (base64, on a message or a generate body) are read before the model loads
-  (`read_images`) and go before the turn's text, as Ollama places them; `raw` takes none.
+  (`read_images`) and go before the turn's text, as Ollama places them; a `raw`, `suffix` or
+  `template` generate takes none.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ Images = dict[int, list[Image]]
 def read_images(body: ChatBody | GenerateBody, reader: ImageReader) -> Images:
     """Every image of the body, decoded (a 400 naming the first bad one)."""
     if isinstance(body, GenerateBody):
-        if body.images and body.raw:
-            raise APIError(400, "raw mode does not support images", param="images")
+        if body.images and (body.raw or body.suffix or body.template):
+            why = "raw mode" if body.raw else "a `suffix` or `template` prompt"
+            raise APIError(400, f"{why} does not support images", param="images")
         given = {0: (body.images or [], "images")}
     else:
         given = {i: (m.images or [], f"messages[{i}].images") for i, m in enumerate(body.messages)}
