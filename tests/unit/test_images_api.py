@@ -473,3 +473,15 @@ def test_the_official_sdks_send_images(client: TestClient) -> None:
             ],
         )
     assert refused.value.body["param"] == "messages[0].content[0].image_url"
+
+
+@pytest.mark.parametrize(
+    "extra", [{"raw": True}, {"suffix": "return x"}, {"template": "{{ .Prompt }}"}]
+)
+def test_a_generate_prompt_built_without_the_chat_template_takes_no_images(
+    client: TestClient, extra: dict
+) -> None:
+    route, body = image_body("ollama-generate", good_image("ollama-generate"))
+    reply = post(client, route, {**body, **extra})
+    assert reply.status_code == 400, reply.text
+    assert "does not support images" in error_message(route, reply.json())
