@@ -32,6 +32,7 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.failsafe import InternalErrors
 from mlx_kvserve.api.generation import served_model
 from mlx_kvserve.api.guard import BrowserGuard
+from mlx_kvserve.api.images import make_image_reader
 from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_embeddings import embeddings
 from mlx_kvserve.api.openai_responses import responses
@@ -170,9 +171,16 @@ def _model_card(request: Request, name: str, slot: Slot) -> dict[str, JSON]:
         "loaded": slot.state == LOADED,
         "state": slot.state,
         "model": slot.name,  # the model an alias stands for
-        # what the model is for (embed/kind.py); a generative model embeds too, by mean pooling
-        "capabilities": ["embedding" if kind_of(slot.model_dir).embedding_model else "completion"],
+        "capabilities": _capabilities(slot),
     }
+
+
+def _capabilities(slot: Slot) -> list[JSON]:
+    """What the model is for (embed/kind.py; a generative model embeds too, by mean pooling),
+    and `vision` when it sees images (`Slot.sees_images`)."""
+    if kind_of(slot.model_dir).embedding_model:
+        return ["embedding"]
+    return ["completion", *(["vision"] if slot.sees_images else [])]
 
 
 async def list_models(request: Request) -> Response:
@@ -328,6 +336,7 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
     app.state.pressure = pressure
     app.state.started = int(time.time())
     app.state.reasoning_seal = make_reasoning_seal()
+    app.state.image_reader = make_image_reader(settings)  # api/images.py
     app.state.sampled_turns = SampledTurns()  # the tool-calling turns kept (api/generation.py)
     return app
 

@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.images import for_model
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling
 from mlx_kvserve.chat.events import OutputReader
@@ -111,8 +112,9 @@ async def start_chat(
     """Template, constrain and queue a chat request (raises APIError for the client);
     `context`: token ids the prompt continues (Ollama's, checked by the caller)."""
     slot = served_model(request, model)
-    engine = await acquire_generator(request, slot)
     settings = request.app.state.settings
+    chat = for_model(chat, slot, settings.images)
+    engine = await acquire_generator(request, slot)
 
     sampled = sampled_turns(request)
 
@@ -200,6 +202,7 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
+    chat = for_model(chat, slot, request.app.state.settings.images)
     engine = await acquire_generator(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)

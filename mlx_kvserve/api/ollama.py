@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -20,9 +21,10 @@ from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import acquire_model, start_chat
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.ollama_models import show as show_body
 from mlx_kvserve.api.ollama_models import tag, tokens_from
-from mlx_kvserve.api.ollama_request import IMAGES_REFUSED, chat_request
+from mlx_kvserve.api.ollama_request import chat_request, read_images
 from mlx_kvserve.api.ollama_schemas import (
     ChatBody,
     NamedModel,
@@ -92,13 +94,12 @@ async def chat(request: Request) -> Response:
     slot = find_model(request, body.model)
     if not body.messages:
         return await load_or_unload(request, slot, body.model, keep, "chat")
-    for i, message in enumerate(body.messages):
-        if message.images:
-            raise APIError(400, IMAGES_REFUSED, param=f"messages[{i}].images")
+    images = await run_in_threadpool(read_images, body, image_reader(request))
     answer = Answer("chat", body.model, body.logprobs or body.top_logprobs > 0, body.top_logprobs)
 
     async def begin(engine: EngineView) -> Generation:
-        chat = chat_request(body, options, thinks=tokens_from(engine.tokenizer).thinks)
+        thinks = tokens_from(engine.tokenizer).thinks
+        chat = chat_request(body, options, thinks=thinks, images=images)
         return await start_chat(request, chat, model=slot.name)
 
     return await answer_with(request, slot, options, keep, body.stream, answer, timing, begin)

@@ -11,6 +11,9 @@ the prompt:
   (`format` still holds it to JSON, as with `raw` and `suffix`).
 * otherwise: `system` and the prompt as a user turn through the model's chat template, with
   its reasoning and `format` as on `/api/chat`.
+* `images` (base64): read before the model loads and placed before the prompt in its user
+  turn (api/images.py decides what a model that does not see images is shown); a `raw`,
+  `suffix` or `template` prompt takes none.
 * `context`: the token ids the last answer returned (the prompt's and the answer's), put
   before the new prompt, as Ollama does with their text; the last object returns the new ones.
 
@@ -28,12 +31,13 @@ from starlette.responses import Response
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat, start_text
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.ollama import answer_with, find_model, load_or_unload, read_body
 from mlx_kvserve.api.ollama_models import tokens_from
 from mlx_kvserve.api.ollama_request import (
-    IMAGES_REFUSED,
     generate_request,
     output_format,
+    read_images,
     sampling,
     thinking,
 )
@@ -56,6 +60,7 @@ async def generate(request: Request) -> Response:
     keep = keep_alive_seconds(body.keep_alive)
     slot = find_model(request, body.model)
     _check(body)
+    images = await run_in_threadpool(read_images, body, image_reader(request))
     if not body.prompt:
         return await load_or_unload(request, slot, body.model, keep, "generate")
     logprobs = body.logprobs or body.top_logprobs > 0
@@ -81,7 +86,7 @@ async def generate(request: Request) -> Response:
             )
         text = _text_prompt(body, tokenizer)
         if text is None:
-            chat = generate_request(body, options, thinks=thinks)
+            chat = generate_request(body, options, thinks=thinks, images=images)
             return await start_chat(request, chat, model=slot.name, context=context)
         ids = context + list(await run_in_threadpool(tokenizer.encode, text))
         if not ids:
@@ -93,8 +98,6 @@ async def generate(request: Request) -> Response:
 
 def _check(body: GenerateBody) -> None:
     """What Ollama refuses before it loads the model, and a template that does not parse."""
-    if body.images:
-        raise APIError(400, IMAGES_REFUSED, param="images")
     if body.raw and (body.template or body.system or body.context):
         raise APIError(400, "raw mode does not support template, system, or context")
     _schema(body)  # a `format` that is neither "json" nor a schema: a 400 before loading

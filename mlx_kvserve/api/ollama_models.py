@@ -7,8 +7,9 @@ alone from disk once) gives the chat template and whether it has a reasoning sec
 
 `capabilities` says what this server really does with the model: `completion` and `tools`
 always (a template without tool support gets the constrained Hermes format), `insert` when its
-tokenizer has fill-in-the-middle tokens, `thinking` when the tokenizer has reasoning markers.
-Not `vision` (images are refused for now). An embedding model (embed/kind.py: its
+tokenizer has fill-in-the-middle tokens, `thinking` when the tokenizer has reasoning markers,
+`vision` when the model sees images (`Slot.sees_images`; no model does yet: a text model is
+shown a note in an image's place). An embedding model (embed/kind.py: its
 sentence-transformers pooling config) says `embedding` alone, as Ollama says of its embedding
 models (Langflow drops such models from its chat lists by this). A generative model embeds
 too, by mean pooling, but does not say `embedding`: it is not what the model is for.
@@ -225,7 +226,8 @@ def capabilities(slot: Slot, tokens: Tokens) -> list[JSON]:
     if kind_of(slot.model_dir).embedding_model:
         return ["embedding"]
     fills = ["insert"] if tokens.fills else []
-    return ["completion", "tools", *fills, *(["thinking"] if tokens.thinks else [])]
+    thinking = ["thinking"] if tokens.thinks else []
+    return ["completion", "tools", *fills, *thinking, *(["vision"] if slot.sees_images else [])]
 
 
 def model_info(slot: Slot) -> dict[str, JSON]:

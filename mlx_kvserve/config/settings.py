@@ -282,6 +282,35 @@ class Settings:
         },
     )
 
+    images: str = field(
+        default="note",
+        metadata={
+            "help": "What a model that does not see images does with one: note (the image is "
+            "replaced in the prompt by a short note of its type and size) or reject (a 400 "
+            "naming the model)."
+        },
+    )
+    image_urls: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Hosts whose http(s) image URLs the server may fetch (exact names, "
+            "*.example.com, or * for any public host; repeat or comma-separate). Empty: image "
+            "URLs are refused, only inline images are taken. Private, loopback and link-local "
+            "addresses are refused at every hop."
+        },
+    )
+    image_url_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds one image URL may take to fetch, its redirects included."},
+    )
+    max_image_bytes: int = field(
+        default=20 * 1024 * 1024, metadata={"help": "Largest image accepted, in encoded bytes."}
+    )
+    max_image_pixels: int = field(
+        default=50_000_000,
+        metadata={"help": "Most pixels (width x height) an image may decode to."},
+    )
+
     def template_defaults(self) -> dict[str, JSON]:
         """--chat-template-kwargs as an object (checked when the settings were loaded)."""
         return parse_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}

@@ -77,6 +77,12 @@ class Slot:
     def names(self) -> list[str]:
         return self.spec.names(self.model_id)
 
+    @property
+    def sees_images(self) -> bool:
+        """Whether the model takes images: the one seam a vision backend plugs into. No backend
+        serves images yet, so every model is shown a note in an image's place (images/note.py)."""
+        return False
+
     def busy(self) -> bool:
         engine = self.engine
         engine_busy = engine is not None and (engine.running or engine.queued)

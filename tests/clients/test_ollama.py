@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.support import rawhttp
 from tests.support.fuzz_ollama import PATHS, ollama_body
+from tests.support.images import encoded
 from tests.support.node_scripts import run_node_script
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
@@ -45,6 +46,8 @@ WEATHER = {
 CALL_SEEDS = (7, 9, 21, 3, 11, 13)
 NPM_OLLAMA = "ollama@0.6.4"
 JSON = "application/json"
+
+NOTE = "[image: PNG 48x32, not shown: this model does not see images]"
 
 
 @pytest.fixture(scope="module")
@@ -283,15 +286,37 @@ def test_keep_alive_loads_and_unloads(client: ollama.Client) -> None:
     assert expiry.year > 2100
 
 
+def test_images_from_the_client_answer(client: ollama.Client) -> None:
+    """The client's `images` (it base64-encodes the bytes) on chat and generate: a model that
+    does not see images answers with a note in their place (docs/images.md)."""
+    png = encoded("PNG", 48, 32)
+    chat = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is this?", "images": [png]}],
+        options={"num_predict": 2, "temperature": 0},
+    )
+    generated = client.generate(
+        model=MODEL, prompt="What is this?", images=[png], options={"num_predict": 2}
+    )
+    assert chat.done and generated.done
+    plain = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"{NOTE}\nWhat is this?"}],
+        options={"num_predict": 2, "temperature": 0},
+    )
+    assert chat.prompt_eval_count == plain.prompt_eval_count
+
+
 def test_errors_in_ollama_shape(
     served: ServerProcess, client: ollama.Client, recorder: Recorder
 ) -> None:
     with pytest.raises(ollama.ResponseError) as unknown:
         client.chat(model="llama3.2:1b", messages=[{"role": "user", "content": "Hi"}])
     assert unknown.value.status_code == 404 and "not found" in unknown.value.error
-    with pytest.raises(ollama.ResponseError) as images:
+    with pytest.raises(ollama.ResponseError) as images:  # "hi": not an image (docs/images.md)
         client.chat(model=MODEL, messages=[{"role": "user", "content": "?", "images": ["aGk="]}])
-    assert images.value.status_code == 400 and "images" in images.value.error
+    assert images.value.status_code == 400 and "messages[0].images[0]" in images.value.error
+    assert "not an image" in images.value.error
     with pytest.raises(ollama.ResponseError) as suffix:
         client.generate(model=MODEL, prompt="def f(", suffix="return 1")
     assert suffix.value.status_code == 400 and "insert" in suffix.value.error
