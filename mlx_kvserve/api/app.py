@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, model_admin, ollama, ollama_embed, status
+from mlx_kvserve.api import anthropic, model_admin, ollama, ollama_embed, status, tokenize
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
@@ -246,6 +246,10 @@ def api_routes() -> list[Route]:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        # The tokenizer, as vLLM serves it (evaluation harnesses: api/tokenize.py)
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"]),
         # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
         Route("/models", list_models, methods=["GET"]),
         Route("/models/{model_id:path}", get_model, methods=["GET"]),
