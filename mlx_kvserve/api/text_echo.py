@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_kvserve.api.disconnect import DisconnectWatch
+from mlx_kvserve.api.disconnect import unless_gone
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import (
@@ -100,26 +100,10 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                     task.cancel()
                 raise
         name = token_bytes(engine)
-        tokenizer = engine.tokenizer
-        assert tokenizer is not None
-        choices: list[JSON] = []
-        for i, (prompt, row, result) in enumerate(zip(body.prompt, rows, results, strict=True)):
-            text = result.content if result else ""
-            entries: list[Entry] = []
-            if body.echo:
-                text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) + text
-                if scored is not None:
-                    entries = _prompt_entries(row, scored[i], body.logprobs or 0, name)
-            if result is not None and body.logprobs is not None:
-                entries += [(t.token, t.logprob, list(t.top)) for t in result.logprobs]
-            choices.append(
-                {
-                    "index": i,
-                    "text": text,
-                    "logprobs": _legacy(entries) if body.logprobs is not None else None,
-                    "finish_reason": result.finished.reason if result else "length",
-                }
-            )
+        choices = [
+            _choice(i, engine, body, row, scored[i] if scored else None, result, name)
+            for i, (row, result) in enumerate(zip(rows, results, strict=True))
+        ]
     finally:
         request.app.state.pool.release(slot)
     head = {
@@ -130,6 +114,34 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         "system_fingerprint": SYSTEM_FINGERPRINT,
     }
     return JSONResponse({**head, "choices": choices, "usage": usage(_usage(rows, results))})
+
+
+def _choice(
+    index: int,
+    engine: EngineView,
+    body: CompletionRequest,
+    row: list[int],
+    scored: PromptLogprobs | None,
+    result: Result | None,
+    name: Callable[[int], bytes],
+) -> JSON:
+    """One prompt's choice: its text (after the prompt's, with `echo`) and logprobs."""
+    text = result.content if result else ""
+    entries: list[Entry] = []
+    if body.echo:
+        prompt = body.prompt[index]
+        assert engine.tokenizer is not None
+        text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + text
+        if scored is not None:
+            entries = _prompt_entries(row, scored, body.logprobs or 0, name)
+    if result is not None and body.logprobs is not None:
+        entries += [(t.token, t.logprob, list(t.top)) for t in result.logprobs]
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": _legacy(entries) if body.logprobs is not None else None,
+        "finish_reason": result.finished.reason if result else "length",
+    }
 
 
 async def _generate(
@@ -193,23 +205,10 @@ async def _score(
             count=lambda outcome, n: counted.labels(outcome).inc(n),
         )
     job = scorer.submit(rows, top)
-    watch = DisconnectWatch(request, job)
     try:
-        done = asyncio.wrap_future(job.done)
-        gone = asyncio.create_task(watch.gone.wait())
-        await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not done.done():
-            done.cancel()
-            return None
-        return done.result()
+        return await unless_gone(request, job, job.done)
     except EngineNotReady as exc:
         raise unavailable(str(exc)) from None
-    except asyncio.CancelledError:
-        job.cancel()
-        raise
-    finally:
-        watch.close()
 
 
 def _prompt_entries(

@@ -18,33 +18,17 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol, TypeVar
 
-import mlx.nn as nn
-
+from mlx_kvserve.engine.calls import EngineCalls
 from mlx_kvserve.engine.prompt_logprobs import PromptLogprobs, PromptScoring
 
 log = logging.getLogger("mlx_kvserve.engine")
 
-T = TypeVar("T")
 BUSY_TOKENS = 512
 IDLE_TOKENS = 2048  # positions a forward pass feeds: its logits are this many vocabulary rows
-BATCH_TOKENS = 8192  # padded positions a batch holds
-
-
-class EngineCalls(Protocol):
-    """What the scorer asks of an engine (engine/worker.py's `Engine`)."""
-
-    @property
-    def model(self) -> nn.Module | None: ...
-
-    @property
-    def running(self) -> int: ...
-
-    @property
-    def queued(self) -> int: ...
-
-    def call(self, fn: Callable[[], T]) -> Future[T]: ...
+BATCH_TOKENS = 4096  # padded positions a batch holds (its KV, on top of the KV budget)
+LOGITS_BYTES = 512 * 2**20  # the float32 logits a pass may hold: fewer positions for a wide
+# vocabulary (152k ids: about 880 positions; 262k: 512)
 
 
 class ScoreJob:
@@ -89,6 +73,7 @@ class Scorer:
         self.busy_tokens = busy_tokens
         self.idle_tokens = max(idle_tokens, busy_tokens)
         self.batch_tokens = batch_tokens
+        self.widest = max(1, LOGITS_BYTES // (4 * vocab)) if vocab else None  # positions a pass
         self._lock = threading.Lock()
         self._jobs: deque[ScoreJob] = deque()
         self._current: tuple[ScoreJob, list[int], PromptScoring] | None = None
@@ -147,6 +132,8 @@ class Scorer:
             self._current = None
             self._drop(job)
             return True
+        if self.widest is not None:
+            budget = min(budget, self.widest)
         try:
             finished = scoring.step(budget)
         except Exception as exc:  # this request fails; the engine goes on

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.prompt_logprobs import score
-from mlx_kvserve.engine.scorer import Scorer
+from mlx_kvserve.engine.scorer import LOGITS_BYTES, Scorer
 from tests.support.tiny_models import VOCAB, make_model_dir
 
 LOCAL = "http://localhost"
@@ -202,3 +202,14 @@ def test_the_scorer_feeds_chunks_and_drops_a_departed_clients_prompts(client, lo
     engine.call(lambda: None).result(timeout=60)  # the scorer's turn came and went
     assert scorer.passes == 8 and counts == {"scored": 2, "dropped": 2}
     assert not job.done.done()
+
+
+def test_a_wide_vocabulary_narrows_the_scorers_passes(client) -> None:
+    """A pass holds at most LOGITS_BYTES of float32 logits: here 3 positions (of 2 rows, 1
+    column a pass), whatever the budget."""
+    assert client.post("/tokenize", json={"prompt": "load"}).status_code == 200
+    engine = client.app.state.pool.default.engine
+    scorer = Scorer(engine, LOGITS_BYTES // (4 * 3), busy_tokens=512, idle_tokens=512)
+    rows = [[10 + i for i in range(12)], [20 + i for i in range(9)]]
+    scorer.submit(rows, 1).done.result(timeout=60)
+    assert scorer.passes == 11
