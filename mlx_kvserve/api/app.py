@@ -17,7 +17,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, model_admin, ollama, ollama_embed, status, tokenize
+from mlx_kvserve.api import (
+    anthropic,
+    model_admin,
+    ollama,
+    ollama_embed,
+    ollama_generate,
+    ollama_pull,
+    status,
+    tokenize,
+)
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
@@ -231,10 +240,10 @@ def api_routes() -> list[Route]:
         Route("/api/tags", ollama.tags, methods=["GET"]),
         Route("/api/show", ollama.show, methods=["POST"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
-        Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/generate", ollama_generate.generate, methods=["POST"]),
         Route("/api/embed", ollama_embed.embed_endpoint, methods=["POST"]),
         Route("/api/embeddings", ollama_embed.embeddings_endpoint, methods=["POST"]),
-        Route("/api/pull", ollama.pull, methods=["POST"]),
+        Route("/api/pull", ollama_pull.pull, methods=["POST"]),
         Route("/api/create", ollama.not_supported, methods=["POST"]),
         Route("/api/copy", ollama.not_supported, methods=["POST"]),
         Route("/api/push", ollama.not_supported, methods=["POST"]),

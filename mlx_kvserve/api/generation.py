@@ -27,7 +27,13 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
-from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
+from mlx_kvserve.chat.render import (
+    Prompt,
+    continuing,
+    render_chat,
+    render_text,
+    render_token_ids,
+)
 from mlx_kvserve.engine import (
     Done,
     EngineBusy,
@@ -37,6 +43,7 @@ from mlx_kvserve.engine import (
     SamplingParams,
 )
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
@@ -78,6 +85,20 @@ async def acquire_model(request: Request, slot: Slot) -> EngineView:
     return engine
 
 
+async def acquire_generator(request: Request, slot: Slot) -> EngineView:
+    """`acquire_model` for a generation: a model that only embeds is a 400."""
+    engine = await acquire_model(request, slot)
+    if not engine.generates:
+        request.app.state.pool.release(slot)
+        raise APIError(
+            400,
+            f"the model {slot.name!r} is an embedding model: it does not generate text "
+            "(ask it for embeddings)",
+            param="model",
+        )
+    return engine
+
+
 async def start_chat(
     request: Request,
     chat: ChatRequest,
@@ -85,10 +106,12 @@ async def start_chat(
     model: str | None,
     id_prefix: str = "call_",
     kind: str = "chat",
+    context: list[int] | None = None,
 ) -> Generation:
-    """Template, constrain and queue a chat request (raises APIError for the client)."""
+    """Template, constrain and queue a chat request (raises APIError for the client);
+    `context`: token ids the prompt continues (Ollama's, checked by the caller)."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     settings = request.app.state.settings
 
     sampled = sampled_turns(request)
@@ -96,6 +119,7 @@ async def start_chat(
     def build() -> tuple[Prompt, TokenConstraint | None]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
+        prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
         grammar = _grammar(engine).constraint_for(chat, fmt)
         budget = chat.thinking.budget or settings.thinking_budget or None
@@ -146,18 +170,27 @@ def _keep_turn(
 
 
 async def start_text(
-    request: Request, text: str | list[int], sampling: Sampling, *, model: str | None
+    request: Request,
+    text: str | list[int],
+    sampling: Sampling,
+    *,
+    model: str | None,
+    schema: tuple[dict[str, JSON], str] | None = None,
 ) -> Generation:
-    """Tokenize (or check the token ids of) and queue a plain text completion."""
+    """Tokenize (or check the token ids of) and queue a plain text completion; `schema`: the
+    JSON Schema its answer follows and the field that gave it (Ollama's `format`)."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     try:
         if isinstance(text, str):
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
         else:
             prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
+        constraint = None
+        if schema is not None:
+            constraint = await _off_loop(lambda: _grammar(engine).json_constraint(*schema))
         parser = OutputParser(None)
-        return _submit(request, engine, slot, prompt, sampling, "text", parser, None)
+        return _submit(request, engine, slot, prompt, sampling, "text", parser, constraint)
     except BaseException:
         request.app.state.pool.release(slot)
         raise
@@ -167,7 +200,7 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)
     try:

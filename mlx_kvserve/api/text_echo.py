@@ -25,7 +25,7 @@ from mlx_kvserve.api.disconnect import unless_gone
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import (
-    acquire_model,
+    acquire_generator,
     served_model,
     start_text,
     token_bytes,
@@ -81,7 +81,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
             param=field,
         )
     slot = served_model(request, body.model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     try:
         rows = await run_in_threadpool(_tokenized, engine, body.prompt)
         scored: list[PromptLogprobs] | None = None

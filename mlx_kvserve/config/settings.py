@@ -242,6 +242,13 @@ class Settings:
             "--served-model-name (by default any name is served by the loaded model)."
         },
     )
+    allow_pull: bool = field(
+        default=False,
+        metadata={
+            "help": "Let Ollama's /api/pull download an org/name model from Hugging Face and "
+            "serve it beside the others (off: /api/pull only confirms the models served)."
+        },
+    )
 
     chat_template_kwargs: str | None = field(
         default=None,

@@ -27,6 +27,9 @@ class EngineCalls(Protocol):
     def model(self) -> nn.Module | None: ...
 
     @property
+    def tokenizer(self) -> object: ...
+
+    @property
     def running(self) -> int: ...
 
     @property

@@ -133,6 +133,18 @@ def test_generate_templated_raw_and_system(client: ollama.Client) -> None:
     assert briefed.prompt_eval_count > templated.prompt_eval_count
     pieces = list(client.generate(model=MODEL, prompt="Hello", options=options, stream=True))
     assert "".join(p.response for p in pieces) == templated.response
+    # `context` continues the exchange; `template` replaces the chat template
+    assert raw.context is None and len(templated.context) > templated.prompt_eval_count
+    more = client.generate(model=MODEL, prompt="More", context=templated.context, options=options)
+    assert more.context[: len(templated.context)] == templated.context
+    mine = client.generate(
+        model=MODEL,
+        prompt="Hello",
+        template="Q: {{ .Prompt }}\nA: {{ .Response }}",
+        options=options,
+    )
+    assert mine.prompt_eval_count == len(mine.context) - mine.eval_count
+    assert raw.prompt_eval_count < mine.prompt_eval_count < templated.prompt_eval_count
     assert pieces[-1].done and pieces[-1].eval_count == templated.eval_count
 
 
@@ -307,16 +319,13 @@ def test_errors_in_ollama_shape(
         assert raw.post("/api/chat", json={"model": MODEL, "keep_alive": "soon"}).status_code == 400
         assert raw.post("/api/show", json={}).status_code == 400
         assert raw.get("/api/nothing").status_code == 404
-        assert (
-            raw.post(
-                "/api/generate", json={"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"}
-            ).status_code
-            == 400
-        )
+        bad_template = {"model": MODEL, "prompt": "x", "template": "{{ range .Messages }}"}
+        assert raw.post("/api/generate", json=bad_template).status_code == 400
 
 
 def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
-    """The `ollama` npm package: list, show, chat streamed with a tool, generate."""
+    """The `ollama` npm package: list, show, chat streamed with a tool, generate, and generate
+    continued from the `context` it returned."""
     env = {
         "HOST": served.base_url,
     }
@@ -326,6 +335,8 @@ def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
     assert out["chunks"] > 1 and out["final"]["done"] and out["final"]["eval_count"] > 0
     check(Recorded("POST", "/api/chat", 200, "application/json", json.dumps(out["final"]).encode()))
     assert out["generated"]["done"] and isinstance(out["generated"]["response"], str)
+    context = out["generated"]["context"]  # continued: the next exchange starts with it
+    assert context and out["continued"]["context"][: len(context)] == context
     assert out["error"] == 404
 
 
@@ -347,6 +358,8 @@ const MODEL = 'SmolLM2-135M-Instruct';
   out.chunks = chunks;
   const options = { num_predict: 4 };
   out.generated = await client.generate({ model: MODEL, prompt: 'Hi', options });
+  const context = out.generated.context;
+  out.continued = await client.generate({ model: MODEL, prompt: 'More', context, options });
   try {
     await client.chat({ model: 'nope', messages: [{ role: 'user', content: 'x' }] });
     out.error = 0;
