@@ -9,9 +9,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
+from mlx_kvserve.api.choices import Choices, Ended
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
-from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs, Usage
+from mlx_kvserve.api.reading import Event, Failed, Finished, Logprobs, Result, Usage
 from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
 from mlx_kvserve.chat import (
     ChatRequest,
@@ -37,30 +38,34 @@ async def chat_completions(request: Request) -> Response:
     body = parse(
         ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
-    generation = await start_chat(request, to_chat_request(body), model=body.model)
+    generation = await start_chat(request, to_chat_request(body), model=body.model, n=body.n)
+    choices = Choices(generation)
     if body.stream:
-        events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
+        events = _stream(choices, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    result = await generation.result(request)
+    results, total = await choices.results(request)
+    return JSONResponse(
+        {
+            **_head(choices, "chat.completion"),
+            "choices": [_choice(i, result, body) for i, result in enumerate(results)],
+            "usage": usage(total),
+        }
+    )
+
+
+def _choice(index: int, result: Result, body: ChatCompletionRequest) -> dict[str, JSON]:
     message: dict[str, JSON] = {"role": "assistant", "content": result.content, "refusal": None}
     if result.reasoning:  # clients read one name or the other
         message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.calls:
         message["tool_calls"] = [_call(c) for c in result.calls]
         message["content"] = result.content or None
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": _logprobs(result.logprobs, body) if body.logprobs else None,
         "finish_reason": result.finished.reason,
     }
-    return JSONResponse(
-        {
-            **_head(generation, "chat.completion"),
-            "choices": [choice],
-            "usage": usage(result.finished.usage),
-        }
-    )
 
 
 def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
@@ -135,27 +140,54 @@ def _output_format(body: ChatCompletionRequest) -> OutputFormat:
 
 
 async def _stream(
-    generation: Generation, body: ChatCompletionRequest, keepalive: float
+    choices: Choices, body: ChatCompletionRequest, keepalive: float
 ) -> AsyncIterator[str]:
-    head = _head(generation, "chat.completion.chunk")
-
-    def chunk(delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
-
-    yield chunk({"role": "assistant", "content": ""})
-    pending: list[TokenLogprob] = []
-    async for event in generation.events(keepalive):
-        if event is None:
+    head = _head(choices, "chat.completion.chunk")
+    streams = [ChoiceStream(i, head, body) for i in range(len(choices.all))]
+    for stream in streams:
+        yield stream.chunk({"role": "assistant", "content": ""})
+    async for item in choices.events(keepalive):
+        if item is None:
             yield ": keep-alive\n\n"
-        elif isinstance(event, Logprobs):
-            pending.extend(event.items)
+        elif isinstance(item, Ended):
+            if body.include_usage():
+                yield sse({**head, "choices": [], "usage": usage(item.usage)})
+            yield "data: [DONE]\n\n"
+        elif isinstance(item.event, Failed):
+            yield sse(APIError(item.event.status, item.event.message).body())
+            yield "data: [DONE]\n\n"
+        else:
+            chunk = streams[item.index].feed(item.event)
+            if chunk is not None:
+                yield chunk
+
+
+class ChoiceStream:
+    """One choice's chunks: its index in every chunk, its logprobs held until its text."""
+
+    def __init__(self, index: int, head: dict[str, JSON], body: ChatCompletionRequest) -> None:
+        self.index = index
+        self.head = head
+        self.body = body
+        self.pending: list[TokenLogprob] = []
+
+    def chunk(
+        self, delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None
+    ) -> str:
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
+        return sse({**self.head, "choices": [{**choice, "finish_reason": finish}]})
+
+    def feed(self, event: Event) -> str | None:
+        """The chunk for one of this choice's events, if it makes one."""
+        body = self.body
+        if isinstance(event, Logprobs):
+            self.pending.extend(event.items)
         elif isinstance(event, ReasoningDelta):
-            yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            return self.chunk({"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
-            logprobs = _logprobs(pending, body) if body.logprobs else None
-            pending = []
-            yield chunk({"content": event.text}, logprobs=logprobs)
+            logprobs = _logprobs(self.pending, body) if body.logprobs else None
+            self.pending = []
+            return self.chunk({"content": event.text}, logprobs=logprobs)
         elif isinstance(event, ToolCallStarted):
             call = {
                 "index": event.index,
@@ -163,27 +195,22 @@ async def _stream(
                 "type": "function",
                 "function": {"name": event.name, "arguments": ""},
             }
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, ToolCallDelta):
             call = {"index": event.index, "function": {"arguments": event.arguments}}
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, Finished):
-            logprobs = _logprobs(pending, body) if body.logprobs and pending else None
-            yield chunk({}, event.reason, logprobs)
-            if body.include_usage():
-                yield sse({**head, "choices": [], "usage": usage(event.usage)})
-            yield "data: [DONE]\n\n"
-        elif isinstance(event, Failed):
-            yield sse(APIError(event.status, event.message).body())
-            yield "data: [DONE]\n\n"
+            logprobs = _logprobs(self.pending, body) if body.logprobs and self.pending else None
+            return self.chunk({}, event.reason, logprobs)
+        return None
 
 
-def _head(generation: Generation, obj: str) -> dict[str, JSON]:
+def _head(choices: Choices, obj: str) -> dict[str, JSON]:
     return {
-        "id": "chatcmpl-" + generation.id,
+        "id": "chatcmpl-" + choices.id,
         "object": obj,
-        "created": generation.created,
-        "model": generation.model,
+        "created": choices.created,
+        "model": choices.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 

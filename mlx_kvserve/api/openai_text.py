@@ -18,6 +18,7 @@ from mlx_kvserve.api.openai_chat import (
     token_text,
     usage,
 )
+from mlx_kvserve.api.openai_text_choices import several
 from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs
 from mlx_kvserve.api.schemas import CompletionRequest, parse
 from mlx_kvserve.chat import Sampling
@@ -43,7 +44,9 @@ async def completions(request: Request) -> Response:
         logprobs=n_logprobs is not None,
         top_logprobs=n_logprobs or 0,
     )
-    generation = await start_text(request, body.prompt, sampling, model=body.model)
+    generation = await start_text(request, body.prompt, sampling, model=body.model, n=body.n)
+    if body.n > 1:
+        return await several(request, generation, body, _head(generation), _logprobs)
     if body.stream:
         events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
