@@ -108,6 +108,9 @@ def main() -> None:
                         server.base_url, mode, args.n, args.prompt_tokens, args.tokens
                     )
                     times[mode].append(seconds)
+        except BaseException:
+            print(server.log()[-3000:], file=sys.stderr)  # why: the server's own words
+            raise
         finally:
             server.stop()
     print(machine())

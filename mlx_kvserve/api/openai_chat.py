@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
-from mlx_kvserve.api.choices import Choices, Ended
+from mlx_kvserve.api.choices import ChoiceEvent, Choices, Ended
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
 from mlx_kvserve.api.reading import Event, Failed, Finished, Logprobs, Result, Usage
@@ -146,18 +146,35 @@ async def _stream(
     streams = [ChoiceStream(i, head, body) for i in range(len(choices.all))]
     for stream in streams:
         yield stream.chunk({"role": "assistant", "content": ""})
-    async for item in choices.events(keepalive):
+
+    def feed(item: ChoiceEvent) -> str | None:
+        return streams[item.index].feed(item.event)
+
+    async for line in sse_choices(choices.events(keepalive), head, body.include_usage(), feed):
+        yield line
+
+
+async def sse_choices(
+    events: AsyncIterator[ChoiceEvent | Ended | None],
+    head: dict[str, JSON],
+    include_usage: bool,
+    feed: Callable[[ChoiceEvent], str | None],
+) -> AsyncIterator[str]:
+    """The event stream of an OpenAI request's choices (chat or text: `feed` makes a choice's
+    chunk for its event): keep-alives, the usage chunk once all have finished, `[DONE]`, and
+    the one error a failure ends it with."""
+    async for item in events:
         if item is None:
             yield ": keep-alive\n\n"
         elif isinstance(item, Ended):
-            if body.include_usage():
+            if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(item.usage)})
             yield "data: [DONE]\n\n"
         elif isinstance(item.event, Failed):
             yield sse(APIError(item.event.status, item.event.message).body())
             yield "data: [DONE]\n\n"
         else:
-            chunk = streams[item.index].feed(item.event)
+            chunk = feed(item)
             if chunk is not None:
                 yield chunk
 

@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mlx_kvserve.api.choices import Choices, Ended
-from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.openai_chat import SSE_HEADERS, sse, token_text, usage
-from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs
+from mlx_kvserve.api.choices import ChoiceEvent, Choices
+from mlx_kvserve.api.openai_chat import SSE_HEADERS, sse, sse_choices, token_text, usage
+from mlx_kvserve.api.reading import Finished, Generation, Logprobs
 from mlx_kvserve.api.schemas import CompletionRequest
 from mlx_kvserve.chat.events import ContentDelta
 from mlx_kvserve.engine.requests import TokenLogprob
@@ -61,20 +60,12 @@ async def _stream(
 ) -> AsyncIterator[str]:
     offsets = [0] * len(choices.all)  # each choice's text so far, for its logprobs' offsets
     pending: list[list[TokenLogprob]] = [[] for _ in choices.all]
-    async for item in choices.events(keepalive):
-        if item is None:
-            yield ": keep-alive\n\n"
-        elif isinstance(item, Ended):
-            if body.include_usage():
-                yield sse({**head, "choices": [], "usage": usage(item.usage)})
-            yield "data: [DONE]\n\n"
-        elif isinstance(item.event, Failed):
-            yield sse(APIError(item.event.status, item.event.message).body())
-            yield "data: [DONE]\n\n"
-        elif isinstance(item.event, Logprobs):
-            pending[item.index].extend(item.event.items)
-        elif isinstance(item.event, ContentDelta | Finished):
-            event, i = item.event, item.index
+
+    def feed(item: ChoiceEvent) -> str | None:
+        event, i = item.event, item.index
+        if isinstance(event, Logprobs):
+            pending[i].extend(event.items)
+        elif isinstance(event, ContentDelta | Finished):
             text = event.text if isinstance(event, ContentDelta) else ""
             finish = event.reason if isinstance(event, Finished) else None
             logprobs = None
@@ -83,4 +74,9 @@ async def _stream(
                 offsets[i] += sum(len(token_text(t.token)) for t in pending[i])
                 pending[i] = []
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            yield sse({**head, "choices": [choice]})
+            return sse({**head, "choices": [choice]})
+        return None
+
+    events = choices.events(keepalive)
+    async for line in sse_choices(events, head, body.include_usage(), feed):
+        yield line
