@@ -9,6 +9,7 @@ out of range or not an integer is a 400 naming `n` (fuzzed with hypothesis).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import defaultdict
 
@@ -218,6 +219,30 @@ def test_a_client_that_leaves_mid_stream_leaves_no_rows(server):
     server.wait_for_log("text id=", after=before + 3)
     gone = engine_lines(server)[before:]
     assert [line["finish"] for line in gone] == ["cancelled"] * 4, gone
+
+
+def test_choices_paused_by_a_full_kv_budget_resume_and_store_nothing(server, start_server):
+    """Under a KV budget with room for about one answer, choices pause (checkpoint-free when
+    a fork pauses), resume and still give the greedy answer; only choice 0's pauses store."""
+    from tests.server.test_memory_admission import KV_BYTES_PER_TOKEN
+
+    body = {"messages": [{"role": "user", "content": "What is a cat?"}], "temperature": 0}
+    alone = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=600).json()
+    usage = alone["usage"]
+    assert usage["completion_tokens"] >= 20  # long enough to grow past the budget
+    budget = (usage["prompt_tokens"] + usage["completion_tokens"] + 24) * KV_BYTES_PER_TOKEN
+    srv = start_server("--kv-budget", str(budget), "--kv-reserve", "8")
+    reply = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "n": 3}, timeout=600)
+    assert reply.status_code == 200, reply.text
+    want = alone["choices"][0]["message"]["content"]
+    assert [c["message"]["content"] for c in reply.json()["choices"]] == [want] * 3
+    paused = re.findall(r"request (\S+) paused at", srv.log())
+    forks = [rid for rid in paused if re.search(r"-[12]$", rid)]
+    assert forks, srv.log()[-3000:]  # the youngest rows, the forks, paused
+    entries = httpx.get(srv.base_url + "/v1/cache", timeout=30).json()["entries_list"]
+    stored = [e for e in entries if e["reason"] == "pause"]
+    assert len(stored) <= len(paused) - len(forks)  # a fork's pause stored nothing
+    assert httpx.get(srv.base_url + "/health", timeout=30).json()["paused"] == 0
 
 
 BAD_N = [0, -1, 9, 100, 1.5, "2", True, None, [2]]
