@@ -21,6 +21,7 @@ from starlette.requests import Request
 from mlx_kvserve.api.choices import fork_of, last_of
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.images import for_model
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling
 from mlx_kvserve.chat.events import OutputReader
@@ -28,7 +29,13 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
-from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
+from mlx_kvserve.chat.render import (
+    Prompt,
+    continuing,
+    render_chat,
+    render_text,
+    render_token_ids,
+)
 from mlx_kvserve.engine import (
     Done,
     EngineBusy,
@@ -38,6 +45,7 @@ from mlx_kvserve.engine import (
     SamplingParams,
 )
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
@@ -79,6 +87,20 @@ async def acquire_model(request: Request, slot: Slot) -> EngineView:
     return engine
 
 
+async def acquire_generator(request: Request, slot: Slot) -> EngineView:
+    """`acquire_model` for a generation: a model that only embeds is a 400."""
+    engine = await acquire_model(request, slot)
+    if not engine.generates:
+        request.app.state.pool.release(slot)
+        raise APIError(
+            400,
+            f"the model {slot.name!r} is an embedding model: it does not generate text "
+            "(ask it for embeddings)",
+            param="model",
+        )
+    return engine
+
+
 async def start_chat(
     request: Request,
     chat: ChatRequest,
@@ -86,19 +108,23 @@ async def start_chat(
     model: str | None,
     id_prefix: str = "call_",
     kind: str = "chat",
+    context: list[int] | None = None,
     n: int = 1,
 ) -> Generation:
-    """Template, constrain and queue a chat request (raises APIError for the client); `n`
-    choices: the others are the returned generation's `others` (api/choices.py)."""
+    """Template, constrain and queue a chat request (raises APIError for the client);
+    `context`: token ids the prompt continues (Ollama's, checked by the caller); `n` choices:
+    the others are the returned generation's `others` (api/choices.py)."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
     settings = request.app.state.settings
+    chat = for_model(chat, slot, settings.images)
+    engine = await acquire_generator(request, slot)
 
     sampled = sampled_turns(request)
 
     def build() -> tuple[Prompt, list[TokenConstraint | None]]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
+        prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
         budget = chat.thinking.budget or settings.thinking_budget or None
         gates = []
@@ -161,19 +187,27 @@ async def start_text(
     sampling: Sampling,
     *,
     model: str | None,
+    schema: tuple[dict[str, JSON], str] | None = None,
     n: int = 1,
 ) -> Generation:
-    """Tokenize (or check the token ids of) and queue a plain text completion (`n`
-    choices: see `start_chat`)."""
+    """Tokenize (or check the token ids of) and queue a plain text completion; `schema`: the
+    JSON Schema its answer follows and the field that gave it (Ollama's `format`); `n`
+    choices: see `start_chat`."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     try:
         if isinstance(text, str):
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
         else:
             prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
+        constraints: list[TokenConstraint | None] = [None] * n
+        if schema is not None:
+            grammar = _grammar(engine)
+            constraints = await _off_loop(
+                lambda: [grammar.json_constraint(*schema) for _ in range(n)]
+            )
         parsers: list[OutputReader] = [OutputParser(None) for _ in range(n)]
-        return _submit(request, engine, slot, prompt, sampling, "text", parsers, [None] * n)
+        return _submit(request, engine, slot, prompt, sampling, "text", parsers, constraints)
     except BaseException:
         request.app.state.pool.release(slot)
         raise
@@ -183,7 +217,8 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    chat = for_model(chat, slot, request.app.state.settings.images)
+    engine = await acquire_generator(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)
     try:

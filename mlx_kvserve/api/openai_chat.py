@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -12,8 +13,9 @@ from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.choices import ChoiceEvent, Choices, Ended
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.reading import Event, Failed, Finished, Logprobs, Result, Usage
-from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
+from mlx_kvserve.api.schemas import ChatCompletionRequest, ImagePart, Message, TextPart, parse
 from mlx_kvserve.chat import (
     ChatRequest,
     OutputFormat,
@@ -26,6 +28,8 @@ from mlx_kvserve.chat import (
 from mlx_kvserve.chat import Message as ChatMessage
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.engine.requests import TokenLogprob
+from mlx_kvserve.images import Image
+from mlx_kvserve.images.reader import ImageReader
 from mlx_kvserve.json_value import JSON
 
 SYSTEM_FINGERPRINT = "mlx-kvserve"
@@ -38,7 +42,8 @@ async def chat_completions(request: Request) -> Response:
     body = parse(
         ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
-    generation = await start_chat(request, to_chat_request(body), model=body.model, n=body.n)
+    chat = await run_in_threadpool(to_chat_request, body, image_reader(request))  # images decode
+    generation = await start_chat(request, chat, model=body.model, n=body.n)
     choices = Choices(generation)
     if body.stream:
         events = _stream(choices, body, request.app.state.settings.keepalive_seconds)
@@ -68,8 +73,10 @@ def _choice(index: int, result: Result, body: ChatCompletionRequest) -> dict[str
     }
 
 
-def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
-    """The internal request for an OpenAI chat body."""
+def to_chat_request(body: ChatCompletionRequest, images: ImageReader | None = None) -> ChatRequest:
+    """The internal request for an OpenAI chat body (`images`: the server's reader; by default
+    inline images only)."""
+    images = images or ImageReader()
     tools = [
         Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
         for t in body.tools or []
@@ -89,7 +96,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             )
         tool_choice = ToolChoice("function", name, parallel=False)
     return ChatRequest(
-        messages=[_message(m, i) for i, m in enumerate(body.messages)],
+        messages=[_message(m, i, images) for i, m in enumerate(body.messages)],
         tools=tools,
         tool_choice=tool_choice,
         output=_output_format(body),
@@ -108,7 +115,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     )
 
 
-def _message(m: Message, i: int) -> ChatMessage:
+def _message(m: Message, i: int, images: ImageReader) -> ChatMessage:
     calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
     role = "system" if m.role == "developer" else m.role
     reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
@@ -119,9 +126,32 @@ def _message(m: Message, i: int) -> ChatMessage:
             f"messages[{i}].{field}: only assistant messages carry past reasoning.",
             param=f"messages[{i}].{field}",
         )
-    message = ChatMessage(role, m.text(), calls, m.tool_call_id, m.name if role == "tool" else None)
+    name = m.name if role == "tool" else None
+    if not isinstance(m.content, list) or all(isinstance(p, TextPart) for p in m.content):
+        message = ChatMessage(role, m.text(), calls, m.tool_call_id, name)
+    else:
+        parts = _parts(m.content, role, i, images)
+        message = ChatMessage.from_parts(
+            role, parts, tool_calls=calls, tool_call_id=m.tool_call_id, name=name
+        )
     message.reasoning = reasoning
     return message
+
+
+def _parts(
+    content: list[TextPart | ImagePart], role: str, i: int, images: ImageReader
+) -> list[str | Image]:
+    """A message's text and images in order; images only where a user or a tool speaks."""
+    parts: list[str | Image] = []
+    for j, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+            continue
+        where = f"messages[{i}].content[{j}].image_url"
+        if role not in ("user", "tool"):
+            raise APIError(400, f"{where}: only user and tool messages carry images.", param=where)
+        parts.append(images.from_url(part.url(), where))
+    return parts
 
 
 def _output_format(body: ChatCompletionRequest) -> OutputFormat:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
@@ -35,6 +43,34 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    """An image: a data URL, or an http(s) URL where `--image-urls` allows it."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]  # a bare URL, as some clients send
+
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+def _part_kind(part: JSON) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "image_url": "ImagePart"}.get(kind)  # type: ignore[arg-type]
+
+
+# Chosen by `type` (so an error names the field of the part sent, not of another kind); the
+# tags are dropped from error paths (`_is_union_tag`).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(_part_kind),
+]
+
+
 class FunctionCall(_Body):
     name: Annotated[str, Field(min_length=1)]
     arguments: str = ""
@@ -48,7 +84,7 @@ class ToolCallIn(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -64,9 +100,10 @@ class Message(_Body):
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
+                if kind not in ("text", "image_url"):
                     raise ValueError(
-                        f"unsupported content part type {kind!r}; only 'text' parts are supported"
+                        f"unsupported content part type {kind!r}; 'text' and 'image_url' parts "
+                        "are supported"
                     )
         return value
 
@@ -75,7 +112,7 @@ class Message(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class _Sampling(_Body):
@@ -225,6 +262,12 @@ def _is_union_tag(part: int | str) -> bool:
         "bool",
         "list[str]",
         "list[TextPart]",
+        "TextPart",
+        "ContentPart",
+        "InputImage",
+        "ImagePart",
+        "ImageURL",
+        "list[union[TextPart,ImagePart]]",
         "list[ToolCallIn]",
         "list[InputItem]",
         "list[ContentPart]",

@@ -24,7 +24,8 @@ from typing import Protocol, TypeVar
 import mlx.nn as nn
 import numpy as np
 
-from mlx_kvserve.embed.pooling import embed_rows
+from mlx_kvserve.embed.encoder import encode_rows
+from mlx_kvserve.embed.pooling import ENCODER, embed_rows
 
 log = logging.getLogger("mlx_kvserve.embed")
 
@@ -38,6 +39,9 @@ class EngineCalls(Protocol):
 
     @property
     def model(self) -> nn.Module | None: ...
+
+    @property
+    def tokenizer(self) -> object: ...
 
     @property
     def running(self) -> int: ...
@@ -168,7 +172,12 @@ class Embedder:
         model = self.engine.model
         try:
             assert model is not None, "the engine has no model"
-            vectors = embed_rows(model, [item.tokens for item in batch], self.pooling)
+            rows = [item.tokens for item in batch]
+            if self.pooling == ENCODER:
+                pad = getattr(self.engine.tokenizer, "pad_token_id", None)
+                vectors = encode_rows(model, rows, pad if isinstance(pad, int) else 0)
+            else:
+                vectors = embed_rows(model, rows, self.pooling)
         except Exception as exc:  # the requests of this batch fail; the engine goes on
             log.exception("an embedding batch of %d inputs failed", len(batch))
             for item in batch:

@@ -139,6 +139,8 @@ class Engine(Intake, Stopping, Failures):
         self.lockstep: Agreement = Solo()  # the job's once the model is loaded (`job`)
         self._draws = Draws()  # each row's tokens, for the turn's digest across ranks
 
+    generates = True  # (embed/encoder.py's engine embeds only)
+
     @property
     def unloadable(self) -> bool:
         """False in a job across machines: every rank stops with it (cli/serve_job.py)."""

@@ -50,6 +50,10 @@ def test_malformed_bodies_are_400(server, raw):
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.image_url.url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
             "messages.0.content",
         ),
         ({"messages": OK_MESSAGES, "temperature": "hot"}, "temperature"),
