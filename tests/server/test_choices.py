@@ -28,9 +28,10 @@ RUN_ON = {"ignore_eos": True}  # every choice runs to max_tokens: exact counts
 
 
 def fresh(question: str = "Name a colour.") -> list[dict]:
-    """A conversation the server has never seen (nothing of it cached but the template's head)."""
+    """A conversation the server has never seen (nothing of it cached but the template's head;
+    not worded as other files' fresh conversations, which count what they find cached)."""
     return [
-        {"role": "system", "content": f"Session {uuid.uuid4().hex}."},
+        {"role": "system", "content": f"{uuid.uuid4().hex} names this conversation."},
         {"role": "user", "content": question},
     ]
 
