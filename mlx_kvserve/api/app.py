@@ -25,6 +25,7 @@ from mlx_kvserve.api import (
     ollama_generate,
     ollama_pull,
     status,
+    tokenize,
 )
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
@@ -262,6 +263,10 @@ def api_routes() -> list[Route]:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        # The tokenizer, as vLLM serves it (evaluation harnesses: api/tokenize.py)
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"]),
         # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
         Route("/models", list_models, methods=["GET"]),
         Route("/models/{model_id:path}", get_model, methods=["GET"]),

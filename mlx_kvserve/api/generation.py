@@ -247,6 +247,11 @@ def _grammar(engine: EngineView) -> GrammarCompiler:
     return compiler
 
 
+def token_bytes(engine: EngineView) -> Callable[[int], bytes]:
+    """A token's exact bytes, as logprobs name tokens (the grammar compiler's tokenizer)."""
+    return _grammar(engine).token_bytes
+
+
 def _submit(
     request: Request,
     engine: EngineView,
@@ -278,7 +283,7 @@ def _submit(
         kind=kind,
         boundaries=prompt.boundaries,
         constraint=constraints[0],
-        token_bytes=_grammar(engine).token_bytes if want_bytes else None,
+        token_bytes=token_bytes(engine) if want_bytes else None,
     )
     req.forks = [fork_of(req, i, constraint) for i, constraint in enumerate(constraints) if i]
     loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_kvserve.api import text_echo
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_text
@@ -29,10 +30,19 @@ from mlx_kvserve.json_value import JSON
 
 async def completions(request: Request) -> Response:
     """OpenAI text completions of a prompt (text or token ids), with logprobs; streamed or
-    one body."""
+    one body. `echo`, several prompts and `max_tokens: 0` (evaluation harnesses' prompt
+    scoring) are answered by api/text_echo.py."""
     body = parse(
         CompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
+    if text_echo.wanted(body):
+        if body.n > 1:  # api/openai_text_choices.py serves several choices of one generation
+            raise APIError(
+                400,
+                "n above 1 is not supported with echo, several prompts or max_tokens 0.",
+                param="n",
+            )
+        return await text_echo.completions(request, body)
     n_logprobs = body.logprobs
     sampling = Sampling(
         temperature=body.temperature,
@@ -44,7 +54,7 @@ async def completions(request: Request) -> Response:
         logprobs=n_logprobs is not None,
         top_logprobs=n_logprobs or 0,
     )
-    generation = await start_text(request, body.prompt, sampling, model=body.model, n=body.n)
+    generation = await start_text(request, body.prompt[0], sampling, model=body.model, n=body.n)
     if body.n > 1:
         return await several(request, generation, body, _head(generation), _logprobs)
     if body.stream:

@@ -24,6 +24,7 @@ from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
 MAX_CHOICES = 8  # OpenAI's `n`: rows of the batch one request may take
+MAX_PROMPTS = 64  # prompts of one text completion request
 Seed = Annotated[int, Field(ge=0, lt=2**64)]  # MLX seeds are uint64
 
 
@@ -191,34 +192,43 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    # The four shapes the API takes: text, token ids, and a list of one of either (one prompt
-    # per request: several are refused with the reason). Checked by hand for a clear message.
-    prompt: str | list[int]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: Literal[False] = False
+    # The four shapes the API takes: text, token ids, or a list of either (evaluation harnesses
+    # batch up to MAX_PROMPTS prompts: one choice each). Checked by hand for a clear message;
+    # kept as the list of prompts.
+    prompt: list[str | list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False  # the prompt before the completion (api/text_echo.py)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: JSON) -> str | list[int]:
-        """Text, or the token ids of one prompt."""
-        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-            if len(value) > 1:
-                raise PydanticCustomError(
-                    "one_prompt",
-                    "one prompt per request (got {count}); send the others as their own requests",
-                    {"count": len(value)},
-                )
-            value = value[0]
-        if isinstance(value, str) or (
-            isinstance(value, list) and value and all(_is_token_id(v) for v in value)
+    def _prompts(cls, value: JSON) -> list[str | list[int]]:
+        """Text, token ids, or a list of either, as a list of prompts."""
+        if isinstance(value, str) or _token_ids(value):
+            return [value]
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, str) or _token_ids(v) for v in value)
         ):
+            if len(value) > MAX_PROMPTS:
+                raise PydanticCustomError(
+                    "prompts",
+                    "at most {limit} prompts per request (got {count})",
+                    {"limit": MAX_PROMPTS, "count": len(value)},
+                )
             return value
         raise PydanticCustomError(
-            "prompt_shape", "expected text, a non-empty list of token ids, or a list of one of them"
+            "prompt_shape",
+            "expected text, a non-empty list of token ids, or a list of either",
         )
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+def _token_ids(value: JSON) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_token_id(v) for v in value)
 
 
 def _is_token_id(value: JSON) -> bool:

@@ -19,37 +19,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
-import mlx.nn as nn
 import numpy as np
 
 from mlx_kvserve.embed.encoder import encode_rows
 from mlx_kvserve.embed.pooling import ENCODER, embed_rows
+from mlx_kvserve.engine.calls import EngineCalls
 
 log = logging.getLogger("mlx_kvserve.embed")
 
-T = TypeVar("T")
 BUSY_TOKENS = 512
 IDLE_TOKENS = 4096  # vllm-mlx's sub-batch of padded positions
-
-
-class EngineCalls(Protocol):
-    """What the batcher asks of an engine (engine/worker.py's `Engine`)."""
-
-    @property
-    def model(self) -> nn.Module | None: ...
-
-    @property
-    def tokenizer(self) -> object: ...
-
-    @property
-    def running(self) -> int: ...
-
-    @property
-    def queued(self) -> int: ...
-
-    def call(self, fn: Callable[[], T]) -> Future[T]: ...
 
 
 class EmbedJob:

@@ -82,6 +82,13 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.scored_prompts = Counter(
+            f"{PREFIX}_scored_prompts",
+            "Prompts whose own tokens' log probabilities a request asked for (echo with "
+            "logprobs): scored, or dropped because their client left first.",
+            ["outcome"],
+            registry=r,
+        )
         self.lookups = Counter(
             f"{PREFIX}_cache_lookups",
             "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "

@@ -258,6 +258,18 @@ def test_bad_n_is_a_400_naming_n(server, path, n):
     assert reply.json()["error"]["param"] == "n"
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"echo": True, "logprobs": 1}, {"prompt": ["Hi", "Ho"]}, {"max_tokens": 0, "echo": True}],
+    ids=["echo", "prompts", "scoring"],
+)
+def test_n_with_echo_several_prompts_or_scoring_is_a_400_naming_n(server, extra):
+    body = {"prompt": "Hi", "max_tokens": 1, "n": 2, **extra}
+    reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "n"
+
+
 @settings(
     max_examples=25,
     deadline=None,

@@ -82,7 +82,8 @@ def test_invalid_chat_parameters_are_400(server, body, param):
     [
         ({"model": MODEL}, "prompt"),
         ({"prompt": 5}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ],
