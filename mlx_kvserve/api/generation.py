@@ -18,6 +18,7 @@ from typing import TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from mlx_kvserve.api.choices import fork_of, last_of
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.images import for_model
@@ -108,9 +109,11 @@ async def start_chat(
     id_prefix: str = "call_",
     kind: str = "chat",
     context: list[int] | None = None,
+    n: int = 1,
 ) -> Generation:
     """Template, constrain and queue a chat request (raises APIError for the client);
-    `context`: token ids the prompt continues (Ollama's, checked by the caller)."""
+    `context`: token ids the prompt continues (Ollama's, checked by the caller); `n` choices:
+    the others are the returned generation's `others` (api/choices.py)."""
     slot = served_model(request, model)
     settings = request.app.state.settings
     chat = for_model(chat, slot, settings.images)
@@ -118,30 +121,37 @@ async def start_chat(
 
     sampled = sampled_turns(request)
 
-    def build() -> tuple[Prompt, TokenConstraint | None]:
+    def build() -> tuple[Prompt, list[TokenConstraint | None]]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
         prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
-        grammar = _grammar(engine).constraint_for(chat, fmt)
         budget = chat.thinking.budget or settings.thinking_budget or None
-        gate = fmt.thinking_gate(
-            engine.tokenizer, grammar, budget, prompt.markers, prompt.reasoning
-        )
-        return prompt, gate
+        gates = []
+        for _ in range(n):  # a grammar's state is a choice's own
+            grammar = _grammar(engine).constraint_for(chat, fmt)
+            gates.append(
+                fmt.thinking_gate(
+                    engine.tokenizer, grammar, budget, prompt.markers, prompt.reasoning
+                )
+            )
+        return prompt, gates
 
     try:
-        prompt, constraint = await _off_loop(build)
-        parser = _format(prompt).reader(
-            chat.tools,
-            parse_calls=chat.tools_active,
-            id_prefix=id_prefix,
-            markers=prompt.markers,
-            reasoning=prompt.reasoning,
-        )
+        prompt, constraints = await _off_loop(build)
+        parsers: list[OutputReader] = [
+            _format(prompt).reader(
+                chat.tools,
+                parse_calls=chat.tools_active,
+                id_prefix=id_prefix,
+                markers=prompt.markers,
+                reasoning=prompt.reasoning,
+            )
+            for _ in range(n)
+        ]
         keep = functools.partial(_keep_turn, sampled, slot.name, prompt)
         return _submit(
-            request, engine, slot, prompt, chat.sampling, kind, parser, constraint, on_done=keep
+            request, engine, slot, prompt, chat.sampling, kind, parsers, constraints, on_done=keep
         )
     except BaseException:
         request.app.state.pool.release(slot)
@@ -178,9 +188,11 @@ async def start_text(
     *,
     model: str | None,
     schema: tuple[dict[str, JSON], str] | None = None,
+    n: int = 1,
 ) -> Generation:
     """Tokenize (or check the token ids of) and queue a plain text completion; `schema`: the
-    JSON Schema its answer follows and the field that gave it (Ollama's `format`)."""
+    JSON Schema its answer follows and the field that gave it (Ollama's `format`); `n`
+    choices: see `start_chat`."""
     slot = served_model(request, model)
     engine = await acquire_generator(request, slot)
     try:
@@ -188,11 +200,14 @@ async def start_text(
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
         else:
             prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
-        constraint = None
+        constraints: list[TokenConstraint | None] = [None] * n
         if schema is not None:
-            constraint = await _off_loop(lambda: _grammar(engine).json_constraint(*schema))
-        parser = OutputParser(None)
-        return _submit(request, engine, slot, prompt, sampling, "text", parser, constraint)
+            grammar = _grammar(engine)
+            constraints = await _off_loop(
+                lambda: [grammar.json_constraint(*schema) for _ in range(n)]
+            )
+        parsers: list[OutputReader] = [OutputParser(None) for _ in range(n)]
+        return _submit(request, engine, slot, prompt, sampling, "text", parsers, constraints)
     except BaseException:
         request.app.state.pool.release(slot)
         raise
@@ -244,24 +259,36 @@ def _submit(
     prompt: Prompt,
     sampling: Sampling,
     kind: str,
-    parser: OutputReader,
-    constraint: TokenConstraint | None,
+    parsers: list[OutputReader],
+    constraints: list[TokenConstraint | None],
     *,
     on_done: Callable[[Generation, Done], None] | None = None,
 ) -> Generation:
+    """Queue the request: one choice per parser and constraint, forks of the first (its
+    `others`), which the engine prefills once."""
     want_bytes = sampling.logprobs or sampling.top_logprobs > 0
     params = _sampling(sampling, len(prompt.tokens), engine.context_length, kind)
     if params.seed is None and request.app.state.settings.seed >= 0:  # --seed: the default
         params = dataclasses.replace(params, seed=request.app.state.settings.seed)
+    if len(parsers) > 1 and engine.cluster is not None:
+        raise APIError(
+            400,
+            "n above 1 is not supported when the server runs as a cluster job: send the "
+            "choices as separate requests.",
+            param="n",
+        )
     req = GenerationRequest(
         prompt_tokens=prompt.tokens,
         params=params,
         kind=kind,
         boundaries=prompt.boundaries,
-        constraint=constraint,
+        constraint=constraints[0],
         token_bytes=token_bytes(engine) if want_bytes else None,
     )
-    req.bind(asyncio.get_running_loop())
+    req.forks = [fork_of(req, i, constraint) for i, constraint in enumerate(constraints) if i]
+    loop = asyncio.get_running_loop()
+    for choice in [req, *req.forks]:
+        choice.bind(loop)
     try:
         engine.submit(req)
     except EngineBusy:
@@ -274,14 +301,20 @@ def _submit(
         raise APIError(400, str(exc), param=field, code="kv_budget_exceeded") from None
     tokenizer = engine.tokenizer
     pool: ModelPool = request.app.state.pool
-    return Generation(
-        req,
-        parser,
-        slot.name,
-        lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-        release=lambda: pool.release(slot),
-        on_done=on_done,
-    )
+    release = last_of(len(parsers), lambda: pool.release(slot))  # the lease: once, at the end
+    generations = [
+        Generation(
+            choice,
+            parser,
+            slot.name,
+            lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+            release=release,
+            on_done=on_done,
+        )
+        for choice, parser in zip([req, *req.forks], parsers, strict=True)
+    ]
+    generations[0].others = generations[1:]
+    return generations[0]
 
 
 def _sampling(

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
+from mlx_kvserve.api.choices import ChoiceEvent, Choices, Ended
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
 from mlx_kvserve.api.images import image_reader
-from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs, Usage
+from mlx_kvserve.api.reading import Event, Failed, Finished, Logprobs, Result, Usage
 from mlx_kvserve.api.schemas import ChatCompletionRequest, ImagePart, Message, TextPart, parse
 from mlx_kvserve.chat import (
     ChatRequest,
@@ -42,30 +43,34 @@ async def chat_completions(request: Request) -> Response:
         ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
     chat = await run_in_threadpool(to_chat_request, body, image_reader(request))  # images decode
-    generation = await start_chat(request, chat, model=body.model)
+    generation = await start_chat(request, chat, model=body.model, n=body.n)
+    choices = Choices(generation)
     if body.stream:
-        events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
+        events = _stream(choices, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    result = await generation.result(request)
+    results, total = await choices.results(request)
+    return JSONResponse(
+        {
+            **_head(choices, "chat.completion"),
+            "choices": [_choice(i, result, body) for i, result in enumerate(results)],
+            "usage": usage(total),
+        }
+    )
+
+
+def _choice(index: int, result: Result, body: ChatCompletionRequest) -> dict[str, JSON]:
     message: dict[str, JSON] = {"role": "assistant", "content": result.content, "refusal": None}
     if result.reasoning:  # clients read one name or the other
         message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.calls:
         message["tool_calls"] = [_call(c) for c in result.calls]
         message["content"] = result.content or None
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": _logprobs(result.logprobs, body) if body.logprobs else None,
         "finish_reason": result.finished.reason,
     }
-    return JSONResponse(
-        {
-            **_head(generation, "chat.completion"),
-            "choices": [choice],
-            "usage": usage(result.finished.usage),
-        }
-    )
 
 
 def to_chat_request(body: ChatCompletionRequest, images: ImageReader | None = None) -> ChatRequest:
@@ -165,27 +170,71 @@ def _output_format(body: ChatCompletionRequest) -> OutputFormat:
 
 
 async def _stream(
-    generation: Generation, body: ChatCompletionRequest, keepalive: float
+    choices: Choices, body: ChatCompletionRequest, keepalive: float
 ) -> AsyncIterator[str]:
-    head = _head(generation, "chat.completion.chunk")
+    head = _head(choices, "chat.completion.chunk")
+    streams = [ChoiceStream(i, head, body) for i in range(len(choices.all))]
+    for stream in streams:
+        yield stream.chunk({"role": "assistant", "content": ""})
 
-    def chunk(delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+    def feed(item: ChoiceEvent) -> str | None:
+        return streams[item.index].feed(item.event)
 
-    yield chunk({"role": "assistant", "content": ""})
-    pending: list[TokenLogprob] = []
-    async for event in generation.events(keepalive):
-        if event is None:
+    async for line in sse_choices(choices.events(keepalive), head, body.include_usage(), feed):
+        yield line
+
+
+async def sse_choices(
+    events: AsyncIterator[ChoiceEvent | Ended | None],
+    head: dict[str, JSON],
+    include_usage: bool,
+    feed: Callable[[ChoiceEvent], str | None],
+) -> AsyncIterator[str]:
+    """The event stream of an OpenAI request's choices (chat or text: `feed` makes a choice's
+    chunk for its event): keep-alives, the usage chunk once all have finished, `[DONE]`, and
+    the one error a failure ends it with."""
+    async for item in events:
+        if item is None:
             yield ": keep-alive\n\n"
-        elif isinstance(event, Logprobs):
-            pending.extend(event.items)
+        elif isinstance(item, Ended):
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(item.usage)})
+            yield "data: [DONE]\n\n"
+        elif isinstance(item.event, Failed):
+            yield sse(APIError(item.event.status, item.event.message).body())
+            yield "data: [DONE]\n\n"
+        else:
+            chunk = feed(item)
+            if chunk is not None:
+                yield chunk
+
+
+class ChoiceStream:
+    """One choice's chunks: its index in every chunk, its logprobs held until its text."""
+
+    def __init__(self, index: int, head: dict[str, JSON], body: ChatCompletionRequest) -> None:
+        self.index = index
+        self.head = head
+        self.body = body
+        self.pending: list[TokenLogprob] = []
+
+    def chunk(
+        self, delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None
+    ) -> str:
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
+        return sse({**self.head, "choices": [{**choice, "finish_reason": finish}]})
+
+    def feed(self, event: Event) -> str | None:
+        """The chunk for one of this choice's events, if it makes one."""
+        body = self.body
+        if isinstance(event, Logprobs):
+            self.pending.extend(event.items)
         elif isinstance(event, ReasoningDelta):
-            yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            return self.chunk({"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
-            logprobs = _logprobs(pending, body) if body.logprobs else None
-            pending = []
-            yield chunk({"content": event.text}, logprobs=logprobs)
+            logprobs = _logprobs(self.pending, body) if body.logprobs else None
+            self.pending = []
+            return self.chunk({"content": event.text}, logprobs=logprobs)
         elif isinstance(event, ToolCallStarted):
             call = {
                 "index": event.index,
@@ -193,27 +242,22 @@ async def _stream(
                 "type": "function",
                 "function": {"name": event.name, "arguments": ""},
             }
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, ToolCallDelta):
             call = {"index": event.index, "function": {"arguments": event.arguments}}
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, Finished):
-            logprobs = _logprobs(pending, body) if body.logprobs and pending else None
-            yield chunk({}, event.reason, logprobs)
-            if body.include_usage():
-                yield sse({**head, "choices": [], "usage": usage(event.usage)})
-            yield "data: [DONE]\n\n"
-        elif isinstance(event, Failed):
-            yield sse(APIError(event.status, event.message).body())
-            yield "data: [DONE]\n\n"
+            logprobs = _logprobs(self.pending, body) if body.logprobs and self.pending else None
+            return self.chunk({}, event.reason, logprobs)
+        return None
 
 
-def _head(generation: Generation, obj: str) -> dict[str, JSON]:
+def _head(choices: Choices, obj: str) -> dict[str, JSON]:
     return {
-        "id": "chatcmpl-" + generation.id,
+        "id": "chatcmpl-" + choices.id,
         "object": obj,
-        "created": generation.created,
-        "model": generation.model,
+        "created": choices.created,
+        "model": choices.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 

@@ -23,6 +23,7 @@ from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
+MAX_CHOICES = 8  # OpenAI's `n`: rows of the batch one request may take
 MAX_PROMPTS = 64  # prompts of one text completion request
 Seed = Annotated[int, Field(ge=0, lt=2**64)]  # MLX seeds are uint64
 
@@ -125,7 +126,7 @@ class _Sampling(_Body):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, each its own batch row
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -379,6 +379,12 @@ class Engine(Intake, Stopping, Failures):
         else:
             self._touched += self.batch.requests  # a join merges its caches into theirs
             self.batch.add(seq)
+            for fork in seq.forks:  # the other choices of an `n` request: rows of their own
+                self._inflight[fork.req.request_id] = fork.req
+                self._touched.append(fork.req)
+                self.room.take(fork.req)
+                self.batch.add(fork)
+            seq.forks = []
 
     def _release(self, req: GenerationRequest) -> None:
         """`req` holds no KV any more (ended, failed, cancelled in its prefill)."""

@@ -171,16 +171,18 @@ class Metrics:
         if timings is None:
             return
         t = timings
-        self.prompt_tokens.inc(t.prompt_tokens)
-        self.cached_tokens.inc(t.cached_tokens)
         self.generated_tokens.inc(t.completion_tokens)
         if t.completion_tokens > 0 and t.ttft_seconds > 0:
             self.ttft.observe(t.ttft_seconds)
+        if t.completion_tokens > 1 and t.decode_seconds > 0:
+            self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
+        if t.cache_source == "fork":  # another choice of a request: its prompt is counted once
+            return
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.cached_tokens)
         prefilled = t.prompt_tokens - t.cached_tokens
         if prefilled > 0 and t.prefill_seconds > 0:
             self.prefill_tps.observe(prefilled / t.prefill_seconds)
-        if t.completion_tokens > 1 and t.decode_seconds > 0:
-            self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
         if not self.cache_enabled:
             return
         if t.failed_source in TIERS:
