@@ -16,9 +16,9 @@ from starlette.requests import Request
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import ChatRequest
 from mlx_kvserve.config.settings import Settings
-from mlx_kvserve.images.decode import ImageLimits
 from mlx_kvserve.images.fetch import Fetcher
 from mlx_kvserve.images.note import noted_text
+from mlx_kvserve.images.pixels import ImageLimits
 from mlx_kvserve.images.reader import ImageReader
 from mlx_kvserve.models.pool import Slot
 

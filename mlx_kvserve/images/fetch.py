@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
-from mlx_kvserve.images.decode import ImageRefused
+from mlx_kvserve.images.pixels import ImageRefused
 
 MAX_REDIRECTS = 5
 CHUNK = 64 * 1024

@@ -20,9 +20,9 @@ import threading
 from collections import OrderedDict
 
 from mlx_kvserve.chat.invalid_request import InvalidRequest
-from mlx_kvserve.images.decode import ImageLimits, ImageRefused, decode_image
 from mlx_kvserve.images.fetch import Fetcher
 from mlx_kvserve.images.image import Image
+from mlx_kvserve.images.pixels import ImageLimits, ImageRefused, decode_image
 
 DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(;[^,;]*)*),(?P<data>.*)", re.DOTALL)
 WHITESPACE = re.compile(rb"\s+")

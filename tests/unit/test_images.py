@@ -11,9 +11,9 @@ import pytest
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.chat import InvalidRequest, Message
 from mlx_kvserve.config.settings import Settings
-from mlx_kvserve.images.decode import ImageLimits, ImageRefused, decode_image
 from mlx_kvserve.images.fetch import Fetcher
 from mlx_kvserve.images.note import note, noted_text
+from mlx_kvserve.images.pixels import ImageLimits, ImageRefused, decode_image
 from mlx_kvserve.images.reader import ImageReader
 from tests.support.images import SVG, b64, data_url, encoded, huge_png, image_server
 
