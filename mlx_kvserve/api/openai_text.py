@@ -22,7 +22,6 @@ from mlx_kvserve.api.openai_chat import (
 from mlx_kvserve.api.openai_text_choices import several
 from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs
 from mlx_kvserve.api.schemas import CompletionRequest, parse
-from mlx_kvserve.chat import Sampling
 from mlx_kvserve.chat.events import ContentDelta
 from mlx_kvserve.engine.requests import TokenLogprob
 from mlx_kvserve.json_value import JSON
@@ -43,18 +42,7 @@ async def completions(request: Request) -> Response:
                 param="n",
             )
         return await text_echo.completions(request, body)
-    n_logprobs = body.logprobs
-    sampling = Sampling(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        speculative=body.speculative,
-        max_tokens=body.token_limit(),
-        stop=body.stop_strings(),
-        logprobs=n_logprobs is not None,
-        top_logprobs=n_logprobs or 0,
-    )
+    sampling = text_echo.text_sampling(body)
     generation = await start_text(request, body.prompt[0], sampling, model=body.model, n=body.n)
     if body.n > 1:
         return await several(request, generation, body, _head(generation), _logprobs)
@@ -65,7 +53,7 @@ async def completions(request: Request) -> Response:
     choice = {
         "index": 0,
         "text": result.content,
-        "logprobs": _logprobs(result.logprobs, 0) if n_logprobs is not None else None,
+        "logprobs": _logprobs(result.logprobs, 0) if body.logprobs is not None else None,
         "finish_reason": result.finished.reason,
     }
     return JSONResponse(

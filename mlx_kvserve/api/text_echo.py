@@ -54,12 +54,13 @@ def wanted(body: CompletionRequest) -> bool:
 
 
 def text_sampling(body: CompletionRequest) -> Sampling:
-    """A text completion's sampling settings."""
+    """A text completion's sampling settings (with echo or without: openai_text's too)."""
     return Sampling(
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         max_tokens=body.token_limit(),
         stop=body.stop_strings(),
         logprobs=body.logprobs is not None,
