@@ -106,7 +106,10 @@ LOOP = [
     },
     {"role": "tool", "tool_call_id": "c2", "content": f"Edited {LOOP_FILE}: 1 replacement."},
 ]
-LOOP_TURNS = [2, 4, 6]  # the history each replayed turn is asked with
+LOOP += [{"role": "user", "content": "Now write the commit message for this change."}]
+# The histories each replayed turn is asked with, and its tool_choice: the agent's two calls,
+# then its commit message (prose of its own, in no prompt: only the first pass wrote it).
+LOOP_TURNS = [(2, "required"), (4, "required"), (7, "none")]
 
 
 def cells(rep: int) -> dict[str, list[tuple[str, dict]]]:
@@ -165,9 +168,9 @@ def warm_up() -> list[tuple[str, dict]]:
     return [
         (
             "/v1/chat/completions",
-            {"messages": LOOP[:turn], "tools": [READ, EDIT], "tool_choice": "required"},
+            {"messages": LOOP[:turn], "tools": [READ, EDIT], "tool_choice": choice},
         )
-        for turn in LOOP_TURNS
+        for turn, choice in LOOP_TURNS
     ]
 
 
