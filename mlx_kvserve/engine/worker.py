@@ -49,7 +49,7 @@ from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_read
 from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.merge_check import merged_decoding_agrees
-from mlx_kvserve.engine.namespaces import Caches, CacheSet, make_states
+from mlx_kvserve.engine.namespaces import Caches, CacheSet, by_namespace, make_states
 from mlx_kvserve.engine.protocols import PromptCacheView
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
 from mlx_kvserve.engine.room import Room
@@ -252,6 +252,9 @@ class Engine(Intake, Stopping, Failures):
         speculation = self.speculation if job is None else "off"
         if speculation == "auto":  # a draft source: what finished requests' tokens went on with
             self.continuations = Continuations()
+            for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
+                for tokens in cache.token_streams(self.continuations.max_tokens):
+                    self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
             model,
             self._ended,

@@ -35,11 +35,9 @@ def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(VerifyCost, "observe", lambda self, batch, width, seconds: None)
 
 
-def test_a_request_drafts_what_another_conversation_answered(model, prior_cost) -> None:
-    rng = random.Random(5)
-    prompt = [rng.randrange(3, 500) for _ in range(24)]
-    answer = reference(model, prompt, 40)  # mlx-lm's greedy loop: speculation off
-    assert len(set(answer)) > 30  # no loop for the row's own lookup to follow
+def serve(model, reqs, **engine_args) -> dict:
+    """Run `reqs` one after the other (each ends before the next starts) on a real engine
+    thread with `--speculation auto`; each request's drafts by source."""
     seen = {}
     ended = threading.Semaphore(0)
 
@@ -48,24 +46,58 @@ def test_a_request_drafts_what_another_conversation_answered(model, prior_cost) 
         ended.release()
 
     mx.eval(model(mx.array([[0]])))  # lazy arrays made on this thread (test_batching's note)
-    engine = Engine(lambda: (model, StubTokenizer()), cache_enabled=False, speculation="auto")
+    engine = Engine(lambda: (model, StubTokenizer()), speculation="auto", **engine_args)
     engine.add_observer(observe)
     engine.start()
     assert engine.ready.wait(60), engine.load_error
-    # the first conversation; another one asking the same (no KV shared: the cache is off);
-    # the same again under another API key's namespace
-    reqs = [request(prompt, max_tokens=40) for _ in range(3)]
-    reqs[2].namespace = "another key"
     try:
-        for req in reqs:  # one after the other: each finishes before the next starts
+        for req in reqs:
             engine.submit(req)
             assert ended.acquire(timeout=120)
     finally:
         engine.stop()
+    return [seen[req.request_id].by_source for req in reqs]
+
+
+def question(model) -> tuple[list[int], list[int]]:
+    """A prompt, and mlx-lm's greedy answer to it (speculation off), which does not loop."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(24)]
+    answer = reference(model, prompt, 40)
+    assert len(set(answer)) > 30  # no loop for the row's own lookup to follow
+    return prompt, answer
+
+
+def test_a_request_drafts_what_another_conversation_answered(model, prior_cost) -> None:
+    prompt, answer = question(model)
+    # the first conversation; another one asking the same (no KV shared: the cache is off);
+    # the same again under another API key's namespace
+    reqs = [request(prompt, max_tokens=40) for _ in range(3)]
+    reqs[2].namespace = "another key"
+    first, second, other = serve(model, reqs, cache_enabled=False)
     for req in reqs:
         assert tokens_of(req.text) == answer
-    first, second, other = (seen[req.request_id].by_source for req in reqs)
     assert SOURCE not in first and SOURCE not in other  # nothing of its namespace before it
     drafted, accepted, passes = second[SOURCE]
     assert accepted >= 30 and passes <= 10  # the answer came in a few passes
     assert accepted > second.get("prompt_lookup", [0, 0, 0])[1]
+
+
+def test_after_a_restart_the_stored_entries_tokens_are_drafted_from(
+    model, prior_cost, tmp_path
+) -> None:
+    """The prompt cache's stored entries fill the continuations at start: a new server drafts
+    the answer an earlier one stored (its generation checkpoint holds prompt and answer)."""
+    from mlx_kvserve.cache.store import PromptCache
+
+    prompt, answer = question(model)
+
+    def cache() -> PromptCache:
+        return PromptCache(tmp_path, "tiny-wander", disk_budget=1 << 30, ram_budget=64 << 20)
+
+    first = request(prompt, max_tokens=40)
+    serve(model, [first], prompt_cache=cache())
+    again = request(prompt, max_tokens=40)
+    (fresh,) = serve(model, [again], prompt_cache=cache())
+    assert tokens_of(first.text) == tokens_of(again.text) == answer
+    assert fresh[SOURCE][1] >= 30  # drafted from what the first server stored, and kept
