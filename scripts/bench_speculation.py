@@ -28,6 +28,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -197,6 +198,28 @@ def ask(server: Server, route: str, body: dict, max_tokens: int) -> tuple[str, d
     return text, figures
 
 
+def streamed_tps(server: Server, route: str, body: dict, max_tokens: int) -> float:
+    """Decode tokens/s seen by a client of any server: a streamed greedy request's completion
+    tokens after the first over the time from its first text to its last (prefill left out)."""
+    body = {"model": server.model_name, "temperature": 0, "max_tokens": max_tokens, **body}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    first = last = None
+    tokens = 0
+    with httpx.stream("POST", server.base_url + route, json=body, timeout=900) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if choice.get("text") or delta.get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+    return (tokens - 1) / (last - first) if first and last and last > first else float("nan")
+
+
 def cache_kept(server: Server) -> float:
     """Drafted tokens from the prompt cache's continuations the server kept so far."""
     text = httpx.get(server.base_url + "/metrics", timeout=60).text
@@ -208,12 +231,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=80)
+    parser.add_argument(
+        "--mlx-lm",
+        action="store_true",
+        help="also time mlx_lm.server from the client, beside both servers, on the cells it "
+        "serves (no forced tool choice): a second table",
+    )
     add_run_options(parser)
     args = parser.parse_args()
     set_blas_threads(args.blas_threads)
     with workdir(args.keep) as tmp:
+        for mode in ("off", "auto", "mlx_lm"):
+            (tmp / mode).mkdir()  # a log of its own each
         servers = {
-            mode: Server("kvserve", tmp, cache_dir=tmp / mode, extra=["--speculation", mode])
+            mode: Server(
+                "kvserve", tmp / mode, cache_dir=tmp / mode / "cache", extra=["--speculation", mode]
+            )
             for mode in ("off", "auto")
         }
         for server in servers.values():
@@ -248,7 +281,29 @@ def main() -> None:
                 f"{spec[0]:>7d}/{spec[1]}/{spec[2]:<9d} {from_cache:>19.0f}  {same}",
                 flush=True,
             )
+        if args.mlx_lm:
+            servers["mlx_lm"] = Server("mlx_lm", tmp / "mlx_lm").start()
+            compare(servers, args.reps, args.max_tokens)
         print(f"# load average after: {load_average()}")
+
+
+def compare(servers: dict[str, Server], reps: int, max_tokens: int) -> None:
+    """Client-timed decode tokens/s of every server, streamed, on the cells mlx_lm.server can
+    serve (it has no forced tool choice): the median over the cell's requests."""
+    print(f"# streamed, timed by the client: median decode tok/s of {reps} runs")
+    print(f"{'cell':26s} {'off':>6s} {'auto':>6s} {'mlx_lm':>7s}  auto/mlx_lm")
+    for name in cells(0):
+        requests = [req for rep in range(reps) for req in cells(rep)[name]]
+        if any(body.get("tool_choice") == "required" for _, body in requests):
+            continue
+        speeds = {mode: [] for mode in servers}
+        for route, body in requests:
+            for mode, server in servers.items():
+                speeds[mode].append(streamed_tps(server, route, body, max_tokens))
+                if mode != "mlx_lm":
+                    server.new_log_lines()  # read past its line
+        off, auto, ref = (statistics.median(speeds[m]) for m in ("off", "auto", "mlx_lm"))
+        print(f"{name:26s} {off:6.1f} {auto:6.1f} {ref:7.1f}  {auto / ref:10.2f}x", flush=True)
 
 
 if __name__ == "__main__":
