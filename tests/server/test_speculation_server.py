@@ -1,7 +1,9 @@
 """Speculation through the real server: the same greedy answers with `--speculation auto` as
 with `off`, on the default model, over the three protocols, streamed and not, for free text and
-for the tool-format grammars (a forced call, a lazy one, JSON output); the auto server really
-drafted (its /metrics).
+for the tool-format grammars (a forced call, a lazy one, JSON output). Whether the auto server
+drafts depends on the verify cost it measures on this shared machine (a loaded one can make
+drafting not pay), so that is counted in-process, on the cost prior
+(tests/unit/test_speculation_metrics.py), not here.
 
 Two `serve` processes side by side, asked the same requests with the official SDKs. A verify
 pass runs other kernels than a one-token pass, so a near tie could flip a greedy token
@@ -11,12 +13,10 @@ pass runs other kernels than a one-token pass, so a near tie could flip a greedy
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
-import httpx
 import pytest
 
 from tests.support.servers import ServerProcess, client_for
@@ -152,24 +152,3 @@ def test_the_same_greedy_answer_with_and_without_speculation(servers, case, stre
         pytest.skip("one Responses case: the text path is the chat one")
     off, auto = (CASES[case](servers[mode], stream) for mode in ("off", "auto"))
     assert auto == off
-
-
-def counters(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    out = {}
-    for name in ("drafted_tokens", "accepted_tokens", "passes"):
-        pattern = rf'^mlx_kvserve_speculation_{name}_total\{{source="prompt_lookup"\}} (\S+)$'
-        (value,) = re.findall(pattern, text, re.M)
-        out[name] = float(value)
-    return out
-
-
-@pytest.mark.parametrize("case", ["text", "tool_required", "anthropic_tools"])
-def test_the_auto_server_drafts_and_keeps(servers, case) -> None:
-    """Answers that re-emit what they were shown (a file; a tool's name and arguments, once
-    the grammar is in a call) draft, and keep drafts."""
-    before = counters(servers["auto"])
-    CASES[case](servers["auto"], False)
-    after = counters(servers["auto"])
-    drafted, accepted, passes = (after[k] - before[k] for k in after)
-    assert drafted >= accepted > 0 and passes > 0, (drafted, accepted, passes)

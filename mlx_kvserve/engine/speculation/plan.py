@@ -29,8 +29,15 @@ class Plan:
         if not self.forced:
             self.forced = [[] for _ in self.drafts]
 
-    def cut(self, n: int) -> Plan:
-        """The first `n` drafts only."""
+    def cut(self, width: int) -> Plan:
+        """The drafts that fit a pass `width` wide (its pending token and width - 1 more): a
+        draft's forced tokens count, so a row whose drafts are often rejected does not feed
+        long forced runs in vain."""
+        n = 0
+        used = 1
+        while n < len(self.drafts) and used + 1 + len(self.forced[n]) <= width:
+            used += 1 + len(self.forced[n])
+            n += 1
         masks = None if self.masks is None else self.masks[: n + 1]
         return Plan(self.feed, self.drafts[:n], self.forced[:n], masks)
 

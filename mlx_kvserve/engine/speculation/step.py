@@ -151,7 +151,7 @@ class Speculator:
         planned = plan_width(curves, cost, margin=0.0)
         if planned == 1:
             return -1
-        plans = [plan.cut(planned - 1) for plan in plans]
+        plans = [plan.cut(planned) for plan in plans]
         accepted, width = self._verify(seqs, merged, model, plans, vocab)
         for seq, state, plan, kept, source in zip(
             seqs, states, plans, accepted, sources, strict=True
