@@ -40,7 +40,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
-from mlx_kvserve.engine.speculation.drafts import Drafter, PromptLookup
+from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
 from mlx_kvserve.engine.speculation.snapshot import Snapshot, needs_snapshot, restorable
@@ -173,7 +173,7 @@ class Speculator:
     def _state(self, seq: Sequence) -> RowState:
         state = self.rows.get(id(seq))
         if state is None:
-            sources: list = [PromptLookup()]
+            sources: list[DraftSource] = [PromptLookup()]
             if self.continuations is not None:
                 sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
             state = self.rows[id(seq)] = RowState(Drafter(sources))
