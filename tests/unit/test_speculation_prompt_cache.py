@@ -86,18 +86,30 @@ def test_a_request_drafts_what_another_conversation_answered(model, prior_cost) 
 def test_after_a_restart_the_stored_entries_tokens_are_drafted_from(
     model, prior_cost, tmp_path
 ) -> None:
-    """The prompt cache's stored entries fill the continuations at start: a new server drafts
-    the answer an earlier one stored (its generation checkpoint holds prompt and answer)."""
+    """The prompt cache's stored entries fill the continuations at start, per namespace: a new
+    server drafts the answer an earlier one stored (its generation checkpoint holds prompt and
+    answer) for a request of the same API key, and nothing of it for another key's."""
     from mlx_kvserve.cache.store import PromptCache
+    from mlx_kvserve.engine.namespaces import CacheSet
 
     prompt, answer = question(model)
 
-    def cache() -> PromptCache:
-        return PromptCache(tmp_path, "tiny-wander", disk_budget=1 << 30, ram_budget=64 << 20)
+    def caches() -> CacheSet:
+        return CacheSet(
+            {
+                key: PromptCache(
+                    tmp_path / key, "tiny-wander", disk_budget=1 << 30, ram_budget=64 << 20
+                )
+                for key in ("alice", "bob")
+            }
+        )
 
     first = request(prompt, max_tokens=40)
-    serve(model, [first], prompt_cache=cache())
-    again = request(prompt, max_tokens=40)
-    (fresh,) = serve(model, [again], prompt_cache=cache())
-    assert tokens_of(first.text) == tokens_of(again.text) == answer
+    first.namespace = "alice"
+    serve(model, [first], prompt_cache=caches())
+    again, other = request(prompt, max_tokens=40), request(prompt, max_tokens=40)
+    again.namespace, other.namespace = "alice", "bob"
+    foreign, fresh = serve(model, [other, again], prompt_cache=caches())
+    assert tokens_of(first.text) == tokens_of(again.text) == tokens_of(other.text) == answer
     assert fresh[SOURCE][1] >= 30  # drafted from what the first server stored, and kept
+    assert SOURCE not in foreign
