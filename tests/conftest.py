@@ -11,8 +11,10 @@ import pytest
 
 from mlx_kvserve.blas import preload_optimised_blas
 from tests.support import macos_beside
+from tests.support.calm_memory import calm_memory_pressure
 
 preload_optimised_blas()  # before any test module imports mlx: in-process tests run fast too
+calm_memory_pressure()  # the machine's own pressure never unloads a model under test
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -10,9 +10,11 @@ add up to the prompt.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -22,6 +24,7 @@ from mlx_kvserve.api.anthropic_stream import BlockStream, content_blocks
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import count_chat_tokens, served_model, start_chat
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.reading import Failed, Finished, Generation, Started, Usage
 from mlx_kvserve.api.seal import reasoning_seal
 from mlx_kvserve.json_value import JSON
@@ -35,7 +38,15 @@ async def messages(request: Request) -> Response:
     settings = request.app.state.settings
     body = parse_body(MessagesRequest, await read_json(request, settings.max_body_bytes))
     seal = reasoning_seal(request)
-    chat = to_chat_request(body, keep_billing_header=settings.keep_billing_header, seal=seal)
+    chat = await run_in_threadpool(  # off the loop: images decode
+        functools.partial(
+            to_chat_request,
+            body,
+            keep_billing_header=settings.keep_billing_header,
+            seal=seal,
+            images=image_reader(request),
+        )
+    )
     generation = await start_chat(request, chat, model=body.model, id_prefix="toolu_")
     blocks = BlockStream(seal, omit_thinking=omit_thinking_text(body))
     if body.stream:
@@ -60,8 +71,14 @@ async def count_tokens(request: Request) -> Response:
     settings = request.app.state.settings
     body = parse_body(CountTokensRequest, await read_json(request, settings.max_body_bytes))
     served_model(request, body.model)  # an unknown name is a 404 before any work
-    chat = to_chat_request(
-        body, keep_billing_header=settings.keep_billing_header, seal=reasoning_seal(request)
+    chat = await run_in_threadpool(
+        functools.partial(
+            to_chat_request,
+            body,
+            keep_billing_header=settings.keep_billing_header,
+            seal=reasoning_seal(request),
+            images=image_reader(request),
+        )
     )
     return JSONResponse({"input_tokens": await count_chat_tokens(request, chat, body.model)})
 

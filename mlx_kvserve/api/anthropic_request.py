@@ -4,6 +4,9 @@
   dropped from it (it would defeat the prompt cache; `--keep-billing-header` keeps it).
 * `role: "system"` messages inside `messages` stay system messages where they stand; one with
   `clear_at: "next_user_message"` is left out once a later user message exists, as the API does.
+* `image` blocks (base64 or url) stay in their place among the text of a user turn or a
+  `tool_result` (api/images.py decides what a model that does not see images is shown); an
+  assistant turn with an image is a 400.
 * `tool_use` blocks are tool calls; `tool_result` blocks are tool messages, in their order,
   before the user's text.
 * `thinking` blocks of an assistant turn become its `Message.reasoning`: the exact sampled text
@@ -28,6 +31,7 @@ from mlx_kvserve.api.anthropic_schemas import (
     AnthropicMessage,
     ClearThinking,
     CountTokensRequest,
+    ImageBlock,
     MessagesRequest,
     RedactedThinkingBlock,
     TextBlock,
@@ -49,6 +53,8 @@ from mlx_kvserve.chat import (
 )
 from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
 from mlx_kvserve.chat.request import Thinking
+from mlx_kvserve.images import Image
+from mlx_kvserve.images.reader import ImageReader
 
 log = logging.getLogger("mlx_kvserve.api")
 
@@ -56,9 +62,15 @@ BILLING_HEADER = re.compile(r"\A\s*x-anthropic-billing-header:[^\n]*(\n|\Z)", re
 
 
 def to_chat_request(
-    body: CountTokensRequest, *, keep_billing_header: bool, seal: ReasoningSeal | None = None
+    body: CountTokensRequest,
+    *,
+    keep_billing_header: bool,
+    seal: ReasoningSeal | None = None,
+    images: ImageReader | None = None,
 ) -> ChatRequest:
-    """The internal request for an Anthropic body (count_tokens bodies have no sampling)."""
+    """The internal request for an Anthropic body (count_tokens bodies have no sampling;
+    `images`: the server's reader, by default inline images only)."""
+    images = images or ImageReader()
     messages: list[Message] = []
     system = _system_text(body.system)
     if system and not keep_billing_header:
@@ -69,7 +81,7 @@ def to_chat_request(
     for i, message in enumerate(body.messages):
         if message.role == "system" and message.clear_at == "next_user_message" and i < last_user:
             continue
-        messages += _messages(message, i, seal)
+        messages += _messages(message, i, seal, images)
     _clear_thinking(body, messages)
     tools = _tools(body)
     sampling = Sampling()
@@ -126,11 +138,13 @@ def _system_text(system: str | list[TextBlock] | None) -> str:
     return system if isinstance(system, str) else "\n\n".join(b.text for b in system)
 
 
-def _messages(message: AnthropicMessage, index: int, seal: ReasoningSeal | None) -> list[Message]:
+def _messages(
+    message: AnthropicMessage, index: int, seal: ReasoningSeal | None, images: ImageReader
+) -> list[Message]:
     where = f"messages.{index}"
     if isinstance(message.content, str):
         return [Message(message.role, message.content)]
-    texts: list[str] = []
+    texts: list[str | Image] = []
     calls: list[ToolCall] = []
     results: list[Message] = []
     reasoning: list[str] = []
@@ -145,19 +159,20 @@ def _messages(message: AnthropicMessage, index: int, seal: ReasoningSeal | None)
             )
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            if message.role != "user":
+                param = f"{where}.content.{j}"
+                raise APIError(400, f"{param}: only user turns carry images.", param=param)
+            texts.append(_image(block, f"{where}.content.{j}.source", images))
         elif isinstance(block, ToolUseBlock):
             calls.append(
                 ToolCall(block.id, block.name, json.dumps(block.input, ensure_ascii=False))
             )
         elif isinstance(block, ToolResultBlock):
-            text = block.text()
-            results.append(
-                Message(
-                    "tool",
-                    f"Error: {text}" if block.is_error else text,
-                    tool_call_id=block.tool_use_id,
-                )
-            )
+            parts = _result_parts(block, f"{where}.content.{j}", images)
+            if block.is_error:
+                parts.insert(0, "Error: ")
+            results.append(Message.from_parts("tool", parts, tool_call_id=block.tool_use_id))
         elif isinstance(block, ThinkingBlock):
             opened = seal.open(block.signature) if seal and block.signature else None
             reasoning.append(block.thinking if opened is None else opened)
@@ -166,13 +181,33 @@ def _messages(message: AnthropicMessage, index: int, seal: ReasoningSeal | None)
             opened = seal.open(block.data) if seal else None
             if opened is not None:
                 reasoning.append(opened)
-    text = "".join(texts)
+    text = "".join(t for t in texts if isinstance(t, str))
     if message.role == "assistant":
         past = "\n\n".join(r for r in reasoning if r) or None
         return [Message("assistant", text, calls, reasoning=past)]
     if message.role == "system":
         return [Message("system", text)]
-    return results + ([Message("user", text)] if text or not results else [])
+    user = [Message.from_parts("user", texts)] if any(texts) or not results else []
+    return results + user
+
+
+def _image(block: ImageBlock, where: str, images: ImageReader) -> Image:
+    source = block.source
+    if source.type == "base64":
+        return images.from_base64(source.data, f"{where}.data")
+    return images.from_url(source.url, f"{where}.url")
+
+
+def _result_parts(block: ToolResultBlock, where: str, images: ImageReader) -> list[str | Image]:
+    """A tool result's text and images in order (an Anthropic `tool_result`'s content)."""
+    if not isinstance(block.content, list):
+        return [block.content or ""]
+    return [
+        part.text
+        if isinstance(part, TextBlock)
+        else _image(part, f"{where}.content.{k}.source", images)
+        for k, part in enumerate(block.content)
+    ]
 
 
 def _clear_thinking(body: CountTokensRequest, messages: list[Message]) -> None:

@@ -24,6 +24,28 @@ class TextBlock(_Body):
     text: str
 
 
+class Base64Source(_Body):
+    type: Literal["base64"]
+    media_type: str | None = None  # not trusted: the format is read from the bytes
+    data: str
+
+
+class URLSource(_Body):
+    type: Literal["url"]
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(_Body):
+    """An image: base64 (Claude Code's pasted screenshots and Read tool), or a URL fetched
+    where `--image-urls` allows it."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+ToolResultPart = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
 class ToolUseBlock(_Body):
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1)]
@@ -34,19 +56,20 @@ class ToolUseBlock(_Body):
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1)]
-    content: str | list[TextBlock] | None = None
+    content: str | list[ToolResultPart] | None = None
     is_error: bool = False
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: JSON) -> JSON:
-        """Name the part the server cannot show the model (images, documents...)."""
+        """Name the part the server cannot show the model (documents, search results...)."""
         if isinstance(value, list):
             for i, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
+                if kind not in ("text", "image"):
                     raise ValueError(
-                        f"tool_result content {i} has type {kind!r}; only 'text' is supported"
+                        f"tool_result content {i} has type {kind!r}; 'text' and 'image' are "
+                        "supported"
                     )
         return value
 
@@ -55,7 +78,7 @@ class ToolResultBlock(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextBlock))
 
 
 class ThinkingBlock(_Body):
@@ -72,10 +95,10 @@ class RedactedThinkingBlock(_Body):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class SystemMessageConfig(_Body):

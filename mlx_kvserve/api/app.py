@@ -17,13 +17,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_kvserve import __version__
-from mlx_kvserve.api import anthropic, model_admin, ollama, ollama_embed, status
+from mlx_kvserve.api import (
+    anthropic,
+    model_admin,
+    ollama,
+    ollama_embed,
+    ollama_generate,
+    ollama_pull,
+    status,
+    tokenize,
+)
 from mlx_kvserve.api.auth import BearerAuth
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.failsafe import InternalErrors
 from mlx_kvserve.api.generation import served_model
 from mlx_kvserve.api.guard import BrowserGuard
+from mlx_kvserve.api.images import make_image_reader
 from mlx_kvserve.api.openai_chat import chat_completions
 from mlx_kvserve.api.openai_embeddings import embeddings
 from mlx_kvserve.api.openai_responses import responses
@@ -162,9 +172,16 @@ def _model_card(request: Request, name: str, slot: Slot) -> dict[str, JSON]:
         "loaded": slot.state == LOADED,
         "state": slot.state,
         "model": slot.name,  # the model an alias stands for
-        # what the model is for (embed/kind.py); a generative model embeds too, by mean pooling
-        "capabilities": ["embedding" if kind_of(slot.model_dir).embedding_model else "completion"],
+        "capabilities": _capabilities(slot),
     }
+
+
+def _capabilities(slot: Slot) -> list[JSON]:
+    """What the model is for (embed/kind.py; a generative model embeds too, by mean pooling),
+    and `vision` when it sees images (`Slot.sees_images`)."""
+    if kind_of(slot.model_dir).embedding_model:
+        return ["embedding"]
+    return ["completion", *(["vision"] if slot.sees_images else [])]
 
 
 async def list_models(request: Request) -> Response:
@@ -231,10 +248,10 @@ def api_routes() -> list[Route]:
         Route("/api/tags", ollama.tags, methods=["GET"]),
         Route("/api/show", ollama.show, methods=["POST"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
-        Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/generate", ollama_generate.generate, methods=["POST"]),
         Route("/api/embed", ollama_embed.embed_endpoint, methods=["POST"]),
         Route("/api/embeddings", ollama_embed.embeddings_endpoint, methods=["POST"]),
-        Route("/api/pull", ollama.pull, methods=["POST"]),
+        Route("/api/pull", ollama_pull.pull, methods=["POST"]),
         Route("/api/create", ollama.not_supported, methods=["POST"]),
         Route("/api/copy", ollama.not_supported, methods=["POST"]),
         Route("/api/push", ollama.not_supported, methods=["POST"]),
@@ -246,6 +263,10 @@ def api_routes() -> list[Route]:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        # The tokenizer, as vLLM serves it (evaluation harnesses: api/tokenize.py)
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"]),
         # The same endpoints without /v1, as mlx_lm.server and llama.cpp serve them.
         Route("/models", list_models, methods=["GET"]),
         Route("/models/{model_id:path}", get_model, methods=["GET"]),
@@ -320,6 +341,7 @@ def create_app(settings: Settings, pool: ModelPool) -> Starlette:
     app.state.pressure = pressure
     app.state.started = int(time.time())
     app.state.reasoning_seal = make_reasoning_seal()
+    app.state.image_reader = make_image_reader(settings)  # api/images.py
     app.state.sampled_turns = SampledTurns()  # the tool-calling turns kept (api/generation.py)
     return app
 

@@ -10,9 +10,12 @@ and cancels the engine request right then: the engine stops within one decode st
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
 
 from starlette.requests import Request
+
+T = TypeVar("T")
 
 
 class Cancellable(Protocol):
@@ -42,3 +45,23 @@ class DisconnectWatch:
 
     def close(self) -> None:
         self._task.cancel()
+
+
+async def unless_gone(request: Request, work: Cancellable, done: Future[T]) -> T | None:
+    """`done`'s result (its exception raised), or None if the client leaves first (`work` is
+    cancelled then). Cancelling the caller cancels `work` too."""
+    watch = DisconnectWatch(request, work)
+    try:
+        result = asyncio.wrap_future(done)
+        gone = asyncio.create_task(watch.gone.wait())
+        await asyncio.wait([result, gone], return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not result.done():
+            result.cancel()
+            return None
+        return result.result()
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.close()

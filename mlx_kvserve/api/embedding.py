@@ -10,7 +10,6 @@ computed. The vectors come back pooled and not normalised: each protocol normali
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from mlx_kvserve.api.disconnect import DisconnectWatch
+from mlx_kvserve.api.disconnect import unless_gone
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import acquire_model, unavailable
@@ -97,24 +96,16 @@ async def embed(
             window = limit if window is None else min(window, limit)
         rows = await run_in_threadpool(_tokenized, engine, inputs, field, truncate, window)
         job = embedder_for(request, engine, slot).submit(rows)
-        watch = DisconnectWatch(request, job)
         try:
-            done = asyncio.wrap_future(job.done)
-            gone = asyncio.create_task(watch.gone.wait())
-            await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
-            gone.cancel()
-            if not done.done():
-                done.cancel()
+            vectors = await unless_gone(request, job, job.done)
+            if vectors is None:
                 return None
-            vectors = done.result()
         except EngineNotReady as exc:
             raise unavailable(str(exc)) from None
         except NoHiddenStates as exc:
             raise APIError(
                 400, f"the model {slot.name!r} cannot embed: {exc}", param="model"
             ) from None
-        finally:
-            watch.close()
     finally:
         pool.release(slot)
     if vectors:

@@ -62,6 +62,9 @@ class EngineView(Protocol):
     def ready(self) -> threading.Event: ...
 
     @property
+    def generates(self) -> bool: ...  # False: a model that only embeds (embed/encoder.py)
+
+    @property
     def load_error(self) -> str | None: ...
 
     @property

@@ -18,8 +18,10 @@ from typing import TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from mlx_kvserve.api.choices import fork_of, last_of
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.api.images import for_model
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.chat import ChatRequest, InvalidRequest, Sampling
 from mlx_kvserve.chat.events import OutputReader
@@ -27,7 +29,13 @@ from mlx_kvserve.chat.formats.tool_format import ToolFormat
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.chat.output import OutputParser
 from mlx_kvserve.chat.reasoning.sampled_turns import SampledTurns
-from mlx_kvserve.chat.render import Prompt, render_chat, render_text, render_token_ids
+from mlx_kvserve.chat.render import (
+    Prompt,
+    continuing,
+    render_chat,
+    render_text,
+    render_token_ids,
+)
 from mlx_kvserve.engine import (
     Done,
     EngineBusy,
@@ -37,6 +45,7 @@ from mlx_kvserve.engine import (
     SamplingParams,
 )
 from mlx_kvserve.engine.requests import TokenConstraint
+from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import ModelLoadFailed, ModelPool, ModelTooLarge, Slot
 
 RETRY_AFTER_SECONDS = "2"
@@ -78,6 +87,20 @@ async def acquire_model(request: Request, slot: Slot) -> EngineView:
     return engine
 
 
+async def acquire_generator(request: Request, slot: Slot) -> EngineView:
+    """`acquire_model` for a generation: a model that only embeds is a 400."""
+    engine = await acquire_model(request, slot)
+    if not engine.generates:
+        request.app.state.pool.release(slot)
+        raise APIError(
+            400,
+            f"the model {slot.name!r} is an embedding model: it does not generate text "
+            "(ask it for embeddings)",
+            param="model",
+        )
+    return engine
+
+
 async def start_chat(
     request: Request,
     chat: ChatRequest,
@@ -85,37 +108,50 @@ async def start_chat(
     model: str | None,
     id_prefix: str = "call_",
     kind: str = "chat",
+    context: list[int] | None = None,
+    n: int = 1,
 ) -> Generation:
-    """Template, constrain and queue a chat request (raises APIError for the client)."""
+    """Template, constrain and queue a chat request (raises APIError for the client);
+    `context`: token ids the prompt continues (Ollama's, checked by the caller); `n` choices:
+    the others are the returned generation's `others` (api/choices.py)."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
     settings = request.app.state.settings
+    chat = for_model(chat, slot, settings.images)
+    engine = await acquire_generator(request, slot)
 
     sampled = sampled_turns(request)
 
-    def build() -> tuple[Prompt, TokenConstraint | None]:
+    def build() -> tuple[Prompt, list[TokenConstraint | None]]:
         defaults = settings.template_defaults()
         prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
+        prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
-        grammar = _grammar(engine).constraint_for(chat, fmt)
         budget = chat.thinking.budget or settings.thinking_budget or None
-        gate = fmt.thinking_gate(
-            engine.tokenizer, grammar, budget, prompt.markers, prompt.reasoning
-        )
-        return prompt, gate
+        gates = []
+        for _ in range(n):  # a grammar's state is a choice's own
+            grammar = _grammar(engine).constraint_for(chat, fmt)
+            gates.append(
+                fmt.thinking_gate(
+                    engine.tokenizer, grammar, budget, prompt.markers, prompt.reasoning
+                )
+            )
+        return prompt, gates
 
     try:
-        prompt, constraint = await _off_loop(build)
-        parser = _format(prompt).reader(
-            chat.tools,
-            parse_calls=chat.tools_active,
-            id_prefix=id_prefix,
-            markers=prompt.markers,
-            reasoning=prompt.reasoning,
-        )
+        prompt, constraints = await _off_loop(build)
+        parsers: list[OutputReader] = [
+            _format(prompt).reader(
+                chat.tools,
+                parse_calls=chat.tools_active,
+                id_prefix=id_prefix,
+                markers=prompt.markers,
+                reasoning=prompt.reasoning,
+            )
+            for _ in range(n)
+        ]
         keep = functools.partial(_keep_turn, sampled, slot.name, prompt)
         return _submit(
-            request, engine, slot, prompt, chat.sampling, kind, parser, constraint, on_done=keep
+            request, engine, slot, prompt, chat.sampling, kind, parsers, constraints, on_done=keep
         )
     except BaseException:
         request.app.state.pool.release(slot)
@@ -146,18 +182,32 @@ def _keep_turn(
 
 
 async def start_text(
-    request: Request, text: str | list[int], sampling: Sampling, *, model: str | None
+    request: Request,
+    text: str | list[int],
+    sampling: Sampling,
+    *,
+    model: str | None,
+    schema: tuple[dict[str, JSON], str] | None = None,
+    n: int = 1,
 ) -> Generation:
-    """Tokenize (or check the token ids of) and queue a plain text completion."""
+    """Tokenize (or check the token ids of) and queue a plain text completion; `schema`: the
+    JSON Schema its answer follows and the field that gave it (Ollama's `format`); `n`
+    choices: see `start_chat`."""
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    engine = await acquire_generator(request, slot)
     try:
         if isinstance(text, str):
             prompt = await _off_loop(lambda: render_text(engine.tokenizer, text))
         else:
             prompt = await _off_loop(lambda: render_token_ids(engine.tokenizer, text))
-        parser = OutputParser(None)
-        return _submit(request, engine, slot, prompt, sampling, "text", parser, None)
+        constraints: list[TokenConstraint | None] = [None] * n
+        if schema is not None:
+            grammar = _grammar(engine)
+            constraints = await _off_loop(
+                lambda: [grammar.json_constraint(*schema) for _ in range(n)]
+            )
+        parsers: list[OutputReader] = [OutputParser(None) for _ in range(n)]
+        return _submit(request, engine, slot, prompt, sampling, "text", parsers, constraints)
     except BaseException:
         request.app.state.pool.release(slot)
         raise
@@ -167,7 +217,8 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     """The prompt tokens a chat request would have (for token-counting endpoints)."""
     pool: ModelPool = request.app.state.pool
     slot = served_model(request, model)
-    engine = await acquire_model(request, slot)
+    chat = for_model(chat, slot, request.app.state.settings.images)
+    engine = await acquire_generator(request, slot)
     defaults = request.app.state.settings.template_defaults()
     kept = sampled_turns(request)
     try:
@@ -196,6 +247,11 @@ def _grammar(engine: EngineView) -> GrammarCompiler:
     return compiler
 
 
+def token_bytes(engine: EngineView) -> Callable[[int], bytes]:
+    """A token's exact bytes, as logprobs name tokens (the grammar compiler's tokenizer)."""
+    return _grammar(engine).token_bytes
+
+
 def _submit(
     request: Request,
     engine: EngineView,
@@ -203,24 +259,36 @@ def _submit(
     prompt: Prompt,
     sampling: Sampling,
     kind: str,
-    parser: OutputReader,
-    constraint: TokenConstraint | None,
+    parsers: list[OutputReader],
+    constraints: list[TokenConstraint | None],
     *,
     on_done: Callable[[Generation, Done], None] | None = None,
 ) -> Generation:
+    """Queue the request: one choice per parser and constraint, forks of the first (its
+    `others`), which the engine prefills once."""
     want_bytes = sampling.logprobs or sampling.top_logprobs > 0
     params = _sampling(sampling, len(prompt.tokens), engine.context_length, kind)
     if params.seed is None and request.app.state.settings.seed >= 0:  # --seed: the default
         params = dataclasses.replace(params, seed=request.app.state.settings.seed)
+    if len(parsers) > 1 and engine.cluster is not None:
+        raise APIError(
+            400,
+            "n above 1 is not supported when the server runs as a cluster job: send the "
+            "choices as separate requests.",
+            param="n",
+        )
     req = GenerationRequest(
         prompt_tokens=prompt.tokens,
         params=params,
         kind=kind,
         boundaries=prompt.boundaries,
-        constraint=constraint,
-        token_bytes=_grammar(engine).token_bytes if want_bytes else None,
+        constraint=constraints[0],
+        token_bytes=token_bytes(engine) if want_bytes else None,
     )
-    req.bind(asyncio.get_running_loop())
+    req.forks = [fork_of(req, i, constraint) for i, constraint in enumerate(constraints) if i]
+    loop = asyncio.get_running_loop()
+    for choice in [req, *req.forks]:
+        choice.bind(loop)
     try:
         engine.submit(req)
     except EngineBusy:
@@ -233,14 +301,20 @@ def _submit(
         raise APIError(400, str(exc), param=field, code="kv_budget_exceeded") from None
     tokenizer = engine.tokenizer
     pool: ModelPool = request.app.state.pool
-    return Generation(
-        req,
-        parser,
-        slot.name,
-        lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-        release=lambda: pool.release(slot),
-        on_done=on_done,
-    )
+    release = last_of(len(parsers), lambda: pool.release(slot))  # the lease: once, at the end
+    generations = [
+        Generation(
+            choice,
+            parser,
+            slot.name,
+            lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+            release=release,
+            on_done=on_done,
+        )
+        for choice, parser in zip([req, *req.forks], parsers, strict=True)
+    ]
+    generations[0].others = generations[1:]
+    return generations[0]
 
 
 def _sampling(

@@ -10,38 +10,32 @@ Ollama's clients read it as "not pulled". `name:latest` names the model `name`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mlx_kvserve.api import status
 from mlx_kvserve.api.body import read_json
+from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
-from mlx_kvserve.api.generation import acquire_model, start_chat, start_text
+from mlx_kvserve.api.generation import acquire_model, start_chat
+from mlx_kvserve.api.images import image_reader
 from mlx_kvserve.api.ollama_models import show as show_body
 from mlx_kvserve.api.ollama_models import tag, tokens_from
-from mlx_kvserve.api.ollama_request import (
-    IMAGES_REFUSED,
-    chat_request,
-    generate_request,
-    sampling,
-    thinking,
-)
+from mlx_kvserve.api.ollama_request import chat_request, read_images
 from mlx_kvserve.api.ollama_schemas import (
     ChatBody,
-    GenerateBody,
     NamedModel,
     Options,
     keep_alive_seconds,
 )
-from mlx_kvserve.api.ollama_stream import Answer, Timing, created_at, piece, status_lines
+from mlx_kvserve.api.ollama_stream import Answer, Timing, created_at, piece
 from mlx_kvserve.api.ollama_stream import streamed as streamed_answer
 from mlx_kvserve.api.ollama_stream import whole as whole_answer
 from mlx_kvserve.api.reading import Generation
 from mlx_kvserve.api.schemas import Body, parse
-from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.pool import LOADED, ModelPool, Slot
 
 # What `/api/version` reports: a release whose API this adapter follows (docs/openapi.yaml of
@@ -77,15 +71,6 @@ async def show(request: Request) -> Response:
     return JSONResponse(await show_body(find_model(request, body.wanted())))
 
 
-async def pull(request: Request) -> Response:
-    """Ollama's `/api/pull`: success for a model this server serves (it downloads nothing on
-    request), else a 404 saying so."""
-    body = await read_body(request, NamedModel)
-    find_model(request, body.wanted())
-    steps: list[dict[str, JSON]] = [{"status": "pulling manifest"}, {"status": "success"}]
-    return status_lines(steps, body.stream)
-
-
 async def not_supported(request: Request) -> Response:
     """Ollama's `/api/create`, `/api/copy`, `/api/delete`, `/api/push` and `/api/blobs/...`:
     a 501 saying why (this server serves the models it was started with)."""
@@ -108,77 +93,19 @@ async def chat(request: Request) -> Response:
     keep = keep_alive_seconds(body.keep_alive)
     slot = find_model(request, body.model)
     if not body.messages:
-        return await _load_or_unload(request, slot, body.model, keep, "chat")
-    for i, message in enumerate(body.messages):
-        if message.images:
-            raise APIError(400, IMAGES_REFUSED, param=f"messages[{i}].images")
+        return await load_or_unload(request, slot, body.model, keep, "chat")
+    images = await run_in_threadpool(read_images, body, image_reader(request))
     answer = Answer("chat", body.model, body.logprobs or body.top_logprobs > 0, body.top_logprobs)
 
-    async def begin(thinks: bool) -> Generation:
-        chat = chat_request(body, options, thinks=thinks)
+    async def begin(engine: EngineView) -> Generation:
+        thinks = tokens_from(engine.tokenizer).thinks
+        chat = chat_request(body, options, thinks=thinks, images=images)
         return await start_chat(request, chat, model=slot.name)
 
-    return await _answer(request, slot, options, keep, body.stream, answer, timing, begin)
+    return await answer_with(request, slot, options, keep, body.stream, answer, timing, begin)
 
 
-async def generate(request: Request) -> Response:
-    """Ollama's `/api/generate`: a prompt (after `system`) through the chat template, or as it
-    is with `raw`; `format`, `options`, `think`, `keep_alive`; an empty prompt loads the model
-    (`keep_alive: 0`: unloads it). `suffix`, `template`, `context` and `images` are refused."""
-    timing = Timing()
-    body = await read_body(request, GenerateBody)
-    options = Options(body.options)
-    keep = keep_alive_seconds(body.keep_alive)
-    slot = find_model(request, body.model)
-    _refuse_unsupported(body)
-    if not body.prompt:
-        return await _load_or_unload(request, slot, body.model, keep, "generate")
-    answer = Answer(
-        "generate", body.model, body.logprobs or body.top_logprobs > 0, body.top_logprobs
-    )
-
-    async def begin(thinks: bool) -> Generation:
-        if not body.raw:
-            chat = generate_request(body, options, thinks=thinks)
-            return await start_chat(request, chat, model=slot.name)
-        thinking(body.think, thinks, body.model)  # a 400 as Ollama's, else nothing to switch
-        text_sampling = sampling(options, body.logprobs, body.top_logprobs)
-        return await start_text(request, body.prompt, text_sampling, model=slot.name)
-
-    return await _answer(request, slot, options, keep, body.stream, answer, timing, begin)
-
-
-def _refuse_unsupported(body: GenerateBody) -> None:
-    if body.images:
-        raise APIError(400, IMAGES_REFUSED, param="images")
-    if body.suffix:
-        raise APIError(
-            400,
-            f"{json.dumps(body.model)} does not support insert: fill-in-the-middle (`suffix`) "
-            "is not supported by this server",
-            param="suffix",
-        )
-    if body.template:
-        raise APIError(
-            400,
-            "`template` is not supported: the model's own chat template is used (send `raw` "
-            "to give the whole prompt yourself)",
-            param="template",
-        )
-    if body.context:
-        raise APIError(
-            400,
-            "`context` (deprecated in Ollama) is not supported: send the conversation to "
-            "/api/chat as messages",
-            param="context",
-        )
-    if body.raw and body.system:
-        raise APIError(400, "raw mode does not support template, system, or context")
-    if body.raw and body.format:
-        raise APIError(400, "`format` is not supported with raw mode", param="format")
-
-
-async def _answer(
+async def answer_with(
     request: Request,
     slot: Slot,
     options: Options,
@@ -186,10 +113,10 @@ async def _answer(
     stream: bool,
     answer: Answer,
     timing: Timing,
-    begin: Callable[[bool], Awaitable[Generation]],
+    begin: Callable[[EngineView], Awaitable[Generation]],
 ) -> Response:
-    """Load the model (timed), check the request against it, start the generation, and
-    answer as asked."""
+    """Load the model (timed), check the request against it, start the generation (`begin`,
+    given the loaded engine), and answer as asked."""
     pool: ModelPool = request.app.state.pool
     engine = await acquire_model(request, slot)
     try:
@@ -201,7 +128,7 @@ async def _answer(
                 f"num_ctx {options.num_ctx} exceeds the model's context length ({window} tokens)",
                 param="options.num_ctx",
             )
-        generation = await begin(tokens_from(engine.tokenizer).thinks)
+        generation = await begin(engine)
     finally:
         pool.release(slot)
     slot.requested_keep_alive = keep  # as Ollama: each request sets it (absent: the default)
@@ -211,7 +138,7 @@ async def _answer(
     return await whole_answer(request, generation, answer, timing)
 
 
-async def _load_or_unload(
+async def load_or_unload(
     request: Request, slot: Slot, asked: str, keep: float | None, shape: str
 ) -> Response:
     """An empty request: load the model and keep it as `keep_alive` says, or unload it now
@@ -238,12 +165,18 @@ async def _load_or_unload(
     )
 
 
-def find_model(request: Request, name: str) -> Slot:
-    """The served model `name` (or `name:latest`) stands for; a 404 as Ollama's otherwise."""
-    pool: ModelPool = request.app.state.pool
+def lookup(pool: ModelPool, name: str) -> Slot | None:
+    """The served model `name` (or `name:latest`) stands for, if any."""
     slot = pool.find(name)
     if slot is None and name.endswith(":latest"):
         slot = pool.find(name.removesuffix(":latest"))
+    return slot
+
+
+def find_model(request: Request, name: str) -> Slot:
+    """The served model `name` (or `name:latest`) stands for; a 404 as Ollama's otherwise."""
+    pool: ModelPool = request.app.state.pool
+    slot = lookup(pool, name)
     if slot is None:
         raise APIError(
             404,

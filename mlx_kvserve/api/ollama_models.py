@@ -6,12 +6,13 @@ context length, sizes and parameter count; its tokenizer (the loaded engine's, e
 alone from disk once) gives the chat template and whether it has a reasoning section.
 
 `capabilities` says what this server really does with the model: `completion` and `tools`
-always (a template without tool support gets the constrained Hermes format), `thinking` when
-the tokenizer has reasoning markers. Not `vision` (images are refused for now). An embedding
-model (embed/kind.py: its sentence-transformers pooling config) says `embedding` alone, as
-Ollama says of its embedding models (Langflow drops such models from its chat lists by this).
-A generative model embeds too, by mean pooling, but does not say `embedding`: it is not what
-the model is for.
+always (a template without tool support gets the constrained Hermes format), `insert` when its
+tokenizer has fill-in-the-middle tokens, `thinking` when the tokenizer has reasoning markers,
+`vision` when the model sees images (`Slot.sees_images`; no model does yet: a text model is
+shown a note in an image's place). An embedding model (embed/kind.py: its
+sentence-transformers pooling config) says `embedding` alone, as Ollama says of its embedding
+models (Langflow drops such models from its chat lists by this). A generative model embeds
+too, by mean pooling, but does not say `embedding`: it is not what the model is for.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from mlx_kvserve.api.engine_view import EngineView
+from mlx_kvserve.chat.fill_in_middle import fill_format
 from mlx_kvserve.chat.reasoning.thinking import markers_for
 from mlx_kvserve.embed.kind import kind_of
 from mlx_kvserve.json_value import JSON
@@ -53,10 +55,12 @@ class Files:
 
 @dataclass(frozen=True)
 class Tokens:
-    """What its tokenizer says: the chat template, and whether it reasons."""
+    """What its tokenizer says: the chat template, whether it reasons, and whether it fills
+    in the middle (chat/fill_in_middle.py)."""
 
     template: str
     thinks: bool
+    fills: bool = False
 
 
 _files: dict[str, Files] = {}
@@ -158,7 +162,11 @@ async def tokens_of(slot: Slot) -> Tokens:
 
 def tokens_from(tokenizer: object) -> Tokens:
     template = getattr(tokenizer, "chat_template", None)
-    return Tokens(template if isinstance(template, str) else "", markers_for(tokenizer) is not None)
+    return Tokens(
+        template if isinstance(template, str) else "",
+        markers_for(tokenizer) is not None,
+        fill_format(tokenizer) is not None,
+    )
 
 
 def _load_tokens(model_dir: Path) -> Tokens:
@@ -217,7 +225,9 @@ def tag(slot: Slot, name: str) -> dict[str, JSON]:
 def capabilities(slot: Slot, tokens: Tokens) -> list[JSON]:
     if kind_of(slot.model_dir).embedding_model:
         return ["embedding"]
-    return ["completion", "tools", *(["thinking"] if tokens.thinks else [])]
+    fills = ["insert"] if tokens.fills else []
+    thinking = ["thinking"] if tokens.thinks else []
+    return ["completion", "tools", *fills, *thinking, *(["vision"] if slot.sees_images else [])]
 
 
 def model_info(slot: Slot) -> dict[str, JSON]:

@@ -9,6 +9,9 @@
 * `format`: "json" is any JSON object, an object is a JSON Schema (the grammar path compiles
   it; one it cannot is a 400 there).
 * `/api/generate` without `raw` is one user turn (after `system`) through the chat template.
+* `images` (base64, on a message or a generate body) are read before the model loads
+  (`read_images`) and go before the turn's text, as Ollama places them; a `raw`, `suffix` or
+  `template` generate takes none.
 """
 
 from __future__ import annotations
@@ -27,21 +30,40 @@ from mlx_kvserve.chat import (
     ToolCall,
     ToolChoice,
 )
+from mlx_kvserve.images import Image
+from mlx_kvserve.images.reader import ImageReader
 from mlx_kvserve.json_value import JSON
 
-IMAGES_REFUSED = (
-    "images are not supported yet: this server's models take text only (send the text alone)"
-)
+# {index of the message: its images}; for /api/generate the prompt's images are under 0
+Images = dict[int, list[Image]]
 
 
-def chat_request(body: ChatBody, options: Options, *, thinks: bool) -> ChatRequest:
+def read_images(body: ChatBody | GenerateBody, reader: ImageReader) -> Images:
+    """Every image of the body, decoded (a 400 naming the first bad one)."""
+    if isinstance(body, GenerateBody):
+        if body.images and (body.raw or body.suffix or body.template):
+            why = "raw mode" if body.raw else "a `suffix` or `template` prompt"
+            raise APIError(400, f"{why} does not support images", param="images")
+        given = {0: (body.images or [], "images")}
+    else:
+        given = {i: (m.images or [], f"messages[{i}].images") for i, m in enumerate(body.messages)}
+    return {
+        i: [reader.from_base64(data, f"{where}[{k}]") for k, data in enumerate(items)]
+        for i, (items, where) in given.items()
+        if items
+    }
+
+
+def chat_request(
+    body: ChatBody, options: Options, *, thinks: bool, images: Images | None = None
+) -> ChatRequest:
     """The internal request for `/api/chat` (`thinks`: the model has a reasoning section)."""
     tools = [
         Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
         for t in body.tools or []
     ]
     return ChatRequest(
-        messages=_messages(body.messages),
+        messages=_messages(body.messages, images or {}),
         tools=tools,
         tool_choice=ToolChoice("auto" if tools else "none"),
         output=output_format(body.format),
@@ -50,11 +72,13 @@ def chat_request(body: ChatBody, options: Options, *, thinks: bool) -> ChatReque
     )
 
 
-def generate_request(body: GenerateBody, options: Options, *, thinks: bool) -> ChatRequest:
+def generate_request(
+    body: GenerateBody, options: Options, *, thinks: bool, images: Images | None = None
+) -> ChatRequest:
     """The internal request for `/api/generate` without `raw`: `system`, then the prompt as
     the user's turn, through the model's template."""
     messages = [Message("system", body.system)] if body.system else []
-    messages.append(Message("user", body.prompt))
+    messages.append(Message.from_parts("user", [*(images or {}).get(0, []), body.prompt]))
     return ChatRequest(
         messages=messages,
         output=output_format(body.format),
@@ -102,11 +126,15 @@ def output_format(fmt: str | dict[str, JSON] | None) -> OutputFormat:
     )
 
 
-def _messages(given: list[OllamaMessage]) -> list[Message]:
+def _messages(given: list[OllamaMessage], images: Images) -> list[Message]:
     out: list[Message] = []
     unanswered: list[ToolCall] = []
-    for i, m in enumerate(given):  # images were refused by the route, before the model loaded
+    for i, m in enumerate(given):
         content = m.content or ""
+        parts = [*images.get(i, []), content]
+        if i in images and m.role not in ("user", "tool"):
+            where = f"messages[{i}].images"
+            raise APIError(400, f"{where}: only user and tool messages carry images", param=where)
         if m.role == "assistant":
             calls = [
                 _call(c.id, c.function.name, c.function.arguments, i, j)
@@ -118,9 +146,9 @@ def _messages(given: list[OllamaMessage]) -> list[Message]:
             out.append(message)
         elif m.role == "tool":
             call = _answered(m, unanswered, i)
-            out.append(Message("tool", content, tool_call_id=call, name=m.tool_name))
+            out.append(Message.from_parts("tool", parts, tool_call_id=call, name=m.tool_name))
         else:
-            out.append(Message(m.role, content))
+            out.append(Message.from_parts(m.role, parts))
     return out
 
 

@@ -2,8 +2,9 @@
 validated as Ollama's Go server binds them (ollama/ollama `api/types.go`).
 
 Unknown fields are ignored, as Go's JSON binding does. `options` is a free map there: a key
-Ollama knows must have its type (else a 400 naming it, as `Options.FromMap` refuses it), a key
-it does not know is ignored (Ollama logs "invalid option provided" and goes on). `keep_alive` is
+Ollama knows must have its type (else a 400 naming it, as `Options.FromMap` refuses it; a
+fractional number for an integer option is cut toward zero, as it converts it), a key it does
+not know is ignored (Ollama logs "invalid option provided" and goes on). `keep_alive` is
 a Go duration string or a number of seconds; negative means for ever. `think` is a bool or a
 level.
 """
@@ -107,11 +108,12 @@ class Options:
 
 
 def _checked(key: str, kind: str, value: JSON) -> JSON:
-    """The value if it has the option's type (an integral float counts as an int, as Go's
-    binding converts it), else a 400 naming the option."""
+    """The value if it has the option's type, else a 400 naming the option. A number given to
+    an integer option is cut toward zero (Go's JSON reads every number as a float64, and
+    `Options.FromMap` converts it with `int64(t)`: `top_k: 1.9` is 1)."""
     if kind == "int":
-        if isinstance(value, float) and math.isfinite(value) and value == int(value):
-            value = int(value)
+        if isinstance(value, float) and math.isfinite(value):
+            value = int(value)  # toward zero, as Go's conversion
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**64:
             return value
         raise _invalid(key, "must be of type integer")

@@ -5,7 +5,8 @@ Each line is a whole JSON object. Reasoning comes as `thinking`, tool calls as c
 with their arguments as a JSON object (Ollama streams them whole, not as deltas). The last
 object has `done: true`, `done_reason` and the counts and durations in nanoseconds Ollama
 reports: `total_duration` (from the request's arrival), `load_duration` (waiting for the model),
-`prompt_eval_duration` (until prefill ended) and `eval_duration` (the answer). A failure after
+`prompt_eval_duration` (until prefill ended) and `eval_duration` (the answer), and for
+`/api/generate` `context`, the token ids to continue from. A failure after
 the stream began is one `{"error": ...}` line, as Ollama writes it.
 """
 
@@ -45,12 +46,14 @@ class Timing:
 
 @dataclass(frozen=True)
 class Answer:
-    """How the answer is written: its shape, the model name as asked, logprobs or not."""
+    """How the answer is written: its shape, the model name as asked, logprobs or not, and
+    whether the last object carries `context` (`/api/generate` without `raw`)."""
 
     shape: Shape
     model: str
     logprobs: bool = False
     top_logprobs: int = 0
+    context: bool = False
 
 
 def created_at() -> str:
@@ -96,19 +99,21 @@ async def _lines(
             }
             if answer.logprobs and pending:
                 chunk["logprobs"], pending = logprobs(pending, answer), []
-            yield _line(chunk)
+            yield line(chunk)
         elif isinstance(event, Finished):
             calls = generation.parser.calls
             if calls:
                 chunk = {**head(answer), **piece(answer), "done": False}
                 _with_calls(chunk, answer, calls)
-                yield _line(chunk)
+                yield line(chunk)
             final = {**head(answer), **piece(answer), **done(event, generation, timing)}
+            if answer.context:
+                final["context"] = context(generation)
             if answer.logprobs and pending:
                 final["logprobs"] = logprobs(pending, answer)
-            yield _line(final)
+            yield line(final)
         elif isinstance(event, Failed):
-            yield _line({"error": event.message})
+            yield line({"error": event.message})
 
 
 async def whole(
@@ -123,6 +128,8 @@ async def whole(
     }
     if result.calls:
         _with_calls(body, answer, result.calls)
+    if answer.context:
+        body["context"] = context(generation)
     if answer.logprobs:
         body["logprobs"] = logprobs(result.logprobs, answer)
     return JSONResponse(body)
@@ -145,6 +152,12 @@ def done(finished: Finished, generation: Generation, timing: Timing) -> dict[str
         "eval_count": usage.completion_tokens,
         "eval_duration": _ns(end - prefilled),
     }
+
+
+def context(generation: Generation) -> list[JSON]:
+    """Ollama's `context`: the prompt's and the answer's token ids, which a client sends back
+    to continue the exchange (the engine's own ids, not the text tokenized again)."""
+    return [*generation.req.prompt_tokens, *generation.req.sampled]
 
 
 def _ns(seconds: float) -> int:
@@ -186,7 +199,7 @@ def _token(raw: bytes, logprob: float) -> dict[str, JSON]:
     return {"token": token_text(raw), "logprob": finite(logprob), "bytes": list(raw)}
 
 
-def _line(payload: dict[str, JSON]) -> str:
+def line(payload: dict[str, JSON]) -> str:
     return json.dumps(payload, ensure_ascii=False) + "\n"
 
 
@@ -197,6 +210,6 @@ def status_lines(statuses: list[dict[str, JSON]], stream: bool) -> Response:
 
     async def lines() -> AsyncIterator[str]:
         for status in statuses:
-            yield _line(status)
+            yield line(status)
 
     return StreamingResponse(lines(), media_type=NDJSON)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_kvserve.api.body import read_json
+from mlx_kvserve.api.choices import ChoiceEvent, Choices, Ended
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
-from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs, Usage
-from mlx_kvserve.api.schemas import ChatCompletionRequest, Message, parse
+from mlx_kvserve.api.images import image_reader
+from mlx_kvserve.api.reading import Event, Failed, Finished, Logprobs, Result, Usage
+from mlx_kvserve.api.schemas import ChatCompletionRequest, ImagePart, Message, TextPart, parse
 from mlx_kvserve.chat import (
     ChatRequest,
     OutputFormat,
@@ -25,6 +28,8 @@ from mlx_kvserve.chat import (
 from mlx_kvserve.chat import Message as ChatMessage
 from mlx_kvserve.chat.events import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStarted
 from mlx_kvserve.engine.requests import TokenLogprob
+from mlx_kvserve.images import Image
+from mlx_kvserve.images.reader import ImageReader
 from mlx_kvserve.json_value import JSON
 
 SYSTEM_FINGERPRINT = "mlx-kvserve"
@@ -37,34 +42,41 @@ async def chat_completions(request: Request) -> Response:
     body = parse(
         ChatCompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
-    generation = await start_chat(request, to_chat_request(body), model=body.model)
+    chat = await run_in_threadpool(to_chat_request, body, image_reader(request))  # images decode
+    generation = await start_chat(request, chat, model=body.model, n=body.n)
+    choices = Choices(generation)
     if body.stream:
-        events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
+        events = _stream(choices, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    result = await generation.result(request)
+    results, total = await choices.results(request)
+    return JSONResponse(
+        {
+            **_head(choices, "chat.completion"),
+            "choices": [_choice(i, result, body) for i, result in enumerate(results)],
+            "usage": usage(total),
+        }
+    )
+
+
+def _choice(index: int, result: Result, body: ChatCompletionRequest) -> dict[str, JSON]:
     message: dict[str, JSON] = {"role": "assistant", "content": result.content, "refusal": None}
     if result.reasoning:  # clients read one name or the other
         message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.calls:
         message["tool_calls"] = [_call(c) for c in result.calls]
         message["content"] = result.content or None
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": _logprobs(result.logprobs, body) if body.logprobs else None,
         "finish_reason": result.finished.reason,
     }
-    return JSONResponse(
-        {
-            **_head(generation, "chat.completion"),
-            "choices": [choice],
-            "usage": usage(result.finished.usage),
-        }
-    )
 
 
-def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
-    """The internal request for an OpenAI chat body."""
+def to_chat_request(body: ChatCompletionRequest, images: ImageReader | None = None) -> ChatRequest:
+    """The internal request for an OpenAI chat body (`images`: the server's reader; by default
+    inline images only)."""
+    images = images or ImageReader()
     tools = [
         Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
         for t in body.tools or []
@@ -84,7 +96,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
             )
         tool_choice = ToolChoice("function", name, parallel=False)
     return ChatRequest(
-        messages=[_message(m, i) for i, m in enumerate(body.messages)],
+        messages=[_message(m, i, images) for i, m in enumerate(body.messages)],
         tools=tools,
         tool_choice=tool_choice,
         output=_output_format(body),
@@ -104,7 +116,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     )
 
 
-def _message(m: Message, i: int) -> ChatMessage:
+def _message(m: Message, i: int, images: ImageReader) -> ChatMessage:
     calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
     role = "system" if m.role == "developer" else m.role
     reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
@@ -115,9 +127,32 @@ def _message(m: Message, i: int) -> ChatMessage:
             f"messages[{i}].{field}: only assistant messages carry past reasoning.",
             param=f"messages[{i}].{field}",
         )
-    message = ChatMessage(role, m.text(), calls, m.tool_call_id, m.name if role == "tool" else None)
+    name = m.name if role == "tool" else None
+    if not isinstance(m.content, list) or all(isinstance(p, TextPart) for p in m.content):
+        message = ChatMessage(role, m.text(), calls, m.tool_call_id, name)
+    else:
+        parts = _parts(m.content, role, i, images)
+        message = ChatMessage.from_parts(
+            role, parts, tool_calls=calls, tool_call_id=m.tool_call_id, name=name
+        )
     message.reasoning = reasoning
     return message
+
+
+def _parts(
+    content: list[TextPart | ImagePart], role: str, i: int, images: ImageReader
+) -> list[str | Image]:
+    """A message's text and images in order; images only where a user or a tool speaks."""
+    parts: list[str | Image] = []
+    for j, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+            continue
+        where = f"messages[{i}].content[{j}].image_url"
+        if role not in ("user", "tool"):
+            raise APIError(400, f"{where}: only user and tool messages carry images.", param=where)
+        parts.append(images.from_url(part.url(), where))
+    return parts
 
 
 def _output_format(body: ChatCompletionRequest) -> OutputFormat:
@@ -136,27 +171,71 @@ def _output_format(body: ChatCompletionRequest) -> OutputFormat:
 
 
 async def _stream(
-    generation: Generation, body: ChatCompletionRequest, keepalive: float
+    choices: Choices, body: ChatCompletionRequest, keepalive: float
 ) -> AsyncIterator[str]:
-    head = _head(generation, "chat.completion.chunk")
+    head = _head(choices, "chat.completion.chunk")
+    streams = [ChoiceStream(i, head, body) for i in range(len(choices.all))]
+    for stream in streams:
+        yield stream.chunk({"role": "assistant", "content": ""})
 
-    def chunk(delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+    def feed(item: ChoiceEvent) -> str | None:
+        return streams[item.index].feed(item.event)
 
-    yield chunk({"role": "assistant", "content": ""})
-    pending: list[TokenLogprob] = []
-    async for event in generation.events(keepalive):
-        if event is None:
+    async for line in sse_choices(choices.events(keepalive), head, body.include_usage(), feed):
+        yield line
+
+
+async def sse_choices(
+    events: AsyncIterator[ChoiceEvent | Ended | None],
+    head: dict[str, JSON],
+    include_usage: bool,
+    feed: Callable[[ChoiceEvent], str | None],
+) -> AsyncIterator[str]:
+    """The event stream of an OpenAI request's choices (chat or text: `feed` makes a choice's
+    chunk for its event): keep-alives, the usage chunk once all have finished, `[DONE]`, and
+    the one error a failure ends it with."""
+    async for item in events:
+        if item is None:
             yield ": keep-alive\n\n"
-        elif isinstance(event, Logprobs):
-            pending.extend(event.items)
+        elif isinstance(item, Ended):
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(item.usage)})
+            yield "data: [DONE]\n\n"
+        elif isinstance(item.event, Failed):
+            yield sse(APIError(item.event.status, item.event.message).body())
+            yield "data: [DONE]\n\n"
+        else:
+            chunk = feed(item)
+            if chunk is not None:
+                yield chunk
+
+
+class ChoiceStream:
+    """One choice's chunks: its index in every chunk, its logprobs held until its text."""
+
+    def __init__(self, index: int, head: dict[str, JSON], body: ChatCompletionRequest) -> None:
+        self.index = index
+        self.head = head
+        self.body = body
+        self.pending: list[TokenLogprob] = []
+
+    def chunk(
+        self, delta: dict[str, JSON], finish: str | None = None, logprobs: JSON = None
+    ) -> str:
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
+        return sse({**self.head, "choices": [{**choice, "finish_reason": finish}]})
+
+    def feed(self, event: Event) -> str | None:
+        """The chunk for one of this choice's events, if it makes one."""
+        body = self.body
+        if isinstance(event, Logprobs):
+            self.pending.extend(event.items)
         elif isinstance(event, ReasoningDelta):
-            yield chunk({"reasoning_content": event.text, "reasoning": event.text})
+            return self.chunk({"reasoning_content": event.text, "reasoning": event.text})
         elif isinstance(event, ContentDelta):
-            logprobs = _logprobs(pending, body) if body.logprobs else None
-            pending = []
-            yield chunk({"content": event.text}, logprobs=logprobs)
+            logprobs = _logprobs(self.pending, body) if body.logprobs else None
+            self.pending = []
+            return self.chunk({"content": event.text}, logprobs=logprobs)
         elif isinstance(event, ToolCallStarted):
             call = {
                 "index": event.index,
@@ -164,27 +243,22 @@ async def _stream(
                 "type": "function",
                 "function": {"name": event.name, "arguments": ""},
             }
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, ToolCallDelta):
             call = {"index": event.index, "function": {"arguments": event.arguments}}
-            yield chunk({"tool_calls": [call]})
+            return self.chunk({"tool_calls": [call]})
         elif isinstance(event, Finished):
-            logprobs = _logprobs(pending, body) if body.logprobs and pending else None
-            yield chunk({}, event.reason, logprobs)
-            if body.include_usage():
-                yield sse({**head, "choices": [], "usage": usage(event.usage)})
-            yield "data: [DONE]\n\n"
-        elif isinstance(event, Failed):
-            yield sse(APIError(event.status, event.message).body())
-            yield "data: [DONE]\n\n"
+            logprobs = _logprobs(self.pending, body) if body.logprobs and self.pending else None
+            return self.chunk({}, event.reason, logprobs)
+        return None
 
 
-def _head(generation: Generation, obj: str) -> dict[str, JSON]:
+def _head(choices: Choices, obj: str) -> dict[str, JSON]:
     return {
-        "id": "chatcmpl-" + generation.id,
+        "id": "chatcmpl-" + choices.id,
         "object": obj,
-        "created": generation.created,
-        "model": generation.model,
+        "created": choices.created,
+        "model": choices.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 

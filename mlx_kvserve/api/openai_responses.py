@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_chat
-from mlx_kvserve.api.openai_responses_schemas import InputItem, ResponsesRequest
+from mlx_kvserve.api.images import image_reader
+from mlx_kvserve.api.openai_responses_schemas import ContentPart, InputItem, Part, ResponsesRequest
 from mlx_kvserve.api.reading import Failed, Finished, Generation
 from mlx_kvserve.api.responses_output import ResponseEvents, Shape, StreamEvent, usage
 from mlx_kvserve.api.responses_tools import ToolSet, flat_name, parse_tools, tool_choice
@@ -29,6 +30,8 @@ from mlx_kvserve.api.schemas import parse
 from mlx_kvserve.api.seal import reasoning_seal
 from mlx_kvserve.chat import ChatRequest, Message, OutputFormat, Sampling, Thinking, ToolCall
 from mlx_kvserve.chat.reasoning.reasoning_seal import ReasoningSeal
+from mlx_kvserve.images import Image
+from mlx_kvserve.images.reader import ImageReader
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -54,9 +57,9 @@ async def responses(request: Request) -> Response:
             param="store",
         )
     seal = reasoning_seal(request)
-    # Off the event loop: a custom tool's grammar is compiled to check it.
+    # Off the event loop: a custom tool's grammar is compiled to check it, images decode.
     tools = await run_in_threadpool(parse_tools, body)
-    chat = to_chat_request(body, tools, seal)
+    chat = await run_in_threadpool(to_chat_request, body, tools, seal, image_reader(request))
     generation = await start_chat(request, chat, model=body.model)
     shape = Shape(generation.id, generation.model, body, tools, seal)
     if body.stream:
@@ -68,8 +71,12 @@ async def responses(request: Request) -> Response:
 
 
 def to_chat_request(
-    body: ResponsesRequest, tools: ToolSet | None = None, seal: ReasoningSeal | None = None
+    body: ResponsesRequest,
+    tools: ToolSet | None = None,
+    seal: ReasoningSeal | None = None,
+    images: ImageReader | None = None,
 ) -> ChatRequest:
+    """The internal request (`images`: the server's reader; by default inline images only)."""
     tools = tools if tools is not None else parse_tools(body)
     messages: list[Message] = []
     if body.instructions:
@@ -77,7 +84,7 @@ def to_chat_request(
     items = (
         [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     )
-    history = _History(messages, tools, seal)
+    history = _History(messages, tools, seal, images or ImageReader())
     for i, item in enumerate(items):
         history.add(item, i)
     effort = body.reasoning.effort if body.reasoning else None
@@ -101,10 +108,17 @@ def to_chat_request(
 class _History:
     """Input items into messages; a reasoning item waits for the assistant turn it precedes."""
 
-    def __init__(self, messages: list[Message], tools: ToolSet, seal: ReasoningSeal | None) -> None:
+    def __init__(
+        self,
+        messages: list[Message],
+        tools: ToolSet,
+        seal: ReasoningSeal | None,
+        images: ImageReader,
+    ) -> None:
         self.messages = messages
         self.tools = tools
         self.seal = seal
+        self.images = images
         self.reasoning: list[str] = []
 
     def add(self, item: InputItem, i: int) -> None:
@@ -115,7 +129,8 @@ class _History:
             if item.role is None:
                 raise APIError(400, f"{where}: a message needs a 'role'.", param=f"{where}.role")
             role = "system" if item.role == "developer" else item.role
-            message = Message(role, item.text(item.content))
+            parts = self._parts(item.content, f"{where}.content", role == "user")
+            message = Message.from_parts(role, parts)
             if role == "assistant":
                 self._take_reasoning(message)
             else:
@@ -129,8 +144,29 @@ class _History:
                     400, f"{where}: a {item.type} needs 'call_id'.", param=f"{where}.call_id"
                 )
             self.reasoning.clear()
-            text = item.text(item.output)
-            self.messages.append(Message("tool", text, tool_call_id=item.call_id, origin=where))
+            parts = self._parts(item.output, f"{where}.output", True)
+            self.messages.append(
+                Message.from_parts("tool", parts, tool_call_id=item.call_id, origin=where)
+            )
+
+    def _parts(self, value: str | list[Part] | None, where: str, images: bool) -> list[str | Image]:
+        """Text and `input_image` parts in order; images only from the user and tool outputs."""
+        if not isinstance(value, list):
+            return [value or ""]
+        parts: list[str | Image] = []
+        for j, part in enumerate(value):
+            if isinstance(part, ContentPart):
+                parts.append(part.text or part.refusal or "")
+                continue
+            field = f"{where}[{j}]"
+            if not images:
+                raise APIError(400, f"{field}: only user messages carry images.", param=field)
+            if part.image_url is None:
+                why = "file_id is not supported: nothing is uploaded to this server"
+                why = why if part.file_id is not None else "an input_image needs 'image_url'"
+                raise APIError(400, f"{field}: {why}.", param=f"{field}.image_url")
+            parts.append(self.images.from_url(part.image_url, f"{field}.image_url"))
+        return parts
 
     def _call(self, item: InputItem, where: str) -> None:
         custom = item.type == "custom_tool_call"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from mlx_kvserve.api.schemas import Seed, _Body
 from mlx_kvserve.json_value import JSON
@@ -34,6 +34,29 @@ class ContentPart(_Body):
     refusal: str | None = None
 
 
+class InputImage(_Body):
+    """An image: a data URL, or an http(s) URL where `--image-urls` allows it (no file ids:
+    nothing is uploaded to this server)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
+def _part_kind(part: JSON) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "InputImage" if kind == "input_image" else "ContentPart"
+
+
+# Chosen by `type`, so an error names the field of the part sent; the tags are dropped from
+# error paths (api/schemas.py `_is_union_tag`).
+Part = Annotated[
+    Annotated[ContentPart, Tag("ContentPart")] | Annotated[InputImage, Tag("InputImage")],
+    Discriminator(_part_kind),
+]
+
+
 class InputItem(_Body):
     """One input item; `type` is optional for messages (the SDK's 'easy' message form)."""
 
@@ -46,35 +69,45 @@ class InputItem(_Body):
         "reasoning",
     ] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[ContentPart] | None = None
+    content: str | list[Part] | None = None
     call_id: str | None = None
     name: str | None = None
     namespace: str | None = None  # a call to a function of a `namespace` tool
     arguments: str | None = None
     input: str | None = None  # custom_tool_call: the raw input
-    output: str | list[ContentPart] | None = None
+    output: str | list[Part] | None = None
     summary: list[ContentPart] | None = None  # reasoning
     encrypted_content: str | None = None  # reasoning: this server's sealed exact text
 
-    @field_validator("content", "output", "summary", mode="before")
+    @field_validator("content", "output", mode="before")
+    @classmethod
+    def _known_parts(cls, value: JSON) -> JSON:
+        return _known(value, TEXT_PART_TYPES | {"input_image"})
+
+    @field_validator("summary", mode="before")
     @classmethod
     def _text_parts_only(cls, value: JSON) -> JSON:
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind not in TEXT_PART_TYPES:
-                    raise ValueError(
-                        f"content parts of type {kind!r} are not supported by this server "
-                        "(input_text and output_text are)"
-                    )
-        return value
+        return _known(value, TEXT_PART_TYPES)
 
-    def text(self, value: str | list[ContentPart] | None) -> str:
+    def text(self, value: str | list[Part] | list[ContentPart] | None) -> str:
         if value is None:
             return ""
         if isinstance(value, str):
             return value
-        return "".join(p.text or p.refusal or "" for p in value)
+        return "".join(p.text or p.refusal or "" for p in value if isinstance(p, ContentPart))
+
+
+def _known(value: JSON, kinds: set[str]) -> JSON:
+    """Name a part type this server does not take, instead of pydantic's union noise."""
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind not in kinds:
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported by this server "
+                    "(input_text, output_text and input_image are)"
+                )
+    return value
 
 
 class FunctionTool(_Body):

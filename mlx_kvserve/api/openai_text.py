@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_kvserve.api import text_echo
 from mlx_kvserve.api.body import read_json
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import start_text
@@ -18,6 +19,7 @@ from mlx_kvserve.api.openai_chat import (
     token_text,
     usage,
 )
+from mlx_kvserve.api.openai_text_choices import several
 from mlx_kvserve.api.reading import Failed, Finished, Generation, Logprobs
 from mlx_kvserve.api.schemas import CompletionRequest, parse
 from mlx_kvserve.chat import Sampling
@@ -28,10 +30,19 @@ from mlx_kvserve.json_value import JSON
 
 async def completions(request: Request) -> Response:
     """OpenAI text completions of a prompt (text or token ids), with logprobs; streamed or
-    one body."""
+    one body. `echo`, several prompts and `max_tokens: 0` (evaluation harnesses' prompt
+    scoring) are answered by api/text_echo.py."""
     body = parse(
         CompletionRequest, await read_json(request, request.app.state.settings.max_body_bytes)
     )
+    if text_echo.wanted(body):
+        if body.n > 1:  # api/openai_text_choices.py serves several choices of one generation
+            raise APIError(
+                400,
+                "n above 1 is not supported with echo, several prompts or max_tokens 0.",
+                param="n",
+            )
+        return await text_echo.completions(request, body)
     n_logprobs = body.logprobs
     sampling = Sampling(
         temperature=body.temperature,
@@ -44,7 +55,9 @@ async def completions(request: Request) -> Response:
         logprobs=n_logprobs is not None,
         top_logprobs=n_logprobs or 0,
     )
-    generation = await start_text(request, body.prompt, sampling, model=body.model)
+    generation = await start_text(request, body.prompt[0], sampling, model=body.model, n=body.n)
+    if body.n > 1:
+        return await several(request, generation, body, _head(generation), _logprobs)
     if body.stream:
         events = _stream(generation, body, request.app.state.settings.keepalive_seconds)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

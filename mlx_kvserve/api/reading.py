@@ -97,6 +97,7 @@ class Generation:
         self._release = weakref.finalize(self, release) if release else None
         self.on_done = on_done  # called as it ends on its own: e.g. keep the sampled turn
         self.prefilled_at: float | None = None  # time.perf_counter() when prefill ended
+        self.others: list[Generation] = []  # the request's other choices (api/choices.py)
 
     def close(self) -> None:
         """Let the model go (idempotent); the stream's end does it too."""

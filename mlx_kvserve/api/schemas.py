@@ -8,13 +8,23 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
+MAX_CHOICES = 8  # OpenAI's `n`: rows of the batch one request may take
+MAX_PROMPTS = 64  # prompts of one text completion request
 Seed = Annotated[int, Field(ge=0, lt=2**64)]  # MLX seeds are uint64
 
 
@@ -34,6 +44,34 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    """An image: a data URL, or an http(s) URL where `--image-urls` allows it."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]  # a bare URL, as some clients send
+
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+def _part_kind(part: JSON) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "image_url": "ImagePart"}.get(kind)  # type: ignore[arg-type]
+
+
+# Chosen by `type` (so an error names the field of the part sent, not of another kind); the
+# tags are dropped from error paths (`_is_union_tag`).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(_part_kind),
+]
+
+
 class FunctionCall(_Body):
     name: Annotated[str, Field(min_length=1)]
     arguments: str = ""
@@ -47,7 +85,7 @@ class ToolCallIn(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -63,9 +101,10 @@ class Message(_Body):
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
+                if kind not in ("text", "image_url"):
                     raise ValueError(
-                        f"unsupported content part type {kind!r}; only 'text' parts are supported"
+                        f"unsupported content part type {kind!r}; 'text' and 'image_url' parts "
+                        "are supported"
                     )
         return value
 
@@ -74,7 +113,7 @@ class Message(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class _Sampling(_Body):
@@ -88,7 +127,7 @@ class _Sampling(_Body):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, each its own batch row
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -154,34 +193,43 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    # The four shapes the API takes: text, token ids, and a list of one of either (one prompt
-    # per request: several are refused with the reason). Checked by hand for a clear message.
-    prompt: str | list[int]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: Literal[False] = False
+    # The four shapes the API takes: text, token ids, or a list of either (evaluation harnesses
+    # batch up to MAX_PROMPTS prompts: one choice each). Checked by hand for a clear message;
+    # kept as the list of prompts.
+    prompt: list[str | list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False  # the prompt before the completion (api/text_echo.py)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: JSON) -> str | list[int]:
-        """Text, or the token ids of one prompt."""
-        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-            if len(value) > 1:
-                raise PydanticCustomError(
-                    "one_prompt",
-                    "one prompt per request (got {count}); send the others as their own requests",
-                    {"count": len(value)},
-                )
-            value = value[0]
-        if isinstance(value, str) or (
-            isinstance(value, list) and value and all(_is_token_id(v) for v in value)
+    def _prompts(cls, value: JSON) -> list[str | list[int]]:
+        """Text, token ids, or a list of either, as a list of prompts."""
+        if isinstance(value, str) or _token_ids(value):
+            return [value]
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, str) or _token_ids(v) for v in value)
         ):
+            if len(value) > MAX_PROMPTS:
+                raise PydanticCustomError(
+                    "prompts",
+                    "at most {limit} prompts per request (got {count})",
+                    {"limit": MAX_PROMPTS, "count": len(value)},
+                )
             return value
         raise PydanticCustomError(
-            "prompt_shape", "expected text, a non-empty list of token ids, or a list of one of them"
+            "prompt_shape",
+            "expected text, a non-empty list of token ids, or a list of either",
         )
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+def _token_ids(value: JSON) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_token_id(v) for v in value)
 
 
 def _is_token_id(value: JSON) -> bool:
@@ -225,6 +273,12 @@ def _is_union_tag(part: int | str) -> bool:
         "bool",
         "list[str]",
         "list[TextPart]",
+        "TextPart",
+        "ContentPart",
+        "InputImage",
+        "ImagePart",
+        "ImageURL",
+        "list[union[TextPart,ImagePart]]",
         "list[ToolCallIn]",
         "list[InputItem]",
         "list[ContentPart]",

@@ -103,6 +103,19 @@ class Catalog:
                     self.log.exception("prompt-cache could not delete %s", e.key[:16])
         return [e.key for e in order]
 
+    def keep_off_disk(self, key: str) -> None:
+        """Cancel the queued write of `key`, a leaf, and keep it as a RAM-only entry (a file the
+        writer may have finished meanwhile is deleted: the cancelled result is not applied)."""
+        entry = self.entries[key]
+        job = self.pending.pop(key, None)
+        self.disk_bytes -= entry.file_bytes
+        entry.disk, entry.file_bytes = DISK_NONE, 0
+        if self.disk is not None:
+            if job is not None:
+                with self.disk.fs_lock:
+                    job.cancelled = True
+            self.disk.delete(key)
+
     def links(self, entry: Entry | None, usable: int) -> list[Entry]:
         """Chain root..entry, keeping the links that hold positions below `usable`."""
         if entry is None:

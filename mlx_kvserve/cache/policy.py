@@ -53,7 +53,7 @@ import numpy as np
 
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.codec import HostArray
-from mlx_kvserve.cache.entry import DISK_NONE, Entry
+from mlx_kvserve.cache.entry import DISK_NONE, DISK_PENDING, Entry
 
 GiB = 1 << 30
 DEFAULT_DISK_CAP = 20 * GiB
@@ -153,10 +153,18 @@ class Policy:
         if cat.disk is None or self.follower:
             return
         protected = cat.protected(protect)
+        lowered = self.disk_budget < self.disk_limit
         while cat.disk_bytes > self.disk_budget:
             victim = self.pick_leaf(lambda e: e.disk != DISK_NONE, protected)
             if victim is None:
                 break
+            if lowered and victim.disk == DISK_PENDING and victim.key in cat.ram:
+                # The disk is short, and this one is queued, not yet written, and in RAM: it
+                # stays there (as a checkpoint made once the disk is known short does); only
+                # its write is cancelled.
+                cat.keep_off_disk(victim.key)
+                cat.counters["disk_skipped"] += 1
+                continue
             self.budget_evicted.append(victim.tokens)
             cat.counters["evictions"] += len(cat.remove_tree(victim.key))
             cat.log.debug("prompt-cache evicted %s (disk budget)", victim.key[:16])

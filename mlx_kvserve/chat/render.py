@@ -20,6 +20,7 @@ next prompt extends the cached one through the answer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,6 +177,20 @@ def render_token_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
             param="prompt",
         )
     return Prompt(list(ids), {})
+
+
+def continuing(prompt: Prompt, context: list[int]) -> Prompt:
+    """`prompt` after the token ids of an earlier exchange (Ollama's `context`: the prompt and
+    answer it returned), which the prompt cache finds already computed."""
+    if not context:
+        return prompt
+    shift = len(context)
+    return dataclasses.replace(
+        prompt,
+        tokens=[*context, *prompt.tokens],
+        boundaries={shift: "message", **{shift + k: v for k, v in prompt.boundaries.items()}},
+        text=(0, b""),  # not the rendered text alone: no sampled turn is kept by it
+    )
 
 
 def _kept_turns(

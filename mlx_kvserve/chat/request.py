@@ -61,6 +61,13 @@ class Message:
     reasoning: str | None = None
     parts: tuple[str | Image, ...] = ()
 
+    @classmethod
+    def from_parts(cls, role: Role, parts: list[str | Image], **fields: object) -> Message:
+        """A turn from its text pieces and images in order (`parts` kept only with an image)."""
+        content = "".join(p for p in parts if isinstance(p, str))
+        kept = tuple(parts) if any(isinstance(p, Image) for p in parts) else ()
+        return cls(role, content, parts=kept, **fields)  # type: ignore[arg-type]
+
     @property
     def images(self) -> list[Image]:
         """The turn's images, in order."""

@@ -176,6 +176,7 @@ def serve(settings: Settings) -> int:
         max_loaded=settings.max_loaded_models,
         keep_alive=parse_duration(settings.keep_alive),
     )
+    pool.adopt = start_engine.adopt  # Ollama's /api/pull, when --allow-pull lets it
     if len(slots) > 1:
         log.info(
             "models: %s (default %s; others load on first use; at most %d loaded, %.1f GiB)",

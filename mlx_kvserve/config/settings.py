@@ -242,6 +242,13 @@ class Settings:
             "--served-model-name (by default any name is served by the loaded model)."
         },
     )
+    allow_pull: bool = field(
+        default=False,
+        metadata={
+            "help": "Let Ollama's /api/pull download an org/name model from Hugging Face and "
+            "serve it beside the others (off: /api/pull only confirms the models served)."
+        },
+    )
 
     chat_template_kwargs: str | None = field(
         default=None,
@@ -273,6 +280,35 @@ class Settings:
             "puts at the start of its system prompt (by default it is dropped: it changes every "
             "request and would force a full re-prefill)."
         },
+    )
+
+    images: str = field(
+        default="note",
+        metadata={
+            "help": "What a model that does not see images does with one: note (the image is "
+            "replaced in the prompt by a short note of its type and size) or reject (a 400 "
+            "naming the model)."
+        },
+    )
+    image_urls: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Hosts whose http(s) image URLs the server may fetch (exact names, "
+            "*.example.com, or * for any public host; repeat or comma-separate). Empty: image "
+            "URLs are refused, only inline images are taken. Private, loopback and link-local "
+            "addresses are refused at every hop."
+        },
+    )
+    image_url_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds one image URL may take to fetch, its redirects included."},
+    )
+    max_image_bytes: int = field(
+        default=20 * 1024 * 1024, metadata={"help": "Largest image accepted, in encoded bytes."}
+    )
+    max_image_pixels: int = field(
+        default=50_000_000,
+        metadata={"help": "Most pixels (width x height) an image may decode to."},
     )
 
     def template_defaults(self) -> dict[str, JSON]:

@@ -59,6 +59,8 @@ _POSITIVE = {"max_body_bytes", "max_queue", "prefill_step", "max_connections", "
 _POSITIVE |= {"max_loaded_models", "kv_reserve"}
 _POSITIVE |= {"keepalive_seconds", "header_timeout", "body_timeout", "idle_timeout"}
 _POSITIVE |= {"peer_timeout", "ring_port"}
+_POSITIVE |= {"image_url_timeout", "max_image_bytes", "max_image_pixels"}
+IMAGE_MODES = ("note", "reject")
 SHARD_MODES = ("auto", "tensor", "pipeline")
 SPECULATION_MODES = ("auto", "off")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
@@ -98,6 +100,8 @@ def check_value(name: str, value: SettingValue) -> SettingValue:
         raise ValueError(f"{value!r} is not one of {', '.join(SHARD_MODES)}")
     if name == "speculation" and value not in SPECULATION_MODES:
         raise ValueError(f"{value!r} is not one of {', '.join(SPECULATION_MODES)}")
+    if name == "images" and value not in IMAGE_MODES:
+        raise ValueError(f"{value!r} is not one of {', '.join(IMAGE_MODES)}")
     if name == "kv_dtype" and value not in KV_DTYPES:
         raise ValueError(f"{value!r} is not one of {', '.join(KV_DTYPES)}")
     if name in ("cache_budget", "cache_ram_budget", "mlx_cache_limit", "live_budget") and (

@@ -19,33 +19,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
-import mlx.nn as nn
 import numpy as np
 
-from mlx_kvserve.embed.pooling import embed_rows
+from mlx_kvserve.embed.encoder import encode_rows
+from mlx_kvserve.embed.pooling import ENCODER, embed_rows
+from mlx_kvserve.engine.calls import EngineCalls
 
 log = logging.getLogger("mlx_kvserve.embed")
 
-T = TypeVar("T")
 BUSY_TOKENS = 512
 IDLE_TOKENS = 4096  # vllm-mlx's sub-batch of padded positions
-
-
-class EngineCalls(Protocol):
-    """What the batcher asks of an engine (engine/worker.py's `Engine`)."""
-
-    @property
-    def model(self) -> nn.Module | None: ...
-
-    @property
-    def running(self) -> int: ...
-
-    @property
-    def queued(self) -> int: ...
-
-    def call(self, fn: Callable[[], T]) -> Future[T]: ...
 
 
 class EmbedJob:
@@ -168,7 +152,12 @@ class Embedder:
         model = self.engine.model
         try:
             assert model is not None, "the engine has no model"
-            vectors = embed_rows(model, [item.tokens for item in batch], self.pooling)
+            rows = [item.tokens for item in batch]
+            if self.pooling == ENCODER:
+                pad = getattr(self.engine.tokenizer, "pad_token_id", None)
+                vectors = encode_rows(model, rows, pad if isinstance(pad, int) else 0)
+            else:
+                vectors = embed_rows(model, rows, self.pooling)
         except Exception as exc:  # the requests of this batch fail; the engine goes on
             log.exception("an embedding batch of %d inputs failed", len(batch))
             for item in batch:

@@ -23,7 +23,8 @@ import numpy as np
 MEAN = "mean"
 LAST = "last"
 FIRST = "first"
-POOLINGS = (MEAN, LAST, FIRST)
+ENCODER = "encoder"  # the model pools itself, as its config says (embed/encoder.py)
+POOLINGS = (MEAN, LAST, FIRST, ENCODER)
 BODY_NAMES = ("model", "transformer", "backbone")
 
 
@@ -54,7 +55,9 @@ def hidden_width(model: nn.Module | None) -> int | None:
     the model's plain Python args, so any thread may ask."""
     if model is None:
         return None
-    width = getattr(getattr(_language_model(model), "args", None), "hidden_size", None)
+    inner = _language_model(model)
+    args = getattr(inner, "args", None) or getattr(inner, "config", None)  # mlx-vlm: config
+    width = getattr(args, "hidden_size", None)
     return width if isinstance(width, int) and width > 0 else None
 
 

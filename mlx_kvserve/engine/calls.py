@@ -11,9 +11,31 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 T = TypeVar("T")
+
+
+class EngineCalls(Protocol):
+    """What work run between the engine's steps asks of it (engine/worker.py's `Engine`): the
+    embedding batcher (embed/batcher.py), the prompt scorer (engine/scorer.py)."""
+
+    @property
+    def model(self) -> nn.Module | None: ...
+
+    @property
+    def tokenizer(self) -> object: ...
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def call(self, fn: Callable[[], T]) -> Future[T]: ...
 
 
 class CallQueue:

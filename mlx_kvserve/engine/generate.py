@@ -25,6 +25,7 @@ With delta storage each checkpoint writes only the tokens it adds beyond its par
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Generator as Generator_
@@ -249,11 +250,14 @@ class Generator:
         if seq is None:
             return timings
         batch = DecodeBatch(self.model, ended.append, speculation=self.speculation)
-        batch.add(seq)
+        for row in [seq, *seq.forks]:
+            batch.add(row)
+        seq.forks = []
         while batch.seqs:
             self.between_steps()
             batch.step()
-        self.finish(ended[0])
+        for row in ended:
+            self.finish(row)
         return timings
 
     def start(self, req: GenerationRequest) -> Result:
@@ -293,8 +297,12 @@ class Generator:
 
     def finish(self, seq: Sequence) -> None:
         """A sequence left the batch: its Done, then (so the client never waits for it) its
-        after-generation checkpoint, or the partial one of a cancelled request."""
+        after-generation checkpoint, or the partial one of a cancelled request. A fork (choice
+        1 and up of an `n` request) stores nothing: one choice's output extends the cache's
+        chain, as if the request had had only it."""
         self._done(seq.req, seq.timings)
+        if seq.req.choice:
+            return
         if seq.finish == "cancelled":
             self._save(seq.states, seq.live, None, reason="partial")
         else:
@@ -344,7 +352,21 @@ class Generator:
         check_logits(logits)
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
-        return Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
+        seq = Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
+        seq.forks = [self._fork(fork, live, logits, states) for fork in req.forks]
+        return seq
+
+    def _fork(
+        self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates
+    ) -> Sequence:
+        """Another choice of a prefilled request: its own row, on a copy of the prompt's KV
+        (rows of a batch grow apart, and a solo row updates its caches in place). Its timings
+        count no prompt tokens: the request's prompt is counted once, with choice 0."""
+        caches = copy.deepcopy(live.caches)
+        timings = Timings(cache_source="fork")
+        req.emit(Prefilled(len(req.prompt_tokens), len(req.prompt_tokens)))
+        forked = Live(caches, list(live.tokens))
+        return Sequence(req, self.tokenizer, forked, logits, timings, states, self.vocab)
 
     def _save(
         self,

@@ -157,6 +157,11 @@ class GenerationRequest:
     # read once Done arrives): what a tool loop's next prompt splices back
     # (chat.reasoning.sampled_turns).
     sampled: list[int] = field(default_factory=list)
+    # The other choices of an `n` request (OpenAI's `n`): each its own request (seed, grammar,
+    # events), decoded as its own row from a copy of this request's prefilled KV, so the prompt
+    # is prefilled once. Only this request's output extends the prompt cache.
+    forks: list[GenerationRequest] = field(default_factory=list)
+    choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
 

@@ -171,7 +171,7 @@ class Room:
         faults.maybe_fail("pause")
         batch.take(seq)
         cache = seq.states.cache
-        if cache is not None and seq.live.tokens:
+        if cache is not None and seq.live.tokens and not seq.req.choice:  # a fork: see finish
             cache.checkpoint(seq.live.tokens, seq.live.caches, "pause", probe=seq.last_logits)
         seq.live.caches = []
         self.paused.append((seq, order))

@@ -71,6 +71,7 @@ class Sequence:
         self.feed: list[int] = []
         (self.step,) = sampling.sample([(self.decoder, False)], logits)
         self.unread: Step | None = None  # a step fed by the current pass, read after it
+        self.forks: list[Sequence] = []  # the other choices, forked from this prefill
 
     # -- what the batch asks ---------------------------------------------------------------
     @property

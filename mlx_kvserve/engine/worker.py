@@ -141,6 +141,8 @@ class Engine(Intake, Stopping, Failures):
         self._draws = Draws()  # each row's tokens, for the turn's digest across ranks
         self.continuations: Continuations | None = None  # finished requests' tokens (`_ended`)
 
+    generates = True  # (embed/encoder.py's engine embeds only)
+
     @property
     def unloadable(self) -> bool:
         """False in a job across machines: every rank stops with it (cli/serve_job.py)."""
@@ -388,6 +390,12 @@ class Engine(Intake, Stopping, Failures):
         else:
             self._touched += self.batch.requests  # a join merges its caches into theirs
             self.batch.add(seq)
+            for fork in seq.forks:  # the other choices of an `n` request: rows of their own
+                self._inflight[fork.req.request_id] = fork.req
+                self._touched.append(fork.req)
+                self.room.take(fork.req)
+                self.batch.add(fork)
+            seq.forks = []
 
     def _release(self, req: GenerationRequest) -> None:
         """`req` holds no KV any more (ended, failed, cancelled in its prefill)."""

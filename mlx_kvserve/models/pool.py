@@ -77,6 +77,12 @@ class Slot:
     def names(self) -> list[str]:
         return self.spec.names(self.model_id)
 
+    @property
+    def sees_images(self) -> bool:
+        """Whether the model takes images: the one seam a vision backend plugs into. No backend
+        serves images yet, so every model is shown a note in an image's place (images/note.py)."""
+        return False
+
     def busy(self) -> bool:
         engine = self.engine
         engine_busy = engine is not None and (engine.running or engine.queued)
@@ -115,6 +121,9 @@ class ModelPool:
         self.on_engine: list[Callable[[Slot, Engine], None]] = []
         self.on_loaded: list[Callable[[Slot], None]] = []
         self.on_unloaded: list[Callable[[Slot, str], None]] = []
+        # makes the slot of a model fetched while serving, from its id, files and other names
+        # (cli.serve sets it: Engines.adopt); None: this pool serves the models it started with
+        self.adopt: Callable[[str, Path, tuple[str, ...]], Slot] | None = None
 
     @classmethod
     def single(cls, engine: Engine, model_id: str, *, aliases: tuple[str, ...] = ()) -> ModelPool:
@@ -139,6 +148,13 @@ class ModelPool:
 
     def names(self) -> list[str]:
         return list(self._by_name)
+
+    def add(self, slot: Slot) -> None:
+        """Serve one more model (loaded on first use, as the others); a name already taken
+        stays with its model."""
+        self.slots.append(slot)
+        for name in slot.names:
+            self._by_name.setdefault(name, slot)
 
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots if s.state in (LOADED, LOADING)]

@@ -4,7 +4,9 @@ The model itself loads on the engine thread after the server is up (so /health c
 "loading"); a directory that can never load would leave a server that answers 503 for ever. The
 checks here are the cheap ones `mlx_lm.load` would fail on first: a readable config.json with a
 `model_type`, an architecture the installed mlx-lm implements, no custom code to run, weights;
-and one it would not: a tokenizer that writes more ids than the embedding has rows (the
+and two it would not: an embedding model whose vectors mlx-lm's causal models cannot compute
+(embed/kind.py: BERT's family, EmbeddingGemma) unless mlx-vlm's embedding models serve it
+(embed/encoder.py), and a tokenizer that writes more ids than the embedding has rows (the
 tokenizer of another model), whose ids past the table no loader can reconcile. The opposite, an
 embedding padded past the tokenizer, is how Qwen, Gemma 3 and DeepSeek-V3 ship, and is served
 (mlx_kvserve/vocabulary.py).
@@ -31,11 +33,18 @@ def model_dir_problem(model_dir: Path) -> str | None:
         return f"{path} names no model_type"
     if config.get("model_file") is not None:
         return f"the model needs its own code ({config['model_file']!r}), which is not run"
+    from mlx_kvserve.embed.kind import encoder_problem, is_encoder
+
+    encoder = is_encoder(Path(model_dir))
+    problem = encoder_problem(Path(model_dir)) if encoder else None
+    if problem is not None:
+        return problem
     import mlx_lm
     from mlx_lm.utils import _get_classes  # what mlx_lm.load resolves the architecture with
 
     try:
-        _get_classes(config)
+        if not encoder:  # mlx-vlm's, not mlx-lm's (embed/encoder.py)
+            _get_classes(config)
     except (ValueError, ImportError, AttributeError) as exc:
         return (
             f"mlx-lm {mlx_lm.__version__} cannot load model_type {config['model_type']!r} ({exc})"

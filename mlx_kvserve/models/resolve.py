@@ -14,6 +14,11 @@ _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
 EMBEDDED: tuple[EmbeddedModel, ...] = (SMOLLM2, GEMMA3_270M)
 
 
+def hub_repo(name: str) -> bool:
+    """`name` has the form of a Hugging Face repo id, `org/name`."""
+    return bool(_HF_REPO.fullmatch(name)) and ".." not in name
+
+
 def embedded_model(name: str | None) -> EmbeddedModel | None:
     """The embedded model a ``--model`` value names (None -> the default), or None."""
     if name is None:
@@ -48,7 +53,7 @@ def resolve_model(spec: str | None, data_dir: Path, *, progress: bool) -> tuple[
     if path.exists():
         raise ValueError(f"model {spec!r} is a file; pass the model's directory instead")
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") != 1
-    if not looks_like_path and _HF_REPO.match(spec) and ".." not in spec:
+    if not looks_like_path and hub_repo(spec):
         return spec, spec
     raise ValueError(
         f"model {spec!r} is neither an existing model directory nor a Hugging Face repo id "

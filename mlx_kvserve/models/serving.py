@@ -69,23 +69,65 @@ def model_settings(settings: Settings, spec: ModelSpec) -> Settings:
         raise ModelSetupError(f"model {spec.name or spec.source}: {exc}") from None
 
 
+class Engines:
+    """Each slot's engine maker: the models configured at start, and those added while serving
+    (Ollama's `/api/pull`: `adopt`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        open_prompt_cache: OpenCache,
+        mlx_load: Callable[[str], Loaded | tuple[nn.Module, TokenizerWrapper]],
+        job: MakeAgreement | None = None,
+    ) -> None:
+        self.settings = settings
+        self._open_prompt_cache = open_prompt_cache
+        self._mlx_load = mlx_load
+        self._job = job
+        self._places: dict[str, tuple[Path, Settings]] = {}
+
+    def slot(self, spec: ModelSpec, model_id: str, model_dir: Path) -> Slot:
+        """The pool slot of a model whose files are in `model_dir` (ModelSetupError: they
+        cannot be served)."""
+        from mlx_kvserve.models.preflight import model_dir_problem
+
+        problem = model_dir_problem(model_dir)
+        if problem:
+            raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
+        own = model_settings(self.settings, spec)
+        kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
+        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve), model_dir=model_dir)
+        self._places[slot.name] = (model_dir, own)
+        return slot
+
+    def adopt(self, model_id: str, model_dir: Path, aliases: tuple[str, ...] = ()) -> Slot:
+        """The slot of a model fetched while serving: named by its id (and `aliases`), with
+        the server's settings."""
+        return self.slot(ModelSpec(None, model_id, aliases), model_id, model_dir)
+
+    def __call__(self, slot: Slot) -> Engine:
+        model_dir, own = self._places[slot.name]
+        return make_engine(
+            own, model_dir, slot.model_id, self._open_prompt_cache, self._mlx_load, self._job
+        )
+
+
 def prepare_slots(
     settings: Settings,
     open_prompt_cache: OpenCache,
     mlx_load: Callable[[str], Loaded | tuple[nn.Module, TokenizerWrapper]],
     job: MakeAgreement | None = None,
-) -> tuple[list[Slot], Callable[[Slot], Engine]]:
+) -> tuple[list[Slot], Engines]:
     """Every configured model as a pool slot (default first), and the engine maker (`job`:
     how its engine joins a job across machines, cli/serve_job.py)."""
-    from mlx_kvserve.models.preflight import model_dir_problem
     from mlx_kvserve.models.resolve import local_model_dir, resolve_model
 
     try:
         specs = settings.model_specs()
     except ValueError as exc:
         raise ModelSetupError(str(exc)) from None
+    engines = Engines(settings, open_prompt_cache, mlx_load, job)
     slots: list[Slot] = []
-    places: dict[str, tuple[Path, Settings]] = {}
     taken: dict[str, str] = {}
     for spec in specs:
         try:
@@ -93,12 +135,7 @@ def prepare_slots(
             model_dir = local_model_dir(ref)
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelSetupError(f"cannot prepare the model {spec.source!r}: {exc}") from None
-        problem = model_dir_problem(model_dir)
-        if problem:
-            raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
-        own = model_settings(settings, spec)
-        kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
-        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve), model_dir=model_dir)
+        slot = engines.slot(spec, model_id, model_dir)
         for name in slot.names:
             if name in taken:
                 raise ModelSetupError(
@@ -106,14 +143,8 @@ def prepare_slots(
                     f"{slot.name}); name them apart with --model NAME=PATH"
                 )
             taken[name] = slot.name
-        places[slot.name] = (model_dir, own)
         slots.append(slot)
-
-    def start_engine(slot: Slot) -> Engine:
-        model_dir, own = places[slot.name]
-        return make_engine(own, model_dir, slot.model_id, open_prompt_cache, mlx_load, job)
-
-    return slots, start_engine
+    return slots, engines
 
 
 def make_engine(
@@ -126,6 +157,9 @@ def make_engine(
 ) -> Engine:
     """One model's engine (not started) with its prompt cache open."""
     from mlx_kvserve.chat.formats import add_end_tokens, tool_format_notice
+    from mlx_kvserve.embed.encoder import EncoderEngine, load_encoder
+    from mlx_kvserve.embed.kind import kind_of, pooling_config
+    from mlx_kvserve.embed.pooling import ENCODER
     from mlx_kvserve.models.context import read_context_length
     from mlx_kvserve.models.precision import (
         apply_kv_dtype,
@@ -134,6 +168,13 @@ def make_engine(
         served_dtype,
     )
 
+    if kind_of(model_dir).pooling == ENCODER:  # a model that only embeds (embed/encoder.py)
+        pooling = pooling_config(model_dir)
+        return EncoderEngine(  # type: ignore[return-value]  # the pool's engine, as EngineView
+            lambda: load_encoder(model_dir, pooling),
+            context_length=read_context_length(model_dir),
+            mlx_cache_limit=parse_size(settings.mlx_cache_limit),
+        )
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, metal=on_metal())
     prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
 

@@ -107,6 +107,13 @@ class Metrics:
         for source in DRAFT_SOURCES:  # every series exists from the start, at 0
             for counter in (self.drafted, self.accepted, self.verify_passes):
                 counter.labels(source)
+        self.scored_prompts = Counter(
+            f"{PREFIX}_scored_prompts",
+            "Prompts whose own tokens' log probabilities a request asked for (echo with "
+            "logprobs): scored, or dropped because their client left first.",
+            ["outcome"],
+            registry=r,
+        )
         self.lookups = Counter(
             f"{PREFIX}_cache_lookups",
             "Prompt-cache lookups, one per request: outcome hit (tier live, ram or disk), miss "
@@ -189,20 +196,22 @@ class Metrics:
         if timings is None:
             return
         t = timings
-        self.prompt_tokens.inc(t.prompt_tokens)
-        self.cached_tokens.inc(t.cached_tokens)
         self.generated_tokens.inc(t.completion_tokens)
         if t.completion_tokens > 0 and t.ttft_seconds > 0:
             self.ttft.observe(t.ttft_seconds)
-        prefilled = t.prompt_tokens - t.cached_tokens
-        if prefilled > 0 and t.prefill_seconds > 0:
-            self.prefill_tps.observe(prefilled / t.prefill_seconds)
         if t.completion_tokens > 1 and t.decode_seconds > 0:
             self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
         for source, (drafted, accepted, passes) in t.by_source.items():
             self.drafted.labels(source).inc(drafted)
             self.accepted.labels(source).inc(accepted)
             self.verify_passes.labels(source).inc(passes)
+        if t.cache_source == "fork":  # another choice of a request: its prompt is counted once
+            return
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.cached_tokens)
+        prefilled = t.prompt_tokens - t.cached_tokens
+        if prefilled > 0 and t.prefill_seconds > 0:
+            self.prefill_tps.observe(prefilled / t.prefill_seconds)
         if not self.cache_enabled:
             return
         if t.failed_source in TIERS:

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.fuzz_embeddings import PATHS, embedding_body
 from tests.support.node_scripts import run_node_script
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
@@ -134,48 +135,11 @@ def test_ollama_client_embed_and_embeddings(served: ServerProcess) -> None:
     assert recorder.check() >= 5
 
 
-TOKEN_IDS = st.lists(st.integers(-3, 70_000), max_size=6)
-INPUTS = st.one_of(
-    st.text(max_size=40),
-    st.lists(st.text(max_size=20), max_size=5),
-    TOKEN_IDS,
-    st.lists(TOKEN_IDS, max_size=4),
-    st.integers(),
-    st.none(),
-    st.lists(st.one_of(st.text(max_size=5), st.integers(), st.none()), max_size=4),
-)
-OPTIONAL = st.one_of(st.none(), st.integers(-5, 100), st.text(max_size=8), st.booleans())
-
-
-@st.composite
-def embedding_body(draw: st.DrawFn, path: str) -> bytes:
-    body: dict = {"model": draw(st.sampled_from(["gen", "embedder", "", "nope", 5]))}
-    key = "prompt" if path == "/api/embeddings" else "input"
-    body[key] = draw(INPUTS)
-    for field in ("dimensions", "encoding_format", "truncate", "keep_alive", "options", "user"):
-        if draw(st.booleans()):
-            body[field] = draw(
-                st.one_of(
-                    OPTIONAL,
-                    st.sampled_from(["float", "base64"]),
-                    st.dictionaries(
-                        st.sampled_from(["num_ctx", "temperature", "x"]), OPTIONAL, max_size=2
-                    ),
-                )
-            )
-    if draw(st.integers(0, 9)) == 0:
-        return draw(st.binary(max_size=30))  # not JSON at all
-    return json.dumps(body).encode()
-
-
-PATHS = ["/v1/embeddings", "/api/embed", "/api/embeddings"]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzzed_bodies_never_5xx(served: ServerProcess, data: st.DataObject) -> None:
     path = data.draw(st.sampled_from(PATHS))
-    body = data.draw(embedding_body(path))
+    body = data.draw(embedding_body(path, ["gen", "embedder", "", "nope", 5]))
     headers = {"Content-Type": "application/json"}
     reply = httpx.post(served.base_url + path, content=body, headers=headers, timeout=120)
     assert reply.status_code < 500, (body, reply.status_code, reply.text[:300])

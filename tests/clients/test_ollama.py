@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.support import rawhttp
 from tests.support.fuzz_ollama import PATHS, ollama_body
+from tests.support.images import encoded
 from tests.support.node_scripts import run_node_script
 from tests.support.ollama_spec import Recorded, Recorder, check
 from tests.support.servers import ServerProcess
@@ -45,6 +46,8 @@ WEATHER = {
 CALL_SEEDS = (7, 9, 21, 3, 11, 13)
 NPM_OLLAMA = "ollama@0.6.4"
 JSON = "application/json"
+
+NOTE = "[image: PNG 48x32, not shown: this model does not see images]"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,18 @@ def test_generate_templated_raw_and_system(client: ollama.Client) -> None:
     assert briefed.prompt_eval_count > templated.prompt_eval_count
     pieces = list(client.generate(model=MODEL, prompt="Hello", options=options, stream=True))
     assert "".join(p.response for p in pieces) == templated.response
+    # `context` continues the exchange; `template` replaces the chat template
+    assert raw.context is None and len(templated.context) > templated.prompt_eval_count
+    more = client.generate(model=MODEL, prompt="More", context=templated.context, options=options)
+    assert more.context[: len(templated.context)] == templated.context
+    mine = client.generate(
+        model=MODEL,
+        prompt="Hello",
+        template="Q: {{ .Prompt }}\nA: {{ .Response }}",
+        options=options,
+    )
+    assert mine.prompt_eval_count == len(mine.context) - mine.eval_count
+    assert raw.prompt_eval_count < mine.prompt_eval_count < templated.prompt_eval_count
     assert pieces[-1].done and pieces[-1].eval_count == templated.eval_count
 
 
@@ -271,15 +286,37 @@ def test_keep_alive_loads_and_unloads(client: ollama.Client) -> None:
     assert expiry.year > 2100
 
 
+def test_images_from_the_client_answer(client: ollama.Client) -> None:
+    """The client's `images` (it base64-encodes the bytes) on chat and generate: a model that
+    does not see images answers with a note in their place (docs/images.md)."""
+    png = encoded("PNG", 48, 32)
+    chat = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is this?", "images": [png]}],
+        options={"num_predict": 2, "temperature": 0},
+    )
+    generated = client.generate(
+        model=MODEL, prompt="What is this?", images=[png], options={"num_predict": 2}
+    )
+    assert chat.done and generated.done
+    plain = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"{NOTE}\nWhat is this?"}],
+        options={"num_predict": 2, "temperature": 0},
+    )
+    assert chat.prompt_eval_count == plain.prompt_eval_count
+
+
 def test_errors_in_ollama_shape(
     served: ServerProcess, client: ollama.Client, recorder: Recorder
 ) -> None:
     with pytest.raises(ollama.ResponseError) as unknown:
         client.chat(model="llama3.2:1b", messages=[{"role": "user", "content": "Hi"}])
     assert unknown.value.status_code == 404 and "not found" in unknown.value.error
-    with pytest.raises(ollama.ResponseError) as images:
+    with pytest.raises(ollama.ResponseError) as images:  # "hi": not an image (docs/images.md)
         client.chat(model=MODEL, messages=[{"role": "user", "content": "?", "images": ["aGk="]}])
-    assert images.value.status_code == 400 and "images" in images.value.error
+    assert images.value.status_code == 400 and "messages[0].images[0]" in images.value.error
+    assert "not an image" in images.value.error
     with pytest.raises(ollama.ResponseError) as suffix:
         client.generate(model=MODEL, prompt="def f(", suffix="return 1")
     assert suffix.value.status_code == 400 and "insert" in suffix.value.error
@@ -307,16 +344,13 @@ def test_errors_in_ollama_shape(
         assert raw.post("/api/chat", json={"model": MODEL, "keep_alive": "soon"}).status_code == 400
         assert raw.post("/api/show", json={}).status_code == 400
         assert raw.get("/api/nothing").status_code == 404
-        assert (
-            raw.post(
-                "/api/generate", json={"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"}
-            ).status_code
-            == 400
-        )
+        bad_template = {"model": MODEL, "prompt": "x", "template": "{{ range .Messages }}"}
+        assert raw.post("/api/generate", json=bad_template).status_code == 400
 
 
 def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
-    """The `ollama` npm package: list, show, chat streamed with a tool, generate."""
+    """The `ollama` npm package: list, show, chat streamed with a tool, generate, and generate
+    continued from the `context` it returned."""
     env = {
         "HOST": served.base_url,
     }
@@ -326,6 +360,8 @@ def test_npm_client(served: ServerProcess, tmp_path: Path) -> None:
     assert out["chunks"] > 1 and out["final"]["done"] and out["final"]["eval_count"] > 0
     check(Recorded("POST", "/api/chat", 200, "application/json", json.dumps(out["final"]).encode()))
     assert out["generated"]["done"] and isinstance(out["generated"]["response"], str)
+    context = out["generated"]["context"]  # continued: the next exchange starts with it
+    assert context and out["continued"]["context"][: len(context)] == context
     assert out["error"] == 404
 
 
@@ -347,6 +383,8 @@ const MODEL = 'SmolLM2-135M-Instruct';
   out.chunks = chunks;
   const options = { num_predict: 4 };
   out.generated = await client.generate({ model: MODEL, prompt: 'Hi', options });
+  const context = out.generated.context;
+  out.continued = await client.generate({ model: MODEL, prompt: 'More', context, options });
   try {
     await client.chat({ model: 'nope', messages: [{ role: 'user', content: 'x' }] });
     out.error = 0;

@@ -60,6 +60,19 @@ def test_health_names_every_rank_and_the_split(job):
     assert chat(job, 1)["message"]["content"]
 
 
+def test_several_choices_are_refused_with_a_400_naming_n(job):
+    """Forking a prefill into rows is not done across ranks: `n` above 1 is a clear 400."""
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", {"prompt": "Once"}),
+    ]:
+        reply = httpx.post(job.base_url + path, json={**body, "n": 2, "max_tokens": 2})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "n" and "cluster" in error["message"]
+    assert chat(job, 1, n=1)["message"]["content"]
+
+
 def test_requests_batched_across_ranks_answer_as_one_process(job, llama_alone):
     together = answers(job, 4)
     assert together == answers(llama_alone, 4)

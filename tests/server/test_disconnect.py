@@ -115,3 +115,38 @@ def test_queued_clients_that_leave_free_their_slots(start_server):
     finishes = [e["finish"] for e in engine_lines(srv)]
     # The holder (cancelled when it left) and the four newcomers ran; the departed never did.
     assert finishes == ["cancelled"] + ["length"] * 4, finishes
+
+
+def scored_prompts(server) -> dict[str, float]:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    found = re.findall(r'mlx_kvserve_scored_prompts_total\{outcome="(\w+)"\} ([0-9.e+]+)', text)
+    return {outcome: float(value) for outcome, value in found}
+
+
+def test_a_scoring_client_that_leaves_drops_its_prompts(server):
+    """64 prompts of 600 tokens to score (echo with logprobs, as lm-eval asks), and the client
+    hangs up: the prompts not yet scored are dropped (counted), and the server serves on."""
+    before = scored_prompts(server)
+    rows = [[(7 * i + j) % 5000 + 10 for j in range(600)] for i in range(64)]
+    sock = open_request(server, {"prompt": rows, "echo": True, "logprobs": 1, "max_tokens": 0})
+    time.sleep(1.0)  # the server reads the body and starts (no assertion rests on it)
+    sock.close()
+
+    def moved() -> float:
+        now = scored_prompts(server)
+        return sum(now.values()) - sum(before.values())
+
+    assert poll(lambda: moved() >= len(rows), guard=300)
+    now = scored_prompts(server)
+    assert now.get("dropped", 0) - before.get("dropped", 0) > 0
+
+    def serves() -> bool:  # a 503 (the model reloading after memory pressure) is retried
+        follow = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": "Hi there", "echo": True, "logprobs": 1, "max_tokens": 0},
+            timeout=120,
+        )
+        assert follow.status_code in (200, 503), follow.text
+        return follow.status_code == 200 and follow.json()["choices"][0]["logprobs"] is not None
+
+    assert poll(serves, guard=120)

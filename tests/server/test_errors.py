@@ -50,6 +50,10 @@ def test_malformed_bodies_are_400(server, raw):
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.image_url.url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
             "messages.0.content",
         ),
         ({"messages": OK_MESSAGES, "temperature": "hot"}, "temperature"),
@@ -59,7 +63,7 @@ def test_malformed_bodies_are_400(server, raw):
         ({"messages": OK_MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"messages": OK_MESSAGES, "max_tokens": "10"}, "max_tokens"),
         ({"messages": OK_MESSAGES, "max_completion_tokens": -3}, "max_completion_tokens"),
-        ({"messages": OK_MESSAGES, "n": 2}, "n"),
+        ({"messages": OK_MESSAGES, "n": 9}, "n"),
         ({"messages": OK_MESSAGES, "stream": "yes"}, "stream"),
         ({"messages": OK_MESSAGES, "stop": 7}, "stop"),
         ({"messages": OK_MESSAGES, "stop": ["a"] * 17}, "stop"),
@@ -78,7 +82,8 @@ def test_invalid_chat_parameters_are_400(server, body, param):
     [
         ({"model": MODEL}, "prompt"),
         ({"prompt": 5}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"prompt": "hi", "echo": True, "stream": True}, "echo"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ],

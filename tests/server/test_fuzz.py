@@ -77,3 +77,44 @@ def test_token_id_prompts_are_served_or_refused(server, ids):
     assert resp.status_code in (200, 400), resp.text
     if resp.status_code == 400:
         assert resp.json()["error"]["param"].startswith("prompt")
+
+
+@settings(max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    prompt=st.one_of(
+        st.text(max_size=30),
+        st.lists(st.text(max_size=12), max_size=4),
+        st.lists(st.integers(-3, 50000), max_size=8),
+        st.lists(st.lists(st.integers(-3, 50000), max_size=6), max_size=4),
+    ),
+    echo=st.booleans(),
+    logprobs=st.one_of(st.none(), st.integers(-1, 21)),
+    max_tokens=st.one_of(st.none(), st.integers(-1, 2)),
+    stream=st.booleans(),
+)
+def test_echo_and_prompt_lists_are_served_or_refused(
+    server, prompt, echo, logprobs, max_tokens, stream
+):
+    """lm-eval's fields in any combination: a 200 whose echoed logprobs line up with the
+    prompt (the first token's null), or a 400 naming a field."""
+    body = {"prompt": prompt, "echo": echo, "logprobs": logprobs, "stream": stream}
+    body["max_tokens"] = 2 if max_tokens is None else max_tokens
+    resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["param"].split("[")[0] in {
+            "prompt",
+            "logprobs",
+            "max_tokens",
+            "echo",
+        }, resp.text
+        return
+    if stream:
+        assert "data: [DONE]" in resp.text
+        return
+    for choice in resp.json()["choices"]:
+        lp = choice["logprobs"]
+        if echo and logprobs is not None:
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+            assert all(len(top) <= logprobs for top in lp["top_logprobs"][1:])

@@ -45,6 +45,9 @@ STRUCTURAL_KEYS = frozenset(
         "verbosity",
         "truncation",
         "service_tier",
+        "detail",  # an image's detail level
+        "display",  # thinking's display mode
+        "media_type",
     }
 )
 STRUCTURAL_LISTS = frozenset({"required", "enum", "include", "type"})

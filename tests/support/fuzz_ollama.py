@@ -1,7 +1,8 @@
 """Hostile Ollama bodies for `/api/chat`, `/api/generate`, `/api/show` and `/api/pull`
 (tests/clients/test_ollama.py): a valid body with some fields replaced by odd or wrong values
 (options of every known name and unknown ones, durations, think levels, formats, tool calls
-with object or text arguments, images), or any JSON value. Generation stays at two tokens at
+with object or text arguments, images, Go templates, token-id contexts, suffixes), or any JSON
+value. Generation stays at two tokens at
 most, and a valid `keep_alive` never unloads the module's model.
 """
 
@@ -49,15 +50,40 @@ ollama_tool = st.fixed_dictionaries(
         "function": st.fixed_dictionaries({"name": maybe(name)}, optional={"parameters": schema})
     },
 )
+# Go templates of the subset the server renders (api/ollama_template.py), and broken ones
+template_part = st.one_of(
+    st.sampled_from(
+        [
+            "{{ .System }}",
+            "{{ .Prompt }}",
+            "{{ .Response }}",
+            "{{ .Suffix }}",
+            "{{ if .System }}",
+            "{{ if .Suffix }}",
+            "{{ else if .Prompt }}",
+            "{{ else }}",
+            "{{ end }}",
+            "{{- .Prompt -}}",
+            "{{/* note */}}",
+            "{{ range .Messages }}",
+            "{{ .Prompt",
+            "}}",
+        ]
+    ),
+    text,
+)
+go_template = st.lists(template_part, max_size=6).map("".join)
 FIELDS: dict[str, st.SearchStrategy] = {
     "model": st.one_of(st.just(MODEL), st.just(MODEL + ":latest"), text, anything),
     "messages": st.one_of(st.lists(message, max_size=3), anything),
     "prompt": maybe(text),
     "system": maybe(text),
     "suffix": maybe(text),
-    "template": maybe(text),
+    "template": st.one_of(go_template, maybe(text)),
     "raw": maybe(st.booleans()),
-    "context": st.one_of(st.lists(integers, max_size=3), anything),
+    "context": st.one_of(
+        st.lists(st.integers(0, 49151), max_size=8), st.lists(integers, max_size=3), anything
+    ),
     "images": st.one_of(st.just([]), anything),
     "format": st.one_of(st.sampled_from(["json", "", "yaml"]), schema),
     "options": options,

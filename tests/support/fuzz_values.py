@@ -18,8 +18,10 @@ POST_PATHS = (
     "/v1/responses",
     "/v1/messages?beta=true",  # as Claude Code calls it
     "/v1/messages/count_tokens?beta=true",
+    "/tokenize",
+    "/detokenize",
 )
-GET_PATHS = ("/health", "/v1/models", "/v1/cache")
+GET_PATHS = ("/health", "/v1/models", "/v1/cache", "/tokenizer_info")
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 MAX_GENERATED = 2
 DEEP = "__DEEP__"

@@ -57,7 +57,16 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "messages": st.one_of(
         st.lists(message, max_size=3), st.lists(anthropic_message, max_size=3), anything
     ),
-    "prompt": st.one_of(text, st.lists(text, max_size=2), anything),
+    "prompt": st.one_of(
+        text,
+        st.lists(text, max_size=3),
+        st.lists(integers, max_size=4),
+        st.lists(st.lists(st.integers(-2, 60000), max_size=4), max_size=3),
+        anything,
+    ),
+    "echo": maybe(st.booleans()),
+    "tokens": st.one_of(st.lists(integers, max_size=5), anything),
+    "add_special_tokens": maybe(st.booleans()),
     "input": st.one_of(text, st.lists(responses_item, max_size=3), anything),
     "system": maybe(text),
     "instructions": maybe(text),
@@ -81,7 +90,7 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "tool_choice": st.one_of(tool_choice, anything),
     "response_format": st.one_of(response_format, anything),
     "parallel_tool_calls": maybe(st.booleans()),
-    "logprobs": maybe(st.booleans()),
+    "logprobs": st.one_of(maybe(st.booleans()), st.integers(-2, 25)),
     "speculative": st.one_of(st.booleans(), anything),  # the opt-out extension
     "top_logprobs": maybe(integers),
     "text": anything,  # Responses: {"format": ...}
@@ -153,8 +162,10 @@ def _limit_generation(body: Any, path: str) -> Any:
 def _base(path: str, draw: st.DrawFn) -> dict[str, Any]:
     """A valid body for `path` with odd but legal text, to be mutated."""
     words = draw(text)
-    if path == "/v1/completions":
+    if path in ("/v1/completions", "/tokenize"):
         return {"model": MODEL, "prompt": words or "x"}
+    if path == "/detokenize":
+        return {"tokens": [1, 2, 3]}
     if path == "/v1/responses":
         return {"model": MODEL, "input": words or "x"}
     return {"model": MODEL, "messages": [{"role": "user", "content": words}]}

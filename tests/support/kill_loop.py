@@ -38,7 +38,15 @@ MiB = 1 << 20
 
 # ====================================================================== the cache directory ==
 def cache_stats(server: ServerProcess) -> dict:
-    return httpx.get(server.base_url + "/v1/cache", timeout=TIMEOUT).json()
+    """The server's /v1/cache, asked again while it answers 503 (its engine busy past the
+    endpoint's 30 s wait, as on a loaded machine right after a start), as a client would."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        resp = httpx.get(server.base_url + "/v1/cache", timeout=TIMEOUT)
+        if resp.status_code != 503 or time.monotonic() > deadline:
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+        time.sleep(float(resp.headers.get("retry-after", "1")))
 
 
 def fingerprint_dir(cache_root: Path) -> Path:

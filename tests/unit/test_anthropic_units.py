@@ -88,7 +88,13 @@ def test_bad_controls_name_the_field(extra, param):
 @pytest.mark.parametrize(
     ("block", "param"),
     [
-        ({"type": "image", "source": {}}, "messages.1.content.1.type"),
+        ({"type": "document", "source": {}}, "messages.1.content.1.type"),
+        ({"type": "image", "source": {}}, "messages.1.content.1.source"),
+        (
+            {"type": "image", "source": {"type": "file", "file_id": "f"}},
+            "messages.1.content.1.source.type",
+        ),
+        ({"type": "image", "source": {"type": "base64"}}, "messages.1.content.1.source.data"),
         ({"type": "server_tool_use", "id": "x", "name": "web_search"}, "messages.1.content.1.type"),
         ({"type": "thinking", "thinking": "t", "signature": 7}, "messages.1.content.1.signature"),
         ({"type": "thinking", "thinking": 7, "signature": "s"}, "messages.1.content.1.thinking"),

@@ -366,3 +366,32 @@ def test_the_budget_shrinks_while_idle_when_another_program_fills_the_disk(tmp_p
     pc.refresh_disk_space()
     assert pc.stats()["disk_budget"] == 20 * ENTRY
     pc.close()
+
+
+def test_a_lowered_budget_keeps_queued_checkpoints_in_ram(tmp_path, monkeypatch):
+    """Checkpoints still queued for the writer when the disk fills (a slow writer: a busy
+    machine) are not evicted by the lowered budget: their writes are cancelled and they serve
+    from RAM, as a checkpoint made once the disk is known to be full does."""
+    disk = SmallDisk(tmp_path, total=80 * ENTRY)
+    disk.install(monkeypatch)
+    pc = open_cache(tmp_path, disk_budget=40 * ENTRY)
+    old = pc.checkpoint(conversation(0, 100), make_kv(100), "m")
+    settle(pc)
+    disk.writes.clear()  # the next writes wait in the queue
+    queued = [pc.checkpoint(conversation(k, 100), make_kv(100, seed=k), "m") for k in (1, 2)]
+    disk.fill(leave=0)
+    pc.refresh_disk_space()
+    disk.writes.set()
+    stats = assert_disk_consistent(pc)
+    assert stats["disk_short"] and stats["disk_bytes"] <= stats["disk_budget"]
+    for key, k in zip(queued, (1, 2), strict=True):
+        m, caches = restore(pc, conversation(k, 101))
+        assert m.key == key and m.source == "ram" and same_kv_seed(caches, 100, k)
+    assert {e.key for e in pc.entries() if e.disk == "none"} >= set(queued)
+    assert set(queued).isdisjoint(entry_files(pc)) and old not in entry_files(pc)
+    pc.close()
+
+
+def same_kv_seed(caches, n, seed) -> bool:
+    want = kv_arrays(make_kv(n, seed=seed))
+    return all(np.array_equal(a, b) for a, b in zip(kv_arrays(caches), want, strict=True))

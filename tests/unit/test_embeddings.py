@@ -19,26 +19,12 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.embed.pooling import LAST, MEAN, embed_rows
-from mlx_kvserve.engine import Engine
+from tests.support.in_process import serve
 from tests.support.tiny_models import embedding_model_dir, make_model_dir
 
-LOCAL = "http://localhost"
 CONTEXT = 64
 TEXTS = ["Hello", "The sky is blue because of Rayleigh scattering.", "a b c d e f g", "x" * 40]
-
-
-def serve(model_dir: Path, name: str) -> TestClient:
-    from mlx_lm import load
-
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    engine = Engine(lambda: load(str(model_dir)), cache_enabled=False)
-    pool = ModelPool.single(engine, name)
-    pool.default.model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +229,39 @@ def test_rows_padded_in_a_batch_equal_rows_alone(tmp_path: Path, model_type: str
             np.testing.assert_allclose(
                 got, embed_rows(model, [row], pooling)[0], rtol=1e-4, atol=1e-5
             )
+
+
+def test_embedding_models_mlx_lm_would_compute_wrongly_are_refused_before_serving(
+    dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoder this server cannot serve (an architecture mlx-vlm's embedding models lack,
+    or the embeddings extra not installed), and a decoder made bidirectional or followed by
+    Dense layers (EmbeddingGemma's files on another architecture), are refused by the preflight
+    with why, instead of loading as a causal model whose vectors are not the model card's."""
+    import json
+    import shutil
+
+    from mlx_kvserve.embed import encoder
+    from mlx_kvserve.models.preflight import model_dir_problem
+    from tests.support.tiny_models import EMBEDDING_MODULES
+
+    assert model_dir_problem(dirs["embedder"]) is None
+    mpnet = tmp_path / "mpnet"
+    mpnet.mkdir()
+    (mpnet / "config.json").write_text(json.dumps({"model_type": "mpnet", "hidden_size": 32}))
+    assert "mpnet is an embedding model that attends both ways" in model_dir_problem(mpnet)
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
+    monkeypatch.setattr(encoder, "encoder_library", lambda: "install the embeddings extra")
+    assert "install the embeddings extra" in model_dir_problem(bert)
+    both_ways = shutil.copytree(dirs["embedder"], tmp_path / "both-ways")
+    config = json.loads((both_ways / "config.json").read_text())
+    config["use_bidirectional_attention"] = True
+    (both_ways / "config.json").write_text(json.dumps(config))
+    dense = shutil.copytree(dirs["embedder"], tmp_path / "dense")
+    dense_module = {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    (dense / "modules.json").write_text(json.dumps([*EMBEDDING_MODULES, dense_module]))
+    for model in (both_ways, dense):
+        problem = model_dir_problem(model)
+        assert problem is not None and "llama is an embedding model that attends" in problem

@@ -23,6 +23,10 @@ def test_options_apply_ollamas_defaults_and_names() -> None:
     assert given.stop == ("x",)
     assert Options({"num_predict": -1}).num_predict is None  # Ollama's "no limit"
     assert Options({"num_predict": -2, "seed": -1}).seed is None
+    # Go reads every JSON number as a float64 and FromMap converts it with int64(t): cut
+    cut = Options({"top_k": 1.9, "num_predict": 5.99, "seed": -1.5, "num_ctx": 2048.7})
+    assert (cut.top_k, cut.num_predict, cut.seed, cut.num_ctx) == (1, 5, None, 2048)
+    assert Options({"seed": 7.5}).seed == 7
     ignored = Options({"mirostat": 2, "penalize_newline": True, "min_p": 0.1, "num_gpu": 99})
     assert ignored.temperature == 0.8
 
@@ -31,7 +35,8 @@ def test_options_apply_ollamas_defaults_and_names() -> None:
     ("options", "named"),
     [
         ({"temperature": "hot"}, "temperature"),
-        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": "1"}, "top_k"),
+        ({"num_predict": 1e300}, "num_predict"),
         ({"num_ctx": True}, "num_ctx"),
         ({"use_mmap": 1}, "use_mmap"),
         ({"stop": [1, 2]}, "stop"),
