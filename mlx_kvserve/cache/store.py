@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_kvserve.cache import state
 from mlx_kvserve.cache.catalog import Catalog
@@ -341,6 +342,23 @@ class PromptCache:
         with self._lock:
             self._drain()
             return entry_infos(self._catalog)
+
+    def token_streams(self, limit: int) -> list[np.ndarray]:
+        """The tokens of the most recently used chain ends (entries no other entry extends),
+        at most `limit` tokens in all, oldest first: what earlier requests' prompts and outputs
+        held (speculation's continuations start from them, engine/speculation/continuations.py).
+        """
+        with self._lock:
+            ends = [e for e in self._catalog.entries.values() if not e.children]
+            ends.sort(key=lambda e: e.last_used, reverse=True)
+            out: list[np.ndarray] = []
+            total = 0
+            for entry in ends:
+                if total >= limit:
+                    break
+                out.append(entry.tokens)
+                total += entry.n_tokens
+            return out[::-1]
 
     def verify(self) -> list[tuple[str, str]]:
         """Fully read and check every stored file; returns (key, problem) for the bad ones."""

@@ -42,6 +42,7 @@ from mlx_kvserve.engine import faults, sampling
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.engine.speculation.step import Speculator
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -68,9 +69,10 @@ class DecodeBatch:
         *,
         mergeable: bool = True,
         speculation: str = "off",
+        continuations: Continuations | None = None,
     ) -> None:
-        """`speculation` "auto": rows without a grammar on attention-only models draft by lookup
-        when it pays (engine/speculation/step.py); "off": never."""
+        """`speculation` "auto": rows draft and verify when it pays (engine/speculation/step.py),
+        from their own tokens and `continuations` (finished requests' tokens); "off": never."""
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
@@ -79,7 +81,7 @@ class DecodeBatch:
         self._merged: list[LayerCache] | None = None  # merged mode's caches, row i = seqs[i]
         self.steps = 0  # decode steps run
         self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
-        self.speculator = Speculator() if speculation == "auto" else None
+        self.speculator = Speculator(continuations=continuations) if speculation == "auto" else None
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.waiting)

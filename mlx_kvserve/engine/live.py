@@ -32,6 +32,8 @@ class Timings:
     drafted: int = 0  # tokens speculation drafted for it (engine/speculation/step.py)
     accepted: int = 0  # ... and verification kept
     verify_passes: int = 0  # ... in this many verify passes (those it drafted in)
+    # the same three by draft source (engine/speculation/drafts.py `Draft.source`)
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     def log_line(self, req: GenerationRequest) -> str:
         prefilled = self.prompt_tokens - self.cached_tokens

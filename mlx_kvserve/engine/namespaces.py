@@ -71,6 +71,16 @@ class CacheSet:
 Caches: TypeAlias = "PromptCacheView | CacheSet | None"
 
 
+def by_namespace(prompt_cache: Caches) -> list[tuple[str | None, PromptCacheView]]:
+    """Each PromptCache behind `prompt_cache` with the namespace its requests carry (None: the
+    one shared cache)."""
+    if prompt_cache is None:
+        return []
+    if isinstance(prompt_cache, CacheSet):
+        return list(prompt_cache.caches.items())
+    return [(None, prompt_cache)]
+
+
 def caches_of(prompt_cache: Caches) -> list[PromptCacheView]:
     """Every PromptCache behind an engine's `prompt_cache` (none, one, or one per key)."""
     if prompt_cache is None:

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_kvserve.cache.entry import EntryInfo, Match
 from mlx_kvserve.cache.kinds import LayerCache
@@ -67,6 +68,8 @@ class PromptCacheView(Protocol):
     def stats(self) -> dict[str, JSON]: ...
 
     def entries(self) -> list[EntryInfo]: ...
+
+    def token_streams(self, limit: int) -> list[np.ndarray]: ...
 
     # -- a job across machines: every rank's cache evicts alike (engine/lockstep.py)
     def follow_evictions(self) -> None: ...

@@ -49,12 +49,13 @@ from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_read
 from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.merge_check import merged_decoding_agrees
-from mlx_kvserve.engine.namespaces import Caches, CacheSet, make_states
+from mlx_kvserve.engine.namespaces import Caches, CacheSet, by_namespace, make_states
 from mlx_kvserve.engine.protocols import PromptCacheView
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -138,6 +139,7 @@ class Engine(Intake, Stopping, Failures):
         self._job = job
         self.lockstep: Agreement = Solo()  # the job's once the model is loaded (`job`)
         self._draws = Draws()  # each row's tokens, for the turn's digest across ranks
+        self.continuations: Continuations | None = None  # finished requests' tokens (`_ended`)
 
     generates = True  # (embed/encoder.py's engine embeds only)
 
@@ -250,8 +252,17 @@ class Engine(Intake, Stopping, Failures):
             batched=self._can_batch,
         )
         speculation = self.speculation if job is None else "off"
+        if speculation == "auto":  # a draft source: what finished requests' tokens went on with
+            self.continuations = Continuations()
+            for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
+                for tokens in cache.token_streams(self.continuations.max_tokens):
+                    self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
-            model, self._ended, mergeable=self._can_batch, speculation=speculation
+            model,
+            self._ended,
+            mergeable=self._can_batch,
+            speculation=speculation,
+            continuations=self.continuations,
         )
 
     def _loop(self) -> None:
@@ -413,10 +424,13 @@ class Engine(Intake, Stopping, Failures):
         assert self.generator is not None
         log.info(seq.timings.log_line(seq.req))
         self._release(seq.req)
+        tokens = seq.live.tokens + seq.feed
         try:
             self.generator.finish(seq)
         except Exception:  # after its Done: only the checkpoint is lost
             log.exception("request %s: saving its KV failed", seq.req.request_id)
+        if self.continuations is not None:  # after its Done: a draft source for later requests
+            self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         """`req` has ended (its final event follows): it leaves the engine; observers see it."""

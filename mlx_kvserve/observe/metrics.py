@@ -29,8 +29,9 @@ TIERS = ("live", "ram", "disk")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PREFILL_TPS_BUCKETS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800)
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-# Where speculative decoding's drafts come from (engine/speculation/drafts.py); one source so far.
-DRAFT_SOURCES = ("prompt_lookup",)
+# Where speculative decoding's drafts come from (engine/speculation/: drafts.py, the row's own
+# tokens; continuations.py, finished requests' tokens in the prompt cache's namespace).
+DRAFT_SOURCES = ("prompt_lookup", "prompt_cache")
 RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -200,11 +201,10 @@ class Metrics:
             self.ttft.observe(t.ttft_seconds)
         if t.completion_tokens > 1 and t.decode_seconds > 0:
             self.decode_tps.observe((t.completion_tokens - 1) / t.decode_seconds)
-        if t.drafted:
-            (source,) = DRAFT_SOURCES
-            self.drafted.labels(source).inc(t.drafted)
-            self.accepted.labels(source).inc(t.accepted)
-            self.verify_passes.labels(source).inc(t.verify_passes)
+        for source, (drafted, accepted, passes) in t.by_source.items():
+            self.drafted.labels(source).inc(drafted)
+            self.accepted.labels(source).inc(accepted)
+            self.verify_passes.labels(source).inc(passes)
         if t.cache_source == "fork":  # another choice of a request: its prompt is counted once
             return
         self.prompt_tokens.inc(t.prompt_tokens)

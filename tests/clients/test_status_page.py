@@ -49,12 +49,16 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def metric(base_url: str, name: str) -> float:
+    """A metric's value, summed over its labels (the draft sources of speculation's)."""
     text = httpx.get(base_url + "/metrics", headers=AUTH, timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise AssertionError(f"{name} not in /metrics")
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
 
 
 def status(base_url: str) -> dict:

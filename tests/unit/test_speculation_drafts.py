@@ -29,14 +29,14 @@ def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> tuple[in
 def test_proposes_what_followed_the_longest_match() -> None:
     # "5 6 7" occurred once followed by 8 9; "6 7" occurred later followed by 1 2.
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[5, 6, 7, 8, 9, 0, 6, 7, 1, 2, 3, 5, 6, 7])
-    assert lookup.propose(4) == Draft((8, 9, 0, 6), "lookup", 3)
+    assert lookup.propose(4) == Draft((8, 9, 0, 6), "prompt_lookup", 3)
     lookup.extend([8, 9])  # now "7 8 9"... the latest "8 9" was followed by 0
-    assert lookup.propose(2) == Draft((0, 6), "lookup", 3)
+    assert lookup.propose(2) == Draft((0, 6), "prompt_lookup", 3)
 
 
 def test_shorter_match_when_the_longest_is_unseen() -> None:
     lookup = PromptLookup(n_max=4, n_min=2, tokens=[1, 2, 3, 4, 9, 3, 4])
-    assert lookup.propose(3) == Draft((9, 3, 4), "lookup", 2)
+    assert lookup.propose(3) == Draft((9, 3, 4), "prompt_lookup", 2)
 
 
 def test_no_draft_without_a_match_or_room() -> None:
@@ -44,19 +44,19 @@ def test_no_draft_without_a_match_or_room() -> None:
     assert lookup.propose(4) is None
     lookup.extend([1, 2])
     assert lookup.propose(0) is None
-    assert lookup.propose(3) == Draft((3, 4, 5), "lookup", 2)
+    assert lookup.propose(3) == Draft((3, 4, 5), "prompt_lookup", 2)
 
 
 def test_the_latest_occurrence_wins() -> None:
     lookup = PromptLookup(n_max=2, n_min=2, tokens=[1, 2, 7, 1, 2, 8, 1, 2])
-    assert lookup.propose(1) == Draft((8,), "lookup", 2)
+    assert lookup.propose(1) == Draft((8,), "prompt_lookup", 2)
 
 
 def test_a_continuation_that_runs_into_the_end_repeats() -> None:
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[1, 4, 5, 6, 4, 5, 6])
-    assert lookup.propose(8) == Draft((4, 5, 6, 4, 5, 6, 4, 5), "lookup", 3)
+    assert lookup.propose(8) == Draft((4, 5, 6, 4, 5, 6, 4, 5), "prompt_lookup", 3)
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[9, 9, 9])
-    assert lookup.propose(4) == Draft((9, 9, 9, 9), "lookup", 2)
+    assert lookup.propose(4) == Draft((9, 9, 9, 9), "prompt_lookup", 2)
 
 
 @pytest.mark.parametrize("bulk_first", [True, False])
@@ -87,7 +87,7 @@ def test_hash_collisions_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[1, 2, 3, 9, 9, 4, 5, 3])
     assert lookup.propose(2) is None  # "5 3" and "4 5 3" never occurred before
     lookup.extend([4, 5])
-    assert lookup.propose(2) == Draft((3, 4), "lookup", 2)
+    assert lookup.propose(2) == Draft((3, 4), "prompt_lookup", 2)
 
 
 def test_drafting_does_not_scan_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,7 +106,7 @@ def test_drafting_does_not_scan_the_context(monkeypatch: pytest.MonkeyPatch) -> 
             return got
 
     lookup.tokens = Counting(lookup.tokens)
-    assert lookup.propose(8) == Draft(tuple(prompt[1003:1011]), "lookup", 3)
+    assert lookup.propose(8) == Draft(tuple(prompt[1003:1011]), "prompt_lookup", 3)
     lookup.extend([prompt[1003]])
     assert Counting.reads <= 4 * (4 + 8)
 
@@ -125,7 +125,7 @@ def test_drafter_takes_the_source_with_most_evidence() -> None:
     weak, none = Fixed("heads", Draft((1, 2), "heads", 0)), Fixed("cache", None)
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[7, 8, 9, 7, 8])
     drafter = Drafter([weak, none, lookup])
-    assert drafter.propose(2) == Draft((9, 7), "lookup", 2)
+    assert drafter.propose(2) == Draft((9, 7), "prompt_lookup", 2)
     drafter.extend([1])
     assert weak.seen == [1] and none.seen == [1]
     assert drafter.propose(2) == Draft((1, 2), "heads", 0)  # lookup has nothing now

@@ -24,6 +24,7 @@ from tests.support.agent_clis import agent_model_dir
 LOCAL = "http://localhost"  # the Host guard answers only to names of this server
 LOOP = [1000, 2000, 3000, 4000, 5000, 6000] * 6
 COUNTERS = ("drafted_tokens", "accepted_tokens", "passes")
+SOURCES = ("prompt_lookup", "prompt_cache")  # the row's own tokens; finished requests'
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +48,15 @@ def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(VerifyCost, "observe", lambda self, batch, width, seconds: None)
 
 
-def counters(client: TestClient) -> dict[str, float]:
+def counters(client: TestClient, source: str | None = None) -> dict[str, float]:
+    """The counters of one draft source, or summed over both."""
     text = client.get("/metrics").text
-    out = {}
+    out = dict.fromkeys(COUNTERS, 0.0)
     for name in COUNTERS:
-        pattern = rf'^mlx_kvserve_speculation_{name}_total\{{source="prompt_lookup"\}} (\S+)$'
-        (value,) = re.findall(pattern, text, re.M)
-        out[name] = float(value)
+        for each in SOURCES if source is None else (source,):
+            pattern = rf'^mlx_kvserve_speculation_{name}_total\{{source="{each}"\}} (\S+)$'
+            (value,) = re.findall(pattern, text, re.M)
+            out[name] += float(value)
     return out
 
 
@@ -75,6 +78,7 @@ def test_metrics_and_status_count_what_speculation_did(model_dir, prior_cost) ->
         answers = [complete(client)["choices"][0]["text"] for _ in range(2)]
         complete(client, speculative=False)  # opted out: counts nothing
         got = counters(client)
+        by_source = {source: counters(client, source) for source in SOURCES}
         status = client.get("/v1/status").json()
     assert answers[0] == answers[1]
     drafted = sum(t.drafted for t in seen)
@@ -82,6 +86,10 @@ def test_metrics_and_status_count_what_speculation_did(model_dir, prior_cost) ->
     passes = sum(t.verify_passes for t in seen)
     assert seen[-1].drafted == 0 and seen[0].drafted > 0
     assert got == {"drafted_tokens": drafted, "accepted_tokens": accepted, "passes": passes}
+    for source in SOURCES:  # the second request drafts the first one's answer too
+        counts = [t.by_source.get(source, [0, 0, 0]) for t in seen]
+        assert list(by_source[source].values()) == [sum(c[i] for c in counts) for i in range(3)]
+        assert by_source[source]["accepted_tokens"] > 0
     assert drafted >= accepted > 0 and passes > 0
     assert status["totals"]["drafted_tokens"] == drafted
     assert status["totals"]["accepted_tokens"] == accepted

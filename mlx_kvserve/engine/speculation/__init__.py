@@ -2,6 +2,8 @@
 
 - `drafts`: where a row's next tokens are guessed from (`DraftSource`), and prompt lookup, the
   first source: the tokens that followed the longest earlier match of the row's last n tokens.
+- `continuations`: the second source, the prompt cache's continuations: what finished requests'
+  tokens (per model and cache namespace, bounded) went on with after the row's last n tokens.
 - `verify`: exact acceptance of a batch of drafts from one forward pass (greedy, and sampled
   rows through their own sampler and seed), pure functions over mx arrays.
 - `depth`: how many tokens each row drafts, from measured acceptance and measured verify cost

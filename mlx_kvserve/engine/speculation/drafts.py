@@ -13,8 +13,9 @@ A prompt is indexed in bulk with numpy (one vectorised rolling hash per n). Hash
 harmless: a hit is checked against the tokens before it is used.
 
 Sources see only committed tokens (the prompt, then accepted output), so none needs rolling
-back. Later sources (the prompt cache's token index, SuffixDecoding-style; a model's MTP heads;
-a draft model) implement the same `DraftSource` protocol and join a row's `Drafter`.
+back. The prompt cache's continuations (continuations.py: what finished requests' tokens went
+on with, SuffixDecoding-style) implement the same `DraftSource` protocol and join a row's
+`Drafter` beside it, as later sources (a model's MTP heads, a draft model) will.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class DraftSource(Protocol):
 class PromptLookup:
     """Prompt lookup over one row's own tokens (prompt and output), indexed incrementally."""
 
-    name = "lookup"
+    name = "prompt_lookup"
 
     def __init__(self, n_max: int = 4, n_min: int = 2, tokens: Iterable[int] = ()) -> None:
         if not 1 <= n_min <= n_max:
@@ -98,14 +99,7 @@ class PromptLookup:
 
     # ------------------------------------------------------------------------------------
     def _suffix_hashes(self, end: int) -> list[tuple[int, int]]:
-        """(n, hash of tokens[end-n:end]) for n_min..n_max, shortest first (those that fit)."""
-        out, h, power = [], 0, 1
-        for n in range(1, min(self.n_max, end) + 1):
-            h = (h + self.tokens[end - n] * power) & _MASK  # extend the window to the left
-            power = (power * _BASE) & _MASK
-            if n >= self.n_min:
-                out.append((n, h))
-        return out
+        return suffix_hashes(self.tokens, end, self.n_min, self.n_max)
 
     def _index_one(self, position: int) -> None:
         """Token `position` arrived: it is the continuation of the n-grams ending before it."""
@@ -117,20 +111,35 @@ class PromptLookup:
         end = len(self.tokens)
         base = max(0, first - self.n_max)
         arr = np.asarray(self.tokens[base:end], dtype=np.uint64)
-        h = np.zeros(len(arr), dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            for n in range(1, self.n_max + 1):
-                if len(arr) < n:
-                    break
-                # h[s] = hash of arr[s:s+n], for every window start s that fits
-                h = h[: len(arr) - n + 1] * np.uint64(_BASE) + arr[n - 1 :]
-                if n < self.n_min:
-                    continue
-                starts = np.arange(len(h)) + base  # absolute window starts
-                after = starts + n
-                keep = (after >= first) & (after < end)
-                # later occurrences come later in the zip, so they win: the latest match
-                self._after[n].update(zip(h[keep].tolist(), after[keep].tolist(), strict=True))
+        for n, h in ngram_hashes(arr, self.n_min, self.n_max):
+            starts = np.arange(len(h)) + base  # absolute window starts
+            after = starts + n
+            keep = (after >= first) & (after < end)
+            # later occurrences come later in the zip, so they win: the latest match
+            self._after[n].update(zip(h[keep].tolist(), after[keep].tolist(), strict=True))
+
+
+def suffix_hashes(tokens: Sequence[int], end: int, n_min: int, n_max: int) -> list[tuple[int, int]]:
+    """(n, hash of tokens[end-n:end]) for n_min..n_max, shortest first (those that fit)."""
+    out, h, power = [], 0, 1
+    for n in range(1, min(n_max, end) + 1):
+        h = (h + tokens[end - n] * power) & _MASK  # extend the window to the left
+        power = (power * _BASE) & _MASK
+        if n >= n_min:
+            out.append((n, h))
+    return out
+
+
+def ngram_hashes(arr: np.ndarray, n_min: int, n_max: int) -> list[tuple[int, np.ndarray]]:
+    """(n, h) for n_min..n_max where h[s] is the hash of arr[s:s+n] (as `suffix_hashes`'),
+    for every window start s that fits; `arr` is uint64."""
+    out, h = [], np.zeros(len(arr), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for n in range(1, min(n_max, len(arr)) + 1):
+            h = h[: len(arr) - n + 1] * np.uint64(_BASE) + arr[n - 1 :]
+            if n >= n_min:
+                out.append((n, h))
+    return out
 
 
 class Drafter:
@@ -138,8 +147,13 @@ class Drafter:
 
     def __init__(self, sources: Sequence[DraftSource]) -> None:
         self.sources = list(sources)
+        self.seen = 0  # tokens every source was given
+
+    def __len__(self) -> int:
+        return self.seen
 
     def extend(self, tokens: Sequence[int]) -> None:
+        self.seen += len(tokens)
         for source in self.sources:
             source.extend(tokens)
 

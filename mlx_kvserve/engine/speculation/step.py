@@ -1,4 +1,4 @@
-"""A decode step that drafts and verifies: prompt lookup on attention-only rows.
+"""A decode step that drafts and verifies: prompt lookup and the prompt cache's continuations.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
 only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
@@ -16,7 +16,8 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 1. each row's depth from its controller; if any is positive and some such row's lookup has a
    match for its tokens so far, every row's pending token is read (speculating rows give up the
    pipelining overlap: the drafter needs that token);
-2. each row's draft (its `PromptLookup`, synced with its tokens; a grammar row's checked token
+2. each row's draft (its `Drafter`: `PromptLookup` and, given `continuations`, the prompt
+   cache's continuations of its namespace, synced with its tokens; a grammar row's checked token
    by token, a refused token ending it, forced tokens following each drafted one), cut to the
    batch's width;
 3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
@@ -37,8 +38,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
-from mlx_kvserve.engine.speculation.drafts import PromptLookup
+from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
 from mlx_kvserve.engine.speculation.snapshot import Snapshot, needs_snapshot, restorable
@@ -47,17 +49,20 @@ from mlx_kvserve.engine.speculation.verify import verify
 
 @dataclass
 class RowState:
-    """A row's drafter and depth controller, made when it first takes part."""
+    """A row's drafter (its own tokens, then its namespace's prompt-cache continuations) and
+    depth controller, made when it first takes part."""
 
-    lookup: PromptLookup = field(default_factory=PromptLookup)
+    drafter: Drafter
     depth: DepthController = field(default_factory=DepthController)
 
 
 class Speculator:
     """Speculative steps for one decode batch, and what they drafted and kept."""
 
-    def __init__(self, max_depth: int = 8) -> None:
+    def __init__(self, max_depth: int = 8, continuations: Continuations | None = None) -> None:
+        """`continuations`: finished requests' tokens by namespace, a second draft source."""
         self.max_depth = max_depth
+        self.continuations = continuations
         self.cost = VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
@@ -98,7 +103,7 @@ class Speculator:
         if merged is not None and not all(type(c) in (BatchKVCache, HoleKVCache) for c in caches):
             return 0
         batch = len(seqs)
-        states = [self.rows.setdefault(id(s), RowState()) for s in seqs]
+        states = [self._state(s) for s in seqs]
 
         def cost(width: int) -> float:
             return self.cost.cost(batch, width)
@@ -110,12 +115,12 @@ class Speculator:
         if not any(depths):
             return 0
         for seq, state in zip(seqs, states, strict=True):
-            sync(seq, state.lookup)
+            sync(seq, state.drafter)
         # A pipelined row's pending token is still on the device: reading it gives up the
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and state.lookup.propose(1) for state, depth in zip(states, depths, strict=True)
+            depth and state.drafter.propose(1) for state, depth in zip(states, depths, strict=True)
         ):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
@@ -123,20 +128,23 @@ class Speculator:
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
         vocab = min(s.decoder.vocab or s.last_logits.shape[-1] for s in seqs)
-        plans = []
+        plans: list[Plan] = []
+        sources: list[str] = []  # where each row's draft came from
         for seq, state, depth in zip(seqs, states, depths, strict=True):
             assert seq.step is None and seq.feed
-            sync(seq, state.lookup)
+            sync(seq, state.drafter)
             left = seq.limit - seq.timings.completion_tokens
             if seq.decoder.constraint is None:
-                draft = state.lookup.propose(min(depth, left - 1))
+                draft = state.drafter.propose(min(depth, left - 1))
                 plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
+                sources.append(draft.source if draft else "")
                 continue
             # the proposal runs through what the grammar forces, which costs no draft
-            draft = state.lookup.propose(min(2 * self.max_depth, left - 1)) if depth else None
+            draft = state.drafter.propose(min(2 * self.max_depth, left - 1)) if depth else None
             proposal = list(draft.tokens) if draft else []
             walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
             plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
+            sources.append(draft.source if draft else "")
         if not any(plan.drafts for plan in plans):
             return -1
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
@@ -145,15 +153,31 @@ class Speculator:
             return -1
         plans = [plan.cut(planned) for plan in plans]
         accepted, width = self._verify(seqs, merged, model, plans, vocab)
-        for seq, state, plan, kept in zip(seqs, states, plans, accepted, strict=True):
+        for seq, state, plan, kept, source in zip(
+            seqs, states, plans, accepted, sources, strict=True
+        ):
             state.depth.record(len(plan.drafts), kept)
             seq.timings.drafted += len(plan.drafts)
             seq.timings.accepted += kept
             seq.timings.verify_passes += bool(plan.drafts)
+            if plan.drafts:
+                counts = seq.timings.by_source.setdefault(source, [0, 0, 0])
+                counts[0] += len(plan.drafts)
+                counts[1] += kept
+                counts[2] += 1
             self.drafted += len(plan.drafts)
             self.accepted += kept
         self.passes += 1
         return width
+
+    def _state(self, seq: Sequence) -> RowState:
+        state = self.rows.get(id(seq))
+        if state is None:
+            sources: list[DraftSource] = [PromptLookup()]
+            if self.continuations is not None:
+                sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
+            state = self.rows[id(seq)] = RowState(Drafter(sources))
+        return state
 
     def _verify(
         self,
@@ -193,13 +217,13 @@ class Speculator:
         return [len(out) - 1 for out in emitted], width
 
 
-def sync(seq: Sequence, lookup: PromptLookup) -> None:
-    """Bring a row's lookup up to its tokens: those in its caches, then those to feed."""
+def sync(seq: Sequence, drafter: Drafter) -> None:
+    """Bring a row's drafter up to its tokens: those in its caches, then those to feed."""
     tokens = seq.live.tokens
-    if len(lookup) < len(tokens):
-        lookup.extend(tokens[len(lookup) :])
-    if seq.feed and len(lookup) < len(tokens) + len(seq.feed):
-        lookup.extend(seq.feed[len(lookup) - len(tokens) :])
+    if len(drafter) < len(tokens):
+        drafter.extend(tokens[len(drafter) :])
+    if seq.feed and len(drafter) < len(tokens) + len(seq.feed):
+        drafter.extend(seq.feed[len(drafter) - len(tokens) :])
 
 
 def roll_back(caches: list, rejected: list[int]) -> None:

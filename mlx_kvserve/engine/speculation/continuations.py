@@ -1,0 +1,154 @@
+"""The prompt cache's continuations as a draft source: what earlier requests went on with.
+
+Agents re-emit what other requests saw or wrote (a file written again with a change, the paths
+and JSON arguments of a replayed tool loop, tool output), which the row's own prompt may not
+hold. In the spirit of SuffixDecoding (Oliaro et al., 2024), `Continuations` keeps the recent
+token streams of finished requests (their prompts and outputs) and a row asks it what followed
+the latest earlier occurrence of its last n tokens (n from `n_max` down to `n_min`, the longest
+first), as prompt lookup asks the row's own tokens (drafts.py).
+
+The same structure as `PromptLookup`'s, over many documents: for each n a dict from the hash of
+every n-gram to the absolute position after its latest occurrence, so a query costs
+O(n_max + k) and adding a document O(its length) (numpy's rolling hashes). Documents are joined
+with a separator no n-gram match crosses, and a continuation stops at its document's end.
+Bounded by `max_tokens`: the oldest documents go first; their index entries are checked away on
+use (a position before the kept tokens is no hit) and rebuilt away when they outnumber the
+live ones. Memory is about 100 bytes per token and n (Python dicts), so the default bound of
+2^18 tokens costs some 80 MB per namespace at most.
+
+One index per model (the engine's) and per prompt-cache namespace (engine/namespaces.py): a
+request drafts only from its own key's tokens, as it only reuses its own key's KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from mlx_kvserve.engine.speculation.drafts import Draft, ngram_hashes, suffix_hashes
+
+SOURCE = "prompt_cache"
+_SEPARATOR = 1 << 40  # no token id: ends a document's continuations, matches no row's n-gram
+DEFAULT_MAX_TOKENS = 1 << 18
+
+
+class TokenIndex:
+    """Recent documents' tokens, and for each n-gram the position after its latest occurrence."""
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, n_max: int = 4, n_min: int = 2):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.max_tokens, self.n_max, self.n_min = max(1, max_tokens), n_max, n_min
+        self.base = 0  # the absolute position of tokens[0]
+        self.tokens: list[int] = []  # documents, each followed by the separator
+        self._docs: deque[tuple[int, int]] = deque()  # (absolute start, length) per document
+        self._after: dict[int, dict[int, int]] = {n: {} for n in range(n_min, n_max + 1)}
+
+    def __len__(self) -> int:
+        """Tokens kept (separators included)."""
+        return len(self.tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """A finished request's tokens (or a stored entry's): at most the last `max_tokens`."""
+        doc = [int(t) for t in tokens[-self.max_tokens :]]
+        if len(doc) <= self.n_min:
+            return
+        start = self.base + len(self.tokens)
+        self.tokens.extend(doc)
+        self.tokens.append(_SEPARATOR)
+        self._docs.append((start, len(doc)))
+        self._index(start, doc)
+        while len(self.tokens) > self.max_tokens + len(self._docs) and len(self._docs) > 1:
+            self._drop_oldest()
+        entries = sum(len(d) for d in self._after.values())
+        if entries > 2 * len(self._after) * len(self.tokens) + 1024:
+            self._rebuild()  # dropped documents' entries outnumber the live ones
+
+    def propose(self, suffix: Sequence[int], limit: int) -> Draft | None:
+        """What followed the latest occurrence of the longest of `suffix`'s last n tokens
+        (n_max..n_min) that occurred, at most `limit` tokens, up to its document's end."""
+        if limit <= 0 or len(suffix) < self.n_min:
+            return None
+        tail = list(suffix[-self.n_max :])
+        for n, key in reversed(suffix_hashes(tail, len(tail), self.n_min, self.n_max)):
+            after = self._after[n].get(key)
+            if after is None or after - n < self.base:
+                continue  # unseen, or in a dropped document
+            at = after - self.base
+            if self.tokens[at - n : at] != tail[-n:]:
+                continue  # a hash collision
+            draft = []
+            for token in self.tokens[at : at + limit]:
+                if token == _SEPARATOR:
+                    break
+                draft.append(token)
+            if draft:
+                return Draft(tuple(draft), SOURCE, n)
+        return None
+
+    # ------------------------------------------------------------------------------------
+    def _index(self, start: int, doc: list[int]) -> None:
+        """Every n-gram of `doc` that something in it follows (later occurrences win)."""
+        arr = np.asarray(doc, dtype=np.uint64)
+        for n, h in ngram_hashes(arr, self.n_min, self.n_max):
+            after = np.arange(len(h)) + n  # relative to the document
+            keep = after < len(doc)
+            absolute = (after[keep] + start).tolist()
+            self._after[n].update(zip(h[keep].tolist(), absolute, strict=True))
+
+    def _drop_oldest(self) -> None:
+        start, length = self._docs.popleft()
+        assert start == self.base
+        del self.tokens[: length + 1]
+        self.base += length + 1
+
+    def _rebuild(self) -> None:
+        self._after = {n: {} for n in self._after}
+        for start, length in self._docs:
+            at = start - self.base
+            self._index(start, self.tokens[at : at + length])
+
+
+class Continuations:
+    """A model's `TokenIndex` per prompt-cache namespace (None: the shared cache)."""
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, n_max: int = 4, n_min: int = 2):
+        self.max_tokens, self.n_max, self.n_min = max_tokens, n_max, n_min
+        self._indexes: dict[str | None, TokenIndex] = {}
+
+    def index(self, namespace: str | None) -> TokenIndex:
+        found = self._indexes.get(namespace)
+        if found is None:
+            found = self._indexes[namespace] = TokenIndex(self.max_tokens, self.n_max, self.n_min)
+        return found
+
+    def remember(self, namespace: str | None, tokens: Sequence[int], cached: int = 0) -> None:
+        """A finished request's tokens (prompt and output). Its prompt's first `cached` tokens
+        came from the prompt cache, so from earlier requests, whose tokens are here already:
+        only the rest (and the n_max - 1 before it, so the n-grams at the seam count) is added.
+        """
+        self.index(namespace).add(tokens[max(0, cached - self.n_max + 1) :])
+
+
+class CacheLookup:
+    """A row's view of its namespace's `TokenIndex`: a `DraftSource` that keeps only the row's
+    last n_max tokens (the index holds no tokens of the running request)."""
+
+    name = SOURCE
+
+    def __init__(self, index: TokenIndex) -> None:
+        self.index = index
+        self.seen = 0
+        self._tail: deque[int] = deque(maxlen=index.n_max)
+
+    def __len__(self) -> int:
+        return self.seen
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.seen += len(tokens)
+        self._tail.extend(int(t) for t in tokens[-self.index.n_max :])
+
+    def propose(self, limit: int) -> Draft | None:
+        return self.index.propose(list(self._tail), limit)
