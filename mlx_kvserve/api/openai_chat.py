@@ -19,7 +19,6 @@ from mlx_kvserve.api.schemas import ChatCompletionRequest, ImagePart, Message, T
 from mlx_kvserve.chat import (
     ChatRequest,
     OutputFormat,
-    Sampling,
     Thinking,
     Tool,
     ToolCall,
@@ -100,17 +99,7 @@ def to_chat_request(body: ChatCompletionRequest, images: ImageReader | None = No
         tools=tools,
         tool_choice=tool_choice,
         output=_output_format(body),
-        sampling=Sampling(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-            speculative=body.speculative,
-            max_tokens=body.token_limit(),
-            stop=body.stop_strings(),
-            logprobs=bool(body.logprobs),
-            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-        ),
+        sampling=body.sampling((body.top_logprobs or 0) if body.logprobs else None),
         thinking=Thinking(effort=body.reasoning_effort, budget=body.thinking_token_budget),
         template_kwargs=body.chat_template_kwargs or {},
     )

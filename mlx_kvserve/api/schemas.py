@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mlx_kvserve.api.errors import APIError
+from mlx_kvserve.chat import Sampling
 from mlx_kvserve.json_value import JSON
 
 MAX_STOPS = 16
@@ -129,6 +130,21 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices, each its own batch row
     user: str | None = None
+
+    def sampling(self, top_logprobs: int | None) -> Sampling:
+        """The internal sampling settings; `top_logprobs` None: no log-probabilities (each API
+        says differently whether it wants them: chat's flag and count, text's count)."""
+        return Sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
+            max_tokens=self.token_limit(),
+            stop=self.stop_strings(),
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+        )
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

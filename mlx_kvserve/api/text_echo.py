@@ -55,17 +55,7 @@ def wanted(body: CompletionRequest) -> bool:
 
 def text_sampling(body: CompletionRequest) -> Sampling:
     """A text completion's sampling settings (with echo or without: openai_text's too)."""
-    return Sampling(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        speculative=body.speculative,
-        max_tokens=body.token_limit(),
-        stop=body.stop_strings(),
-        logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0,
-    )
+    return body.sampling(body.logprobs)
 
 
 async def completions(request: Request, body: CompletionRequest) -> Response:
