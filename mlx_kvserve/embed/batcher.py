@@ -24,7 +24,7 @@ import numpy as np
 
 from mlx_kvserve.embed.encoder import encode_rows
 from mlx_kvserve.embed.pooling import ENCODER, embed_rows
-from mlx_kvserve.engine.calls import EngineCalls
+from mlx_kvserve.engine.calls import BetweenSteps, EngineCalls
 
 log = logging.getLogger("mlx_kvserve.embed")
 
@@ -57,7 +57,7 @@ class _Input:
         return self.job.rows[self.index]
 
 
-class Embedder:
+class Embedder(BetweenSteps):
     """The embedding queue of one model's engine."""
 
     def __init__(
@@ -70,14 +70,10 @@ class Embedder:
         count: Callable[[str, int], None] = lambda outcome, n: None,
     ) -> None:
         """`count(outcome, n)` hears of inputs "embedded" and "dropped" (metrics)."""
-        self.engine = engine
+        super().__init__(engine, busy_tokens, idle_tokens)
         self.pooling = pooling
-        self.busy_tokens = busy_tokens
-        self.idle_tokens = max(idle_tokens, busy_tokens)
         self._count = count
-        self._lock = threading.Lock()
         self._pending: deque[_Input] = deque()
-        self._scheduled = False
         self.batches = 0  # forward passes run, for tests and the benchmark
 
     def submit(self, rows: list[list[int]]) -> EmbedJob:
@@ -92,39 +88,18 @@ class Embedder:
             self._schedule()
         return job
 
-    def _schedule(self) -> None:
-        """(Under the lock.) One call on the engine, unless one is already queued."""
-        if self._scheduled or not self._pending:
-            return
-        self._scheduled = True
-        self.engine.call(self._run).add_done_callback(self._refused)
+    def _has_work(self) -> bool:
+        return bool(self._pending)
 
-    def _refused(self, call: Future[None]) -> None:
-        """The engine stopped (or never ran the call): every waiting request fails."""
-        error = call.exception()
-        if error is None:
-            return
-        with self._lock:
-            waiting, self._pending = list(self._pending), deque()
-            self._scheduled = False
-        for item in waiting:
-            if not item.job.done.done():
-                item.job.done.set_exception(error)
+    def _take_all(self) -> list[Future]:
+        waiting, self._pending = list(self._pending), deque()
+        return [item.job.done for item in waiting]
 
-    def _run(self) -> None:
-        """ENGINE THREAD: one batch; more while the engine has nothing else to do."""
-        try:
-            while True:
-                idle = self.engine.running == 0 and self.engine.queued == 0
-                batch = self._take(self.idle_tokens if idle else self.busy_tokens)
-                if batch:
-                    self._embed(batch)
-                if not batch or not idle:
-                    break
-        finally:
-            with self._lock:
-                self._scheduled = False
-                self._schedule()
+    def _slice(self, budget: int) -> bool:
+        batch = self._take(budget)
+        if batch:
+            self._embed(batch)
+        return bool(batch)
 
     def _take(self, budget: int) -> list[_Input]:
         """The oldest inputs whose padded batch (rows x longest) fits `budget` (at least one);

@@ -8,6 +8,7 @@ or at once when it is idle (`Engine.call` wakes its wait for requests). The call
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -70,3 +71,62 @@ class CallQueue:
             _, future = self._calls.popleft()
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+
+class BetweenSteps:
+    """Work queued for the engine thread and run between generation's steps, a slice at a time
+    (the embedding batcher, the prompt scorer): one engine call queued at most; while the engine
+    generates a call runs one slice of at most `busy_tokens` positions, while it is idle slices
+    of `idle_tokens` go on back to back. If the engine refuses the call (it stopped), every
+    waiting job fails with its error.
+
+    A subclass says whether work waits (`_has_work`, under the lock), runs a slice (`_slice`,
+    ENGINE THREAD: whether there was one) and hands over what waits when the engine refuses
+    (`_take_all`, under the lock: the jobs' futures)."""
+
+    def __init__(self, engine: EngineCalls, busy_tokens: int, idle_tokens: int) -> None:
+        self.engine = engine
+        self.busy_tokens = busy_tokens
+        self.idle_tokens = max(idle_tokens, busy_tokens)
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _slice(self, budget: int) -> bool:
+        raise NotImplementedError
+
+    def _take_all(self) -> list[Future]:
+        raise NotImplementedError
+
+    def _schedule(self) -> None:
+        """(Under the lock.) One call on the engine, unless one is queued or nothing waits."""
+        if self._scheduled or not self._has_work():
+            return
+        self._scheduled = True
+        self.engine.call(self._run).add_done_callback(self._refused)
+
+    def _refused(self, call: Future[None]) -> None:
+        """The engine stopped (or never ran the call): every waiting request fails."""
+        error = call.exception()
+        if error is None:
+            return
+        with self._lock:
+            waiting = self._take_all()
+            self._scheduled = False
+        for done in waiting:
+            if not done.done():
+                done.set_exception(error)
+
+    def _run(self) -> None:
+        """ENGINE THREAD: one slice; more while the engine has nothing else to do."""
+        try:
+            while True:
+                idle = self.engine.running == 0 and self.engine.queued == 0
+                if not self._slice(self.idle_tokens if idle else self.busy_tokens) or not idle:
+                    break
+        finally:
+            with self._lock:
+                self._scheduled = False
+                self._schedule()

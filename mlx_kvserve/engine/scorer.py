@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from mlx_kvserve.engine.calls import EngineCalls
+from mlx_kvserve.engine.calls import BetweenSteps, EngineCalls
 from mlx_kvserve.engine.prompt_logprobs import PromptLogprobs, PromptScoring
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -52,7 +52,7 @@ class ScoreJob:
         return self.cancelled.is_set() or self.done.done()
 
 
-class Scorer:
+class Scorer(BetweenSteps):
     """The prompt-scoring queue of one model's engine."""
 
     def __init__(
@@ -67,17 +67,13 @@ class Scorer:
     ) -> None:
         """`vocab`: the ids the tokenizer writes (None: every logit is a token); `count(outcome,
         n)` hears of prompts "scored" and "dropped" (metrics)."""
-        self.engine = engine
+        super().__init__(engine, busy_tokens, idle_tokens)
         self._count = count
         self.vocab = vocab
-        self.busy_tokens = busy_tokens
-        self.idle_tokens = max(idle_tokens, busy_tokens)
         self.batch_tokens = batch_tokens
         self.widest = max(1, LOGITS_BYTES // (4 * vocab)) if vocab else None  # positions a pass
-        self._lock = threading.Lock()
         self._jobs: deque[ScoreJob] = deque()
         self._current: tuple[ScoreJob, list[int], PromptScoring] | None = None
-        self._scheduled = False
         self.passes = 0  # forward passes run, for tests and the benchmark
 
     def submit(self, rows: list[list[int]], top: int) -> ScoreJob:
@@ -91,36 +87,16 @@ class Scorer:
             self._schedule()
         return job
 
-    def _schedule(self) -> None:
-        """(Under the lock.) One call on the engine, unless one is queued or nothing waits."""
-        if self._scheduled or (not self._jobs and self._current is None):
-            return
-        self._scheduled = True
-        self.engine.call(self._run).add_done_callback(self._refused)
+    def _has_work(self) -> bool:
+        return bool(self._jobs) or self._current is not None
 
-    def _refused(self, call: Future[None]) -> None:
-        """The engine stopped (or never ran the call): every waiting request fails."""
-        error = call.exception()
-        if error is None:
-            return
-        with self._lock:
-            waiting = list(self._jobs) + ([self._current[0]] if self._current else [])
-            self._jobs, self._current, self._scheduled = deque(), None, False
-        for job in waiting:
-            if not job.done.done():
-                job.done.set_exception(error)
+    def _take_all(self) -> list[Future]:
+        waiting = list(self._jobs) + ([self._current[0]] if self._current else [])
+        self._jobs, self._current = deque(), None
+        return [job.done for job in waiting]
 
-    def _run(self) -> None:
-        """ENGINE THREAD: one chunk; more while the engine has nothing else to do."""
-        try:
-            while True:
-                idle = self.engine.running == 0 and self.engine.queued == 0
-                if not self._advance(self.idle_tokens if idle else self.busy_tokens) or not idle:
-                    break
-        finally:
-            with self._lock:
-                self._scheduled = False
-                self._schedule()
+    def _slice(self, budget: int) -> bool:
+        return self._advance(budget)
 
     def _advance(self, budget: int) -> bool:
         """One chunk of the current batch (starting the next if none); whether there was one."""
