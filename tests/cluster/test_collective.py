@@ -16,8 +16,19 @@ def launch(mode: str, ranks: int = 2, timeout: float = 5.0) -> tuple[list[dict],
     """Run the job; a job that hangs fails the test through the subprocess timeout."""
     command = [sys.executable, "-m", "tests.support.collective_job", mode]
     proc = run_job(command, ranks, env={"COLLECTIVE_TIMEOUT": str(timeout)}, timeout=120)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    return lines, proc.stderr
+    return json_objects(proc.stdout), proc.stderr
+
+
+def json_objects(text: str) -> list[dict]:
+    """The JSON objects the ranks printed, also where two came on one line (mlx.launch forwards
+    each rank's output as it comes)."""
+    found, decoder = [], json.JSONDecoder()
+    for line in text.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            doc, at = decoder.raw_decode(line, at)
+            found.append(doc)
+    return found
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -62,7 +73,7 @@ def test_a_peer_that_sends_a_length_no_rank_would_ends_the_job(mode, says):
 
 def test_lockstep_replays_rank_0s_turns_and_a_rank_out_of_step_ends_the_job():
     proc = run_job([sys.executable, "-m", "tests.support.lockstep_job"], 2, timeout=120)
-    seen = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    seen = json_objects(proc.stdout)
     turns = {(s["rank"], s["turn"]): s for s in seen}
     for rank in (0, 1):
         assert turns[rank, 1] == {

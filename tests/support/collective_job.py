@@ -15,6 +15,13 @@ import mlx.core as mx
 from mlx_kvserve.distributed.collective import FIRST_BUFFER, HEADER, Collective
 
 
+def emit(doc: dict) -> None:
+    """One line in one write: print's two writes (the text, then its newline) let mlx.launch
+    forward another rank's line between them."""
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
@@ -37,13 +44,13 @@ def main() -> None:
         "gathered": c.gather({"rank": c.rank, "text": "é" * (700 * c.rank)})
         == [{"rank": r, "text": "é" * (700 * r)} for r in range(c.size)],
     }
-    print(json.dumps(seen), flush=True)
+    emit(seen)
     if c.rank == 1 and mode == "hang":
         time.sleep(120)
     if c.rank == 1 and mode == "die":
         os._exit(9)
     c.barrier("the last barrier")
-    print(json.dumps({"rank": c.rank, "done": True}), flush=True)
+    emit({"rank": c.rank, "done": True})
 
 
 def hostile(c: Collective, mode: str) -> None:
@@ -62,7 +69,7 @@ def hostile(c: Collective, mode: str) -> None:
         c.share({"tick": 1}, "the engine's turn")
     else:
         c.gather({"host": "a"}, "model check")
-    print(json.dumps({"rank": c.rank, "done": True}), flush=True)
+    emit({"rank": c.rank, "done": True})
 
 
 if __name__ == "__main__":
