@@ -94,7 +94,7 @@ async def embed(
         window = engine.context_length
         if limit is not None:
             window = limit if window is None else min(window, limit)
-        rows = await run_in_threadpool(_tokenized, engine, inputs, field, truncate, window)
+        rows = await run_in_threadpool(tokenized, engine, inputs, field, truncate, window)
         job = embedder_for(request, engine, slot).submit(rows)
         try:
             vectors = await unless_gone(request, job, job.done)
@@ -129,22 +129,26 @@ def _check_dimensions(dimensions: int | None, width: int | None) -> None:
         )
 
 
-def _tokenized(
+def tokenized(
     engine: EngineView,
     inputs: list[Input],
     field: str,
     truncate: bool,
     context: int | None,
+    purpose: str = "embed",
 ) -> list[list[int]]:
     """Each input's token ids (a text through the tokenizer, as the model card's code does:
-    its special tokens included), checked."""
+    its special tokens included), checked: a 400 naming the input for an unknown id, nothing to
+    `purpose`, or more tokens than `context` (unless `truncate`). The scored prompts of
+    api/text_echo.py are read the same way."""
     tokenizer = engine.tokenizer
     assert tokenizer is not None
     rows: list[list[int]] = []
     for i, value in enumerate(inputs):
         where = f"{field}[{i}]" if len(inputs) > 1 else field
         if isinstance(value, str):
-            row = list(tokenizer.encode(value))
+            # (an empty text is refused even where the tokenizer would add a BOS to it)
+            row = list(tokenizer.encode(value)) if value else []
         else:
             unknown = unknown_token_id(tokenizer, value)
             if unknown is not None:
@@ -156,7 +160,7 @@ def _tokenized(
                 )
             row = list(value)
         if not row:
-            raise APIError(400, f"{where} is empty: there is nothing to embed", param=where)
+            raise APIError(400, f"{where} is empty: there is nothing to {purpose}", param=where)
         if context is not None and len(row) > context:
             if not truncate:
                 raise APIError(

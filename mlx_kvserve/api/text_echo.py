@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_kvserve.api.disconnect import unless_gone
+from mlx_kvserve.api.embedding import tokenized
 from mlx_kvserve.api.engine_view import EngineView
 from mlx_kvserve.api.errors import APIError
 from mlx_kvserve.api.generation import (
@@ -39,7 +40,7 @@ from mlx_kvserve.engine import EngineNotReady
 from mlx_kvserve.engine.prompt_logprobs import PromptLogprobs
 from mlx_kvserve.engine.scorer import Scorer
 from mlx_kvserve.json_value import JSON
-from mlx_kvserve.vocabulary import unknown_token_id, vocabulary_size
+from mlx_kvserve.vocabulary import vocabulary_size
 
 # One position of the legacy logprobs: the token's bytes, its log probability (None for the
 # first prompt token), the alternatives (None for the first prompt token).
@@ -74,7 +75,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     slot = served_model(request, body.model)
     engine = await acquire_generator(request, slot)
     try:
-        rows = await run_in_threadpool(_tokenized, engine, body.prompt)
+        rows = await run_in_threadpool(
+            tokenized, engine, body.prompt, "prompt", False, engine.context_length, "score"
+        )
         scored: list[PromptLogprobs] | None = None
         if body.echo and body.logprobs is not None:
             scored = await _score(request, engine, rows, body.logprobs)
@@ -140,40 +143,6 @@ async def _generate(
 ) -> Result:
     generation = await start_text(request, row, sampling, model=body.model)
     return await generation.result(request)
-
-
-def _tokenized(engine: EngineView, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Each prompt's token ids (text through the tokenizer, as a completion's prompt is)."""
-    tokenizer = engine.tokenizer
-    assert tokenizer is not None
-    rows: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, f"Invalid value for '{where}': it is empty.", param=where)
-            row = list(tokenizer.encode(prompt))
-        else:
-            unknown = unknown_token_id(tokenizer, prompt)
-            if unknown is not None:
-                bad, size = unknown
-                raise APIError(
-                    400,
-                    f"Invalid value for '{where}': token id {bad} is outside the vocabulary "
-                    f"(0 to {size - 1}).",
-                    param=where,
-                )
-            row = list(prompt)
-        context = engine.context_length
-        if context is not None and len(row) > context:
-            raise APIError(
-                400,
-                f"{where} is {len(row)} tokens, longer than the model's context ({context} tokens)",
-                param=where,
-                code="context_length_exceeded",
-            )
-        rows.append(row)
-    return rows
 
 
 async def _score(
