@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -28,6 +27,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.engine import EngineNotReady, GenerationRequest
+from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.json_value import JSON
 
@@ -112,7 +112,9 @@ class EncoderEngine:
         self.layout = _NoKV()
         self.busy_seconds = 0.0  # in calls: the embedding batches (/metrics)
         self.memory = MemoryPolicy(mlx_cache_limit)
-        self._calls: queue.Queue[tuple[Callable[[], object], Future[object]] | None] = queue.Queue()
+        self._calls = CallQueue()  # the engine's own queue of calls (engine/calls.py)
+        self._wake = threading.Event()  # a call queued, or the stop
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mlx-kvserve-encoder", daemon=True)
 
     def start(self) -> None:
@@ -126,31 +128,24 @@ class EncoderEngine:
         except Exception as exc:
             self.load_error = f"model failed to load: {exc}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
+            self._calls.fail_all(EngineNotReady(self.load_error))
             return
         self.ready.set()
         log.info("ready: an embedding model (encoder), context %s", self.context_length)
-        while (item := self._calls.get()) is not None:
-            fn, future = item
-            if future.set_running_or_notify_cancel():
-                started = time.perf_counter()
-                try:
-                    future.set_result(fn())
-                except Exception as exc:  # the caller's to handle
-                    future.set_exception(exc)
-                self.busy_seconds += time.perf_counter() - started
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            started = time.perf_counter()
+            self._calls.run()
+            self.busy_seconds += time.perf_counter() - started
         self.failure = "the engine stopped"
-        while not self._calls.empty():  # calls queued behind the stop
-            left = self._calls.get_nowait()
-            if left is not None:
-                left[1].set_exception(EngineNotReady(self.failure))
+        self._calls.fail_all(EngineNotReady(self.failure))  # calls queued behind the stop
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` on the engine thread, after the calls queued before it."""
-        future: Future[T] = Future()
-        if not self._thread.is_alive() and self.ready.is_set():
-            future.set_exception(EngineNotReady("the engine stopped"))
-            return future
-        self._calls.put((fn, future))  # type: ignore[arg-type]  # Future[T] is a Future[object]
+        down = self._stopping or (not self._thread.is_alive() and self.ready.is_set())
+        future = self._calls.put(fn, EngineNotReady("the engine stopped") if down else None)
+        self._wake.set()
         return future
 
     def submit(self, req: GenerationRequest) -> None:
@@ -163,7 +158,8 @@ class EncoderEngine:
         """Embedding batches are short: nothing to wait for."""
 
     def stop(self) -> None:
-        self._calls.put(None)
+        self._stopping = True
+        self._wake.set()
         if self._thread.ident is not None:
             self._thread.join()
 
