@@ -153,34 +153,65 @@ def kinds_of_model(kind: str):
 
     from tests.unit.test_cache_models import tiny_llama, tiny_mamba2
 
-    mx.random.seed(28 if kind == "mamba2" else 1)  # a mamba2 whose answers loop: lookup hits
-    m = tiny_mamba2() if kind == "mamba2" else tiny_llama(kind == "rotating")
+    if kind in FAMILIES:  # the served families' tiny configs (tests/support/tiny_models.py)
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        from tests.support.every_architecture import build
+
+        m = build(kind)
+        weights = dict(tree_flatten(m.parameters()))
+        name = max(weights, key=lambda k: (k.endswith("lm_head.weight"), "embed_tokens" in k))
+        head = weights[name]
+        for row in LIKELY:  # written often, in runs lookup half predicts
+            head = mx.concatenate([head[:row], head[row : row + 1] * 8.0, head[row + 1 :]])
+        m.update(tree_unflatten([(name, head)]))
+    else:
+        mx.random.seed(28 if kind == "mamba2" else 1)  # a mamba2 whose answers loop: lookup hits
+        m = tiny_mamba2() if kind == "mamba2" else tiny_llama(kind == "rotating")
     mx.eval(m.parameters())
     return m
 
 
 KINDS = ["kv", "rotating", "mamba2"]  # plain KV, a sliding window of 8, recurrent state
+# Qwen3-Next and Qwen3.5 (GatedDeltaNet and attention), Gemma 3 (windows of 32 and global
+# attention), their output rows of LIKELY scaled up
+FAMILIES = ["qwen3_next", "qwen3_5", "gemma3"]
+LIKELY = (95, 9, 7)
 # For that mamba2: its answer runs 91 91 91 with other tokens between, so drafts are kept and
 # rejected.
 RECURRENT = LOOPY + [91, 91, 3, 91, 91, 4, 7, 91, 91, 91, 6]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_engine_speculates_where_it_can_and_answers_the_same(kind):
-    """Through the engine with `speculation="auto"`: every model drafts; a sliding-window or a
-    recurrent model (caches trimming cannot roll back) while a row decodes alone (snapshot
-    and replay, engine/speculation/snapshot.py), and steps plainly while rows are merged."""
+@pytest.mark.parametrize("kind", KINDS + FAMILIES)
+def test_the_engine_speculates_where_it_can_and_answers_the_same(kind, monkeypatch):
+    """Through the engine with `speculation="auto"`: every model drafts, merged rows too; a
+    sliding-window or a recurrent model (caches trimming cannot roll back) by snapshot and
+    replay (engine/speculation/snapshot.py), its merged rows each replaying its own length."""
     from tests.unit.test_batching import serve_together
     from tests.unit.test_engine_units import reference
 
     m = kinds_of_model(kind)
+    widths: list[int] = []  # rows of each verify pass
+    verify = Speculator._verify
+
+    def counted(self, seqs, *args):
+        widths.append(len(seqs))
+        return verify(self, seqs, *args)
+
+    monkeypatch.setattr(Speculator, "_verify", counted)
     prompts, lengths = [RECURRENT if kind == "mamba2" else MISLED, LOOPY, PROMPTS[3]], [30, 24, 20]
     reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     engines = []
-    serve_together(m, reqs, prefill_step=8, speculation="auto", started=engines.append)
+
+    def started(engine) -> None:
+        engines.append(engine)
+        engine.batch.speculator.cost = PriorCost()  # the machine's load must not decide
+
+    serve_together(m, reqs, prefill_step=8, speculation="auto", started=started)
     for req, p, n in zip(reqs, prompts, lengths, strict=True):
         assert tokens_of(req.text) == reference(m, p, n)
     assert engines[0].batch.speculator.passes > 0
+    assert max(widths) > 1, widths  # merged rows speculated
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,8 +6,9 @@ engine/speculation/verify.py; logprobs are the target's at each emitted position
 `ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
 row's draft is walked through its matcher, engine/decode.py `Decoder.walk`, and fed with the
 tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
-exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or, solo, a window
-or recurrent state (engine/speculation/snapshot.py: snapshot, then replay of the kept prefix).
+exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or a window or
+recurrent state (engine/speculation/snapshot.py: snapshot, then replay of each row's kept
+prefix; merged only on a model whose layers honour the rows' lengths, asked once).
 Else, or when no row's controller wants a draft, or no row has one, the plain step runs. A
 request that opted out (`SamplingParams.speculative` False) drafts nothing: it takes part in a
 verify pass with its one token, so its company still speculates.
@@ -23,8 +24,9 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
    sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
-5. each row's rejected positions rolled back: `trim` solo (or snapshot and replay); merged, a
-   uniform `trim` of what all rows reject and holes for the rest (engine/speculation/holes.py).
+5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what
+   all rows reject and holes for the rest (engine/speculation/holes.py); windows and recurrent
+   states by snapshot and replay, the replay in the step's time.
 Steps are timed whole (plain ones too), so `VerifyCost` compares what a round really costs.
 """
 
@@ -43,7 +45,13 @@ from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, pl
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
-from mlx_kvserve.engine.speculation.snapshot import Snapshot, needs_snapshot, restorable
+from mlx_kvserve.engine.speculation.snapshot import (
+    Snapshot,
+    needs_snapshot,
+    replay,
+    replay_agrees,
+    restorable,
+)
 from mlx_kvserve.engine.speculation.verify import verify
 
 
@@ -66,6 +74,7 @@ class Speculator:
         self.cost = VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
+        self.replays: bool | None = None  # merged window/recurrent rows replay exactly
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -98,9 +107,9 @@ class Speculator:
         if not seqs or not all(self.eligible(s) for s in seqs):
             return 0
         caches = merged if merged is not None else seqs[0].live.caches
-        if merged is None and not all(restorable(c) for c in caches):
+        if not all(restorable(c) for c in caches):
             return 0
-        if merged is not None and not all(type(c) in (BatchKVCache, HoleKVCache) for c in caches):
+        if merged is not None and needs_snapshot(caches) and not self._replays(model):
             return 0
         batch = len(seqs)
         states = [self._state(s) for s in seqs]
@@ -170,6 +179,12 @@ class Speculator:
         self.passes += 1
         return width
 
+    def _replays(self, model: nn.Module) -> bool:
+        """Whether this model's merged rows replay exactly (asked once: snapshot.py)."""
+        if self.replays is None:
+            self.replays = replay_agrees(model)
+        return self.replays
+
     def _state(self, seq: Sequence) -> RowState:
         state = self.rows.get(id(seq))
         if state is None:
@@ -195,7 +210,7 @@ class Speculator:
             seq.live.tokens.extend(seq.feed)
             seq.feed = []
         caches = merged if merged is not None else seqs[0].live.caches
-        snapshot = Snapshot(caches) if merged is None and needs_snapshot(caches) else None
+        snapshot = Snapshot(caches) if needs_snapshot(caches) else None
         logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
         slots = max(len(plan.drafts) for plan in plans) + 1
         logits = slot_logits(logits, plans, slots)
@@ -209,9 +224,9 @@ class Speculator:
                 seq.decoder.draws += len(out)
             kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
             rejected.append(width - kept)
-        if snapshot is not None and rejected[0]:  # solo: back to before the pass, then replay
+        if snapshot is not None and any(rejected):  # back to before the pass, then replay
             snapshot.restore()
-            model(mx.array([rows[0][: width - rejected[0]]], dtype=mx.uint32), cache=caches)
+            replay(model, caches, [row[: width - r] for row, r in zip(rows, rejected, strict=True)])
         elif snapshot is None:
             roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted], width
