@@ -84,8 +84,8 @@ class TokenConstraint(Protocol):
 
 @runtime_checkable
 class Rewindable(TokenConstraint, Protocol):
-    """A constraint that can take back consumed tokens (chat.grammar.Constraint; the reasoning
-    gates cannot): the kind whose rows speculative decoding drafts for."""
+    """A constraint that can take back consumed tokens (chat.grammar.Constraint and the
+    reasoning gates, Harmony's too): the kind whose rows speculative decoding drafts for."""
 
     def rollback(self, n: int) -> None: ...
 

@@ -236,3 +236,80 @@ def test_reasoning_gate_rows_speculate_and_answer_the_same(temperature):
     drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
     assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
     check_caches(driver.ended)
+
+
+class Count:
+    """An answer grammar that allows everything and counts what it took (rewindable)."""
+
+    lazy = False
+    finished = False
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def allowed(self, n_logits: int) -> None:
+        return None
+
+    def advance(self, token: int) -> None:
+        self.count += 1
+
+    def forced(self, limit: int) -> list[int]:
+        return []
+
+    def rollback(self, n: int) -> None:
+        assert 0 <= n <= self.count
+        self.count -= n
+
+
+class HarmonyVocab:
+    """The harmony control tokens at ids the tiny model writes (its vocabulary is 97)."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<|start|>": 80, "<|end|>": 81, "<|message|>": 82, "<|channel|>": 83}
+
+
+@pytest.mark.parametrize("grammar", [False, True], ids=["budget", "budget+grammar"])
+def test_harmony_gate_rows_speculate_and_answer_the_same(grammar):
+    """gpt-oss rows under Harmony's analysis gate (a budget of 12 analysis tokens, then
+    `<|end|>` forced; with an answer grammar beside it), merged beside free rows: the same
+    tokens with and without speculation, drafts kept, and the gate ends where a fresh one fed
+    the row's tokens ends."""
+    from mlx_kvserve.chat.formats.harmony.analysis_gate import HarmonyGate
+    from tests.unit.test_batching import check_caches
+    from tests.unit.test_engine_units import tiny_model, tokens_of
+    from tests.unit.test_speculation_step import LOOPY, MISLED
+
+    model = tiny_model()
+    prompts, lengths = [LOOPY, MISLED, MISLED[2:], LOOPY[3:]], [34, 30, 32, 26]
+
+    def gate() -> HarmonyGate:
+        made = HarmonyGate(
+            HarmonyVocab(), 12, inner=Count() if grammar else None, decode=lambda _: "analysis"
+        )
+        made.advance(83)  # the prompt's end: `<|channel|>analysis<|message|>`
+        made.advance(82)
+        return made
+
+    def go(speculation):
+        reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        for req in reqs[:2]:
+            req.constraint = gate()
+        return serve(driver_for(model, speculation), reqs), reqs
+
+    _, plain = go("off")
+    driver, spec = go("auto")
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    for req in spec[:2]:
+        fresh = gate()
+        for token in req.sampled:
+            fresh.advance(token)
+        used = req.constraint
+        state = (used.spent, used.closing, used._analysis, used._header)
+        assert state == (fresh.spent, fresh.closing, fresh._analysis, fresh._header)
+        assert used.spent == 12 and 81 in req.sampled  # the budget ended the analysis
+        if grammar:
+            assert used.inner.count == fresh.inner.count == len(req.sampled) + 2
+    drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
+    assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
+    check_caches(driver.ended)

@@ -80,7 +80,7 @@ class Speculator:
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
         `ignore_eos` too; a grammar row if its constraint can take tokens back (llguidance's
-        matcher, the reasoning gate; not Harmony's gate). A seeded grammar row's slots draw the
+        matcher, the reasoning gate, Harmony's analysis gate). A seeded grammar row's slots draw the
         seeds of its sampled tokens in order, and its forced tokens none, as without it."""
         return seq.decoder.rewindable
 

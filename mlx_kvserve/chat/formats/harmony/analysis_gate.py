@@ -6,10 +6,14 @@ so the gate reads each header's channel from its tokens and counts the tokens of
 Once `budget` are spent it forces `<|end|>`, as llama.cpp and oMLX force the end of thinking;
 the answer's grammar (harmony.answer_grammar), when there is one, sees every token and goes on
 from there (its analysis rule ends at that same token).
+
+Speculation walks drafts through the gate and takes back what the model rejects (`rollback`):
+the gate keeps its state before each consuming call, as chat.reasoning.reasoning_gate does.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -18,6 +22,8 @@ from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.grammar import Constraint
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.vocabulary import token_ids
+
+HISTORY = 1024  # consuming calls a rollback may reach back over (a draft takes a few dozen)
 
 
 class HarmonyGate:
@@ -44,6 +50,9 @@ class HarmonyGate:
         self.closing = False
         self._header: list[int] | None = None  # a header's tokens since <|channel|>
         self._analysis = False
+        # per consuming call, newest last: (tokens it took, the state before, the answer
+        # grammar's share), so speculation can take a draft back (`rollback`)
+        self._history: deque[tuple[int, tuple, int]] = deque(maxlen=HISTORY)
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
         if self.closing:
@@ -53,20 +62,45 @@ class HarmonyGate:
         return None if self.inner is None else self.inner.allowed(n_logits)
 
     def advance(self, token: int) -> None:
+        self._history.append((1, self._state(), int(self.inner is not None)))
         if self.inner is not None:
             self.inner.advance(token)
         self._take(token)
 
     def forced(self, limit: int) -> list[int]:
+        before = self._state()
         if self.closing and limit > 0:
             if self.inner is not None:
                 self.inner.advance(self.end)
             self._take(self.end)
+            self._history.append((1, before, int(self.inner is not None)))
             return [self.end]
         tokens = [] if self.inner is None else self.inner.forced(limit)
         for token in tokens:  # the grammar's forced tokens: a header's, often
             self._take(token)
+        if tokens:
+            self._history.append((len(tokens), before, len(tokens)))
         return tokens
+
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` tokens consumed (whole calls of `advance` or `forced`), the
+        answer's grammar its share."""
+        inner, state = 0, None
+        while n > 0:
+            tokens, state, share = self._history.pop()
+            assert tokens <= n, "a rollback splits a forced run"
+            n -= tokens
+            inner += share
+        if state is not None:
+            self.spent, self.closing, header, self._analysis = state
+            self._header = None if header is None else list(header)
+        if inner:
+            assert self.inner is not None
+            self.inner.rollback(inner)
+
+    def _state(self) -> tuple:
+        header = None if self._header is None else tuple(self._header)
+        return self.spent, self.closing, header, self._analysis
 
     @property
     def finished(self) -> bool:
