@@ -111,6 +111,7 @@ class Server:
     _pending_lines: list[dict] = field(default_factory=list)
     starts: int = 0
     blas: str = ""
+    model_path: Path | None = None  # mlx_lm.server's --model (None: the default model)
 
     @property
     def model_name(self) -> str:
@@ -128,7 +129,8 @@ class Server:
         if self.kind == "kvserve":
             cmd = [sys.executable, "-m", "mlx_kvserve", "serve", "--port", str(self.port)]
             return cmd + (["--no-cache"] if self.no_cache else []) + self.extra
-        argv = ["mlx_lm", "server", "--model", str(model_dir()), "--port", str(self.port)]
+        model = self.model_path or model_dir()
+        argv = ["mlx_lm", "server", "--model", str(model), "--port", str(self.port)]
         argv += self.extra
         launcher = (
             "from mlx_kvserve.blas import preload_optimised_blas; "

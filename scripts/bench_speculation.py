@@ -1,24 +1,22 @@
 #!/usr/bin/env python3
-"""Decode speed with and without speculative decoding, side by side (docs/speculation.md).
+"""Decode speed with and without speculative decoding, and against mlx_lm.server, side by side.
 
-    python scripts/bench_speculation.py              # default model, 5 runs per cell
-    python scripts/bench_speculation.py --reps 9 --blas-threads 2
+    python scripts/bench_speculation.py                    # default model and Gemma 3 270M
+    python scripts/bench_speculation.py --contexts 16384 --cells 16k --reps 1
 
-Two servers of the default model in one run, `--speculation off` and `auto`, each asked the
-same greedy requests one at a time: a text completion that copies a file it was shown and one
-that writes it again with a change (an agent re-emitting code), a forced tool call
-(`tool_choice` "required": a grammar row, its forced tokens and its drafted arguments), a
-replayed tool loop (the turns of a recorded agent loop, reading and editing a file, asked again
-as a new conversation: the paths and JSON arguments the first pass wrote come back, drafted
-from the prompt cache's continuations), and prose. Every repetition of the other cells asks
-something new (another file, city, topic), so none replays an earlier request. Each cell is the
-median over its requests of the servers' own decode tokens/s (their log line: completion
-tokens after the first over decode time, so prefill and HTTP are left out), with what the
-`auto` server drafted and kept (and kept from the prompt cache's continuations, from its
-/metrics); the texts of the two servers are compared (greedy: they must be equal).
-
-This version covers one request at a time on short contexts; issue 31's full table
-(concurrent agents, 2k and 16k contexts, `mlx_lm.server` beside) is still to come.
+Issue 31's table (docs/speculation.md): per model, three servers in one run, mlx-kvserve with
+`--speculation off` and `auto` and `mlx_lm.server` (no speculation), each asked the same greedy
+requests, interleaved (the order rotates each repetition, so a machine's changing load falls on
+all three alike). The cells: (a) an agent's edit turn (a file written again with a change) and
+a replayed tool loop (the turns of a recorded agent loop asked again as a new conversation: its
+paths and JSON arguments come back, drafted from the prompt cache's continuations; mlx_lm.server
+has no forced tool choice, so it sits this one out); (b) prose; (c) 1, 4 and 8 agents' edit
+turns at once (throughput); (d) an edit after 2k and 16k tokens of repository files (capped at
+the model's positions: SmolLM2 has 8k). Every repetition asks new requests but the replayed
+loop's. Decode tokens/s are timed by the client from each round's first streamed text to its
+last (prefill and HTTP before the first token left out), the median over the repetitions;
+drafted/kept/passes are the `auto` server's (its log lines); "same" compares the off and auto
+servers' texts (greedy: they must be equal).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import json
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +42,9 @@ from _bench_common import (  # noqa: E402
     workdir,
 )
 
+from mlx_kvserve.models.gemma3_model import GEMMA3_270M  # noqa: E402
+from mlx_kvserve.paths import data_dir  # noqa: E402
+
 CODE = '''def {name}(width, height):
     """The area of a rectangle."""
     return width * height
@@ -53,7 +55,6 @@ def perimeter(width, height):
     return 2 * (width + height)
 '''
 NAMES = ["area", "surface", "size", "extent", "footprint", "measure", "span", "room", "space"]
-CITIES = ["Paris", "Lyon", "Rome", "Oslo", "Lima", "Cairo", "Quito", "Perth", "Dakar", "Riga"]
 TOPICS = ["a lighthouse keeper", "a baker", "a lost cat", "a river", "a clockmaker", "a comet"]
 TOPICS += ["a gardener", "an old bridge", "a violin"]
 
@@ -70,7 +71,6 @@ def tool(name: str, description: str, **properties: str) -> dict:
     }
 
 
-WEATHER = tool("get_weather", "The weather in a city.", city="the city")
 READ = tool("read_file", "Read a file of the repository.", path="the file's path")
 EDIT = tool("edit_file", "Replace text in a file.", path="the file's path", old="text", new="text")
 # A recorded agent loop (hand-written history: the calls an agent made and what the tools said):
@@ -113,55 +113,10 @@ LOOP += [{"role": "user", "content": "Now write the commit message for this chan
 LOOP_TURNS = [(2, "required"), (4, "required"), (7, "none")]
 
 
-def cells(rep: int) -> dict[str, list[tuple[str, dict]]]:
-    """Each cell's timed requests for repetition `rep`: new requests every time (another file,
-    city, topic), so no request replays an earlier one, but the replayed tool loop, which does
-    by design (its first pass, untimed, is `warm_up`'s)."""
-    code = CODE.format(name=NAMES[rep % len(NAMES)])
-    a, b = CITIES[rep % len(CITIES)], CITIES[(rep + 1) % len(CITIES)]
-    return {
-        "copy a file (text)": [
-            (
-                "/v1/completions",
-                {"prompt": f"Here is a file:\n\n{code}\nThe same file again, unchanged:\n\n"},
-            )
-        ],
-        "edit a file (text)": [
-            (
-                "/v1/completions",
-                {
-                    "prompt": f"Here is a file:\n\n{code}\nThe same file with its docstrings"
-                    " in upper case:\n\n"
-                },
-            )
-        ],
-        "tool call (required)": [
-            (
-                "/v1/chat/completions",
-                {
-                    "messages": [
-                        {"role": "user", "content": f"Weather in {a} and {b}? Use the tool."}
-                    ],
-                    "tools": [WEATHER],
-                    "tool_choice": "required",
-                },
-            )
-        ],
-        "replayed tool loop (chat)": warm_up(),
-        "prose (chat)": [
-            (
-                "/v1/chat/completions",
-                {
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": f"Tell a story about {TOPICS[rep % len(TOPICS)]}.",
-                        }
-                    ]
-                },
-            )
-        ],
-    }
+def prose(rep: int) -> tuple[str, dict]:
+    """A story: nothing to copy (new every repetition)."""
+    story = f"Tell a story about {TOPICS[rep % len(TOPICS)]}."
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": story}]}
 
 
 def warm_up() -> list[tuple[str, dict]]:
@@ -198,14 +153,15 @@ def ask(server: Server, route: str, body: dict, max_tokens: int) -> tuple[str, d
     return text, figures
 
 
-def streamed_tps(server: Server, route: str, body: dict, max_tokens: int) -> float:
-    """Decode tokens/s seen by a client of any server: a streamed greedy request's completion
-    tokens after the first over the time from its first text to its last (prefill left out)."""
-    body = {"model": server.model_name, "temperature": 0, "max_tokens": max_tokens, **body}
+def streamed(server: Server, route: str, body: dict, max_tokens: int) -> dict:
+    """One streamed greedy request: its text, completion tokens, and the times of its first and
+    last text (decode is timed by the client between them, so prefill is left out)."""
+    model = "default" if server.kind == "kvserve" else server.model_name
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, **body}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     first = last = None
-    tokens = 0
-    with httpx.stream("POST", server.base_url + route, json=body, timeout=900) as reply:
+    tokens, parts = 0, []
+    with httpx.stream("POST", server.base_url + route, json=body, timeout=1800) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -214,98 +170,180 @@ def streamed_tps(server: Server, route: str, body: dict, max_tokens: int) -> flo
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
-                if choice.get("text") or delta.get("content"):
+                for call in delta.get("tool_calls") or []:
+                    function = call.get("function") or {}
+                    parts.append(f"{function.get('name') or ''}{function.get('arguments') or ''}")
                     last = time.perf_counter()
                     first = first or last
-    return (tokens - 1) / (last - first) if first and last and last > first else float("nan")
+                if text := choice.get("text") or delta.get("content"):
+                    parts.append(text)
+                    last = time.perf_counter()
+                    first = first or last
+    return {"text": "".join(parts), "tokens": tokens, "first": first, "last": last}
 
 
-def cache_kept(server: Server) -> float:
-    """Drafted tokens from the prompt cache's continuations the server kept so far."""
-    text = httpx.get(server.base_url + "/metrics", timeout=60).text
-    pattern = r'^mlx_kvserve_speculation_accepted_tokens_total\{source="prompt_cache"\} (\S+)$'
-    return float(re.findall(pattern, text, re.M)[0])
+def round_tps(server: Server, requests: list[tuple[str, dict]], max_tokens: int) -> tuple:
+    """The requests of one round at once (one each for the single-request cells): decode
+    tokens/s over the round (tokens after each first over the time from the first text to the
+    last), and the texts."""
+    results: list[dict] = [{} for _ in requests]
+
+    def one(i: int, route: str, body: dict) -> None:
+        results[i] = streamed(server, route, body, max_tokens)
+
+    threads = [
+        threading.Thread(target=one, args=(i, route, body))
+        for i, (route, body) in enumerate(requests)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(not r or r["first"] is None for r in results):
+        return float("nan"), [r.get("text") for r in results]
+    span = max(r["last"] for r in results) - min(r["first"] for r in results)
+    tokens = sum(max(r["tokens"] - 1, 0) for r in results)
+    return (tokens / span if span > 0 else float("nan")), [r["text"] for r in results]
+
+
+def drafting(server: Server) -> tuple[list[int], list[int]]:
+    """The [drafted, kept, passes] of the requests logged since the last call, and their
+    prompt tokens."""
+    spec, prompts = [0, 0, 0], []
+    for line in server.new_log_lines():
+        if (m := LINE.search(line)) is not None:
+            for i, x in enumerate(m.groups()[1:]):
+                spec[i] += int(x or 0)
+            if (p := re.search(r"prompt_tokens=(\d+)", line)) is not None:
+                prompts.append(int(p[1]))
+    return spec, prompts
+
+
+def repository(tokens: int) -> tuple[str, list[str]]:
+    """About `tokens` tokens of a repository's files shown to an agent (each file's functions
+    named apart), and the files' function names."""
+    files, names, size, i = [], [], 0, 0
+    while size < tokens * 3.3:  # about 3.3 characters per token of code for these tokenizers
+        name = f"{NAMES[i % len(NAMES)]}_{i}"
+        files.append(f"# file src/shapes_{i}.py\n{CODE.format(name=name)}")
+        names.append(name)
+        size += len(files[-1])
+        i += 1
+    return "\n".join(files), names
+
+
+def edit(rep: int, context: str = "", name: str | None = None) -> tuple[str, dict]:
+    """An agent's edit turn: a file written again with its docstrings in upper case."""
+    code = CODE.format(name=name or NAMES[rep % len(NAMES)] + f"_{rep}")
+    prompt = f"{context}\nHere is a file:\n\n{code}\nThe same file with its docstrings"
+    return "/v1/completions", {"prompt": prompt + " in upper case:\n\n"}
+
+
+def table_cells(rep: int, contexts: dict[str, tuple[str, list[str]]]) -> dict[str, list]:
+    """Each cell's rounds for repetition `rep` (a round: requests asked at once)."""
+    out: dict[str, list] = {
+        "edit turn (text)": [[edit(rep)]],
+        "replayed tool loop (chat)": [[turn] for turn in warm_up()],
+        "prose (chat)": [[prose(rep)]],
+    }
+    for n in (1, 4, 8):
+        out[f"{n} agent{'s' * (n > 1)} at once (edits)"] = [
+            [edit(100 * n + 8 * rep + i) for i in range(n)]
+        ]
+    for label, (text, names) in contexts.items():
+        out[f"{label} context (edit)"] = [[edit(rep, text, names[-1 - rep % len(names)])]]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=5, help="at most 4 with --mlx-lm")
-    parser.add_argument("--max-tokens", type=int, default=80)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--models", nargs="+", default=["default", "gemma3-270m"])
     parser.add_argument(
-        "--mlx-lm",
-        action="store_true",
-        help="also time mlx_lm.server from the client, beside both servers, on the cells it "
-        "serves (no forced tool choice): a second table",
+        "--contexts", nargs="*", type=int, default=[2048, 16384], help="long-context cells"
     )
+    parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
+    parser.add_argument("--cells", nargs="*", default=None, help="only cells starting so")
     add_run_options(parser)
     args = parser.parse_args()
     set_blas_threads(args.blas_threads)
-    with workdir(args.keep) as tmp:
-        for mode in ("off", "auto", "mlx_lm"):
-            (tmp / mode).mkdir()  # a log of its own each
-        servers = {
-            mode: Server(
-                "kvserve", tmp / mode, cache_dir=tmp / mode / "cache", extra=["--speculation", mode]
-            )
-            for mode in ("off", "auto")
-        }
-        for server in servers.values():
-            server.start()
-        print(f"# {machine()}; load average before: {load_average()}")
-        print(f"# median decode tok/s of {args.reps} greedy runs, {args.max_tokens} tokens at most")
-        for server in servers.values():  # the recorded loop's first pass, untimed
-            for route, body in warm_up():
-                ask(server, route, body, args.max_tokens)
-        head = f"{'cell':26s} {'off':>6s} {'auto':>6s} {'ratio':>6s}"
-        print(f"{head}  drafted/kept/passes  kept from the cache  same")
-        names = list(cells(0))
-        for name in names:
-            speeds: dict[str, list[float]] = {"off": [], "auto": []}
-            texts: dict[str, list[str]] = {"off": [], "auto": []}
-            spec = [0, 0, 0]
-            from_cache = cache_kept(servers["auto"])
-            for rep in range(args.reps):
-                for route, body in cells(rep)[name]:
-                    for mode, server in servers.items():
-                        text, figures = ask(server, route, body, args.max_tokens)
-                        speeds[mode].append(figures["tps"])
-                        texts[mode].append(text)
-                        if mode == "auto":
-                            for i, key in enumerate(("drafted", "accepted", "passes")):
-                                spec[i] += figures[key]
-            from_cache = cache_kept(servers["auto"]) - from_cache
-            off, auto = (statistics.median(speeds[m]) for m in ("off", "auto"))
-            same = "yes" if texts["off"] == texts["auto"] else "NO"
-            print(
-                f"{name:26s} {off:6.1f} {auto:6.1f} {auto / off:5.2f}x  "
-                f"{spec[0]:>7d}/{spec[1]}/{spec[2]:<9d} {from_cache:>19.0f}  {same}",
-                flush=True,
-            )
-        if args.mlx_lm:
-            servers["mlx_lm"] = Server("mlx_lm", tmp / "mlx_lm").start()
-            compare(servers, args.reps, args.max_tokens)
-        print(f"# load average after: {load_average()}")
+    print(f"# {machine()}; load average before: {load_average()}")
+    print(
+        f"# decode tok/s timed by the client (streamed; the first text to the last, over all "
+        f"of a round's requests), median of {args.reps} interleaved runs, greedy, "
+        f"{args.max_tokens} tokens at most"
+    )
+    for model in args.models:
+        with workdir(args.keep) as tmp:
+            run_model(model, tmp, args)
+    print(f"# load average after: {load_average()}")
 
 
-def compare(servers: dict[str, Server], reps: int, max_tokens: int) -> None:
-    """Client-timed decode tokens/s of every server, streamed, on the cells mlx_lm.server can
-    serve (it has no forced tool choice): the median over the cell's requests."""
-    print(f"# streamed, timed by the client: median decode tok/s of {reps} runs")
-    print(f"{'cell':26s} {'off':>6s} {'auto':>6s} {'mlx_lm':>7s}  auto/mlx_lm")
-    for name in cells(0):
-        # requests the first table did not ask (repetitions reps.. of each cell), but the
-        # replayed loop's, which replays by design
-        requests = [req for rep in range(reps, 2 * reps) for req in cells(rep)[name]]
-        if any(body.get("tool_choice") == "required" for _, body in requests):
-            continue
-        speeds = {mode: [] for mode in servers}
-        for route, body in requests:
-            for mode, server in servers.items():
-                speeds[mode].append(streamed_tps(server, route, body, max_tokens))
-                if mode != "mlx_lm":
-                    server.new_log_lines()  # read past its line
-        off, auto, ref = (statistics.median(speeds[m]) for m in ("off", "auto", "mlx_lm"))
-        print(f"{name:26s} {off:6.1f} {auto:6.1f} {ref:7.1f}  {auto / ref:10.2f}x", flush=True)
+def run_model(model: str, tmp: Path, args: argparse.Namespace) -> None:
+    extra = [] if model == "default" else ["--model", model]
+    servers: dict[str, Server] = {}
+    for mode in ("off", "auto"):
+        (tmp / mode).mkdir()
+        servers[mode] = Server(
+            "kvserve",
+            tmp / mode,
+            cache_dir=tmp / mode / "cache",
+            extra=[*extra, "--speculation", mode],
+        ).start()
+    if not args.no_mlx_lm:
+        (tmp / "mlx_lm").mkdir()
+        path = None if model == "default" else GEMMA3_270M.directory(data_dir())
+        servers["mlx_lm"] = Server("mlx_lm", tmp / "mlx_lm", model_path=path).start()
+    limit = 8192 if model == "default" else 32768  # the models' positions
+    contexts = {}
+    for n in args.contexts:
+        size = min(n, limit - 2 * args.max_tokens - 400)
+        label = f"{n // 1024}k" + ("" if size == n else f" ({size // 1024}k: the model's limit)")
+        contexts[label] = repository(size)
+    print(f"\n## {model}")
+    print(
+        f"{'cell':44s} {'off':>6s} {'auto':>6s} {'mlx_lm':>7s} {'auto/off':>8s} {'auto/mlx':>8s}"
+        "  drafted/kept/passes  prompt  same"
+    )
+    for server in (servers["off"], servers["auto"]):  # the recorded loop's first pass, untimed
+        for route, body in warm_up():
+            ask(server, route, body, args.max_tokens)
+        server.new_log_lines()
+    names = [
+        n for n in table_cells(0, contexts) if not args.cells or n.startswith(tuple(args.cells))
+    ]
+    for name in names:
+        speeds: dict[str, list[float]] = {mode: [] for mode in servers}
+        texts: dict[str, list] = {mode: [] for mode in servers}
+        spec, prompts = [0, 0, 0], []
+        for rep in range(args.reps):
+            order = list(servers)[rep % len(servers) :] + list(servers)[: rep % len(servers)]
+            for rnd in table_cells(rep, contexts)[name]:
+                for mode in order:
+                    if mode == "mlx_lm" and any(b.get("tool_choice") for _, b in rnd):
+                        continue  # mlx_lm.server has no forced tool choice
+                    tps, got = round_tps(servers[mode], rnd, args.max_tokens)
+                    speeds[mode].append(tps)
+                    texts[mode].append(got)
+                    if mode == "auto":
+                        drafted, lengths = drafting(servers[mode])
+                        spec = [a + b for a, b in zip(spec, drafted, strict=True)]
+                        prompts += lengths
+                    elif mode == "off":
+                        servers[mode].new_log_lines()
+            # a loop's turns are one cell: their decode figures are summed per repetition
+        med = {m: statistics.median(v) if v else float("nan") for m, v in speeds.items()}
+        same = "yes" if texts["off"] == texts["auto"] else "NO"
+        ref = med.get("mlx_lm", float("nan"))
+        print(
+            f"{name:44s} {med['off']:6.1f} {med['auto']:6.1f} {ref:7.1f} "
+            f"{med['auto'] / med['off']:7.2f}x {med['auto'] / ref:7.2f}x  "
+            f"{spec[0]:>7d}/{spec[1]}/{spec[2]:<9d} {max(prompts, default=0):>6d}  {same}",
+            flush=True,
+        )
+    for server in servers.values():
+        server.stop()
 
 
 if __name__ == "__main__":
