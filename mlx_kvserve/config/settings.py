@@ -174,9 +174,9 @@ class Settings:
         default="off",
         metadata={
             "help": "Speculative decoding: auto (requests, grammars included, draft from their "
-            "own prompt and output (on window and recurrent models while decoding alone) and "
-            "verify the drafts in one pass, when it pays; greedy and seeded answers are the "
-            "same either way) or off. Off in a job across machines."
+            "own prompt and output and the prompt cache's earlier answers, and verify the "
+            "drafts in one pass, when it pays; greedy and seeded answers are the same either "
+            "way) or off. Off in a job across machines."
         },
     )
     mlx_cache_limit: str = field(
