@@ -137,6 +137,9 @@ def ask(server: Server, route: str, body: dict, max_tokens: int) -> tuple[str, d
     """One greedy request; its text (or calls) and the server's log figures for it."""
     body = {"model": "default", "temperature": 0, "max_tokens": max_tokens, **body}
     reply = httpx.post(server.base_url + route, json=body, timeout=900).json()
+    if "choices" not in reply:  # a chat template that rejects the turn (Gemma 3: a tool turn)
+        server.new_log_lines()
+        return "", {}
     choice = reply["choices"][0]
     message = choice.get("message") or {}
     calls = [
@@ -239,11 +242,11 @@ def edit(rep: int, context: str = "", name: str | None = None) -> tuple[str, dic
     return "/v1/completions", {"prompt": prompt + " in upper case:\n\n"}
 
 
-def table_cells(rep: int, contexts: dict[str, tuple[str, list[str]]]) -> dict[str, list]:
+def table_cells(rep: int, contexts: dict, loop: list) -> dict[str, list]:
     """Each cell's rounds for repetition `rep` (a round: requests asked at once)."""
     out: dict[str, list] = {
         "edit turn (text)": [[edit(rep)]],
-        "replayed tool loop (chat)": [[turn] for turn in warm_up()],
+        f"replayed tool loop, {len(loop)} turns (chat)": [[turn] for turn in loop],
         "prose (chat)": [[prose(rep)]],
     }
     for n in (1, 4, 8):
@@ -306,20 +309,19 @@ def run_model(model: str, tmp: Path, args: argparse.Namespace) -> None:
         f"{'cell':44s} {'off':>6s} {'auto':>6s} {'mlx_lm':>7s} {'auto/off':>8s} {'auto/mlx':>8s}"
         "  drafted/kept/passes  prompt  same"
     )
-    for server in (servers["off"], servers["auto"]):  # the recorded loop's first pass, untimed
-        for route, body in warm_up():
-            ask(server, route, body, args.max_tokens)
-        server.new_log_lines()
-    names = [
-        n for n in table_cells(0, contexts) if not args.cells or n.startswith(tuple(args.cells))
-    ]
+    loop = []  # the recorded loop's first pass, untimed: the turns the chat template takes
+    for route, body in warm_up():
+        if all(ask(s, route, body, args.max_tokens)[0] for s in (servers["off"], servers["auto"])):
+            loop.append((route, body))
+    names = list(table_cells(0, contexts, loop))
+    names = [n for n in names if not args.cells or n.startswith(tuple(args.cells))]
     for name in names:
         speeds: dict[str, list[float]] = {mode: [] for mode in servers}
         texts: dict[str, list] = {mode: [] for mode in servers}
         spec, prompts = [0, 0, 0], []
         for rep in range(args.reps):
             order = list(servers)[rep % len(servers) :] + list(servers)[: rep % len(servers)]
-            for rnd in table_cells(rep, contexts)[name]:
+            for rnd in table_cells(rep, contexts, loop)[name]:
                 for mode in order:
                     if mode == "mlx_lm" and any(b.get("tool_choice") for _, b in rnd):
                         continue  # mlx_lm.server has no forced tool choice
