@@ -253,7 +253,9 @@ class Engine(Intake, Stopping, Failures):
         )
         speculation = self.speculation if job is None else "off"
         if speculation == "auto":  # a draft source: what finished requests' tokens went on with
-            self.continuations = Continuations()
+            # 3 tokens at least: a 2-token match among many documents is common in prose and
+            # seldom right (docs/speculation.md, the benchmark's prose cell)
+            self.continuations = Continuations(n_min=3)
             for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
                 for tokens in cache.token_streams(self.continuations.max_tokens):
                     self.continuations.remember(namespace, tokens)
