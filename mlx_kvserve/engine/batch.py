@@ -43,6 +43,7 @@ from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
+from mlx_kvserve.engine.speculation.draft_model import DraftModel
 from mlx_kvserve.engine.speculation.step import Speculator
 
 log = logging.getLogger("mlx_kvserve.engine")
@@ -70,9 +71,11 @@ class DecodeBatch:
         mergeable: bool = True,
         speculation: str = "off",
         continuations: Continuations | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
         """`speculation` "auto": rows draft and verify when it pays (engine/speculation/step.py),
-        from their own tokens and `continuations` (finished requests' tokens); "off": never."""
+        from their own tokens, `continuations` (finished requests' tokens) and `draft_model`;
+        "off": never."""
         self.model = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
@@ -81,7 +84,11 @@ class DecodeBatch:
         self._merged: list[LayerCache] | None = None  # merged mode's caches, row i = seqs[i]
         self.steps = 0  # decode steps run
         self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
-        self.speculator = Speculator(continuations=continuations) if speculation == "auto" else None
+        self.speculator = (
+            Speculator(continuations=continuations, draft_model=draft_model)
+            if speculation == "auto"
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.waiting)

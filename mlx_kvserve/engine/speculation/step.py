@@ -40,6 +40,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
@@ -54,15 +55,23 @@ class RowState:
 
     drafter: Drafter
     depth: DepthController = field(default_factory=DepthController)
+    model_row: DraftModelRow | None = None  # its row of the draft model's batch, if any
 
 
 class Speculator:
     """Speculative steps for one decode batch, and what they drafted and kept."""
 
-    def __init__(self, max_depth: int = 8, continuations: Continuations | None = None) -> None:
-        """`continuations`: finished requests' tokens by namespace, a second draft source."""
+    def __init__(
+        self,
+        max_depth: int = 8,
+        continuations: Continuations | None = None,
+        draft_model: DraftModel | None = None,
+    ) -> None:
+        """`continuations`: finished requests' tokens by namespace, a second draft source;
+        `draft_model`: a small model of the same tokenizer, a third (draft_model.py)."""
         self.max_depth = max_depth
         self.continuations = continuations
+        self.draft_model = draft_model
         self.cost = VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
@@ -83,6 +92,8 @@ class Speculator:
         live = {id(s) for s in seqs}
         for key in [k for k in self.rows if k not in live]:
             del self.rows[key]
+        if self.draft_model is not None:
+            self.draft_model.forget([s.model_row for s in self.rows.values() if s.model_row])
 
     def step(
         self,
@@ -120,7 +131,8 @@ class Speculator:
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and state.drafter.propose(1) for state, depth in zip(states, depths, strict=True)
+            depth and (state.model_row or state.drafter.propose(1))
+            for state, depth in zip(states, depths, strict=True)
         ):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
@@ -128,6 +140,11 @@ class Speculator:
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
         vocab = min(s.decoder.vocab or s.last_logits.shape[-1] for s in seqs)
+        if self.draft_model is not None:  # every row that wants a draft, in one batch
+            for seq, state in zip(seqs, states, strict=True):
+                sync(seq, state.drafter)
+            wanted = [(s.model_row, d) for s, d in zip(states, depths, strict=True) if s.model_row]
+            self.draft_model.draft(wanted, vocab)
         plans: list[Plan] = []
         sources: list[str] = []  # where each row's draft came from
         for seq, state, depth in zip(seqs, states, depths, strict=True):
@@ -176,7 +193,10 @@ class Speculator:
             sources: list[DraftSource] = [PromptLookup()]
             if self.continuations is not None:
                 sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
-            state = self.rows[id(seq)] = RowState(Drafter(sources))
+            row = self.draft_model.row() if self.draft_model is not None else None
+            if row is not None:
+                sources.append(row)
+            state = self.rows[id(seq)] = RowState(Drafter(sources), model_row=row)
         return state
 
     def _verify(

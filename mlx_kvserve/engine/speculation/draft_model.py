@@ -1,0 +1,173 @@
+"""A small model with the target's tokenizer as a draft source, batched. ENGINE THREAD.
+
+Lookup sources guess only what was already written; a draft model guesses prose too. It costs
+forward passes, so they are shared: every row that wants a draft this step runs in one batch,
+one draft-model forward per draft position for all of them (mlx-lm's draft model runs one
+sequence, and turns batching off). Each row drafts greedily up to its own depth (the batch runs
+to the deepest; a shallower row's extra tokens are given back next step), and verify.py keeps
+the answer the target's own, greedy or sampled.
+
+The draft model's KV is one `HoleKVCache` per layer (engine/speculation/holes.py), a row per
+member. Each row knows the tokens its KV holds (`held`) and the row's committed tokens (its
+`DraftSource.extend`), so a step first gives back what the target did not keep (the rejected
+drafts: holes, no copy), then feeds every member what it has not seen (the accepted drafts'
+last and the bonus token; after plain steps, the tokens they emitted), right-padded to the
+longest backlog in one pass, the padding given back the same way. A row joins lazily, the first
+time its controller asks for a draft: its tokens so far are prefilled on their own and merged in
+(short requests that never speculate never pay it). A row leaves when the decode batch forgets
+it. The holes are compacted (each row's valid slots gathered) once they outnumber the tokens.
+
+All of it runs inside the speculative step, which the decode batch times whole, so the verify
+cost (`VerifyCost`, depth.py) each depth is weighed against includes the draft model's passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from mlx_kvserve.engine.speculation.drafts import Draft
+from mlx_kvserve.engine.speculation.holes import HoleKVCache
+
+NAME = "draft_model"
+# Beside prompt lookup a draft wins over 2- and 3-token matches (a tie goes to the row's own
+# tokens, asked first) and loses to the longest (4): a copy that long is the better guess.
+EVIDENCE = 3
+
+
+@dataclass(eq=False)
+class DraftModelRow:
+    """One row's `DraftSource`: its committed tokens, what its draft KV holds, its last draft."""
+
+    tokens: list[int] = field(default_factory=list)  # committed: prompt, then accepted output
+    held: list[int] = field(default_factory=list)  # the tokens in its row of the draft KV
+    settled: int = 0  # held[:settled] are known to be committed
+    draft: tuple[int, ...] = ()
+    drafted_at: int = -1  # len(tokens) when `draft` was made
+    name: str = NAME
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, limit: int) -> Draft | None:
+        """The batch's draft for this row, if it was made for its tokens as they are now."""
+        if limit <= 0 or not self.draft or self.drafted_at != len(self.tokens):
+            return None
+        return Draft(self.draft[:limit], NAME, EVIDENCE)
+
+    def backlog(self) -> tuple[int, list[int]]:
+        """(held tokens to give back, committed tokens to feed): the held tokens past the
+        common prefix go; at least the last committed token is fed (its logits draft)."""
+        settled, held, tokens = self.settled, self.held, self.tokens
+        limit = min(len(held), len(tokens) - 1)
+        while settled < limit and held[settled] == tokens[settled]:
+            settled += 1
+        self.settled = settled
+        return len(held) - settled, tokens[settled:]
+
+
+class DraftModel:
+    """The draft model and the KV of the rows it drafts for, shared by a decode batch."""
+
+    def __init__(self, model: nn.Module, prefill_step: int = 512) -> None:
+        if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+            raise ValueError("a draft model must have plain attention layers (KVCache) only")
+        self.model = model
+        self.prefill_step = prefill_step
+        self.members: list[DraftModelRow] = []  # row i of `cache`
+        self.cache: list[HoleKVCache] | None = None
+        self.passes = 0  # draft-model forwards run (prefills of joining rows included)
+
+    def row(self) -> DraftModelRow:
+        return DraftModelRow()
+
+    def forget(self, alive: Sequence[DraftModelRow]) -> None:
+        """Drop the rows that left the decode batch."""
+        keep = [i for i, m in enumerate(self.members) if any(m is a for a in alive)]
+        if len(keep) == len(self.members):
+            return
+        self.members = [self.members[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        assert self.cache is not None
+        for c in self.cache:
+            c.filter(keep)
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) if self.cache else 0
+
+    def draft(self, wanted: Sequence[tuple[DraftModelRow, int]], vocab: int) -> None:
+        """Draft `depth` tokens for each (row, depth) with a positive depth (its `propose` then
+        returns them), in one draft-model pass per position over every member."""
+        depth = max((d for _, d in wanted), default=0)
+        if depth <= 0:
+            return
+        for row, d in wanted:
+            if d > 0 and not any(row is m for m in self.members):
+                self._join(row)
+        assert self.cache is not None
+        rows = self.members
+        gone, feeds = zip(*(m.backlog() for m in rows), strict=True)
+        for c in self.cache:
+            c.rollback(list(gone))
+        for m, g in zip(rows, gone, strict=True):
+            del m.held[len(m.held) - g :]
+        self._compact()
+        width = max(len(f) for f in feeds)
+        inputs = mx.array([f + [f[-1]] * (width - len(f)) for f in feeds], dtype=mx.uint32)
+        logits = self.model(inputs, cache=self.cache)
+        self.passes += 1
+        last = mx.array([len(f) - 1 for f in feeds])
+        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
+        for c in self.cache:
+            c.rollback([width - len(f) for f in feeds])
+        for m, f in zip(rows, feeds, strict=True):
+            m.held.extend(f)
+        out = [mx.argmax(logits, axis=-1)]
+        for _ in range(depth - 1):  # one pass per position, every member in it
+            logits = self.model(out[-1][:, None], cache=self.cache)[:, -1, :vocab]
+            self.passes += 1
+            out.append(mx.argmax(logits, axis=-1))
+        drafts = mx.stack(out, axis=1).tolist()
+        wants = {id(row): d for row, d in wanted}
+        for m, tokens in zip(rows, drafts, strict=True):
+            m.held.extend(tokens[:-1])
+            m.draft = tuple(tokens[: wants.get(id(m), 0)])
+            m.drafted_at = len(m.tokens)
+
+    # ------------------------------------------------------------------------------------
+    def _join(self, row: DraftModelRow) -> None:
+        """Prefill the row's committed tokens but the last (the step feeds that one) on its
+        own caches, in chunks, then merge them into the batch."""
+        caches = make_prompt_cache(self.model)
+        prompt = row.tokens[:-1]
+        assert prompt, "a row joins with at least two committed tokens (prompt, first token)"
+        for start in range(0, len(prompt), self.prefill_step):
+            chunk = prompt[start : start + self.prefill_step]
+            self.model(mx.array([chunk], dtype=mx.uint32), cache=caches)
+            mx.eval([c.state for c in caches])
+            self.passes += 1
+        row.held, row.settled = list(prompt), len(prompt)
+        merged = [HoleKVCache.adopt(BatchKVCache.merge([c])) for c in caches]
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for c, new in zip(self.cache, merged, strict=True):
+                c.extend(new)
+        self.members.append(row)
+
+    def _compact(self) -> None:
+        """Gather each row's valid slots once the buffer holds more holes than tokens."""
+        assert self.cache is not None
+        longest = max(len(m.held) for m in self.members)
+        if self.cache[0]._idx <= 2 * longest + 64:
+            return
+        self.cache = [
+            HoleKVCache.adopt(BatchKVCache.merge([c.extract(i) for i in range(len(self.members))]))
+            for c in self.cache
+        ]

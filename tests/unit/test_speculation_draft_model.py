@@ -1,0 +1,160 @@
+"""A draft model as a speculation source (engine/speculation/draft_model.py): batched drafts,
+each row's draft KV kept in step with what the target kept, and the target's own tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.speculation.draft_model import DraftModel
+from mlx_kvserve.engine.speculation.drafts import PromptLookup
+from tests.unit.test_batching import PROMPTS, Driver, check_caches
+from tests.unit.test_cache_models import tiny_llama
+from tests.unit.test_engine_units import request, tiny_model, tokens_of
+from tests.unit.test_speculation_step import LOOPY, MISLED, PriorCost
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def alone(monkeypatch):
+    """The draft model as the only source: the tiny model's answers loop, so prompt lookup
+    would otherwise draft most of them."""
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, limit: None)
+
+
+def other_model(seed: int = 1, vocab: int = 97):
+    """Another random model of the same token ids (`vocab` > 97: padded embedding rows)."""
+    mx.random.seed(seed)
+    m = tiny_llama(False, vocab=vocab)
+    mx.eval(m.parameters())
+    return m
+
+
+class Counted:
+    """A model that records every pass: its batch size, and the rows in the draft batch then
+    (0 while a joining row is prefilled on its own)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls, self.drafts = model, [], None
+
+    def __call__(self, inputs, cache=None):
+        members = 0 if isinstance(cache[0], KVCache) else len(self.drafts.members)
+        self.calls.append((inputs.shape[0], members))
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def run(model, draft, prompts, lengths, temperature=0.0, seeds=None, speculation="auto"):
+    driver = Driver(model)
+    drafts = None if draft is None else DraftModel(draft, prefill_step=8)
+    if isinstance(draft, Counted):
+        draft.drafts = drafts
+    driver.batch = DecodeBatch(model, driver._end, speculation=speculation, draft_model=drafts)
+    if driver.batch.speculator is not None:
+        driver.batch.speculator.cost = PriorCost()
+    reqs = []
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        req = request(p, max_tokens=n)
+        seed = None if seeds is None else seeds[i]
+        req.params = replace(req.params, temperature=temperature, seed=seed)
+        reqs.append(req)
+    for req in reqs:  # each joins a step after the one before
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    return driver, reqs
+
+
+def by_source(driver, source: str) -> tuple[int, int]:
+    counts = [s.timings.by_source.get(source, [0, 0, 0]) for s in driver.ended]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+PROMPT_SET = [PROMPTS[1], PROMPTS[3], MISLED, PROMPTS[2]]
+LENGTHS = [40, 31, 24, 37]
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
+def test_the_target_as_its_own_draft_keeps_nearly_every_draft_and_answers_the_same(
+    model, rows, alone
+):
+    """The same weights draft what the target then samples: nearly every draft is kept, so the
+    drafts are really used, and the draft KV rolled back and caught up as the target's was."""
+    prompts, lengths = PROMPT_SET[:rows], LENGTHS[:rows]
+    _, plain = run(model, None, prompts, lengths, speculation="off")
+    draft = Counted(model)
+    driver, spec = run(model, draft, prompts, lengths)
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    drafted, kept = by_source(driver, "draft_model")
+    assert drafted > 20 and kept >= 0.9 * drafted, (drafted, kept)
+    assert driver.batch.steps < sum(lengths) / 2
+    check_caches(driver.ended)
+    # batched: every pass but a joining row's prefill runs every row of the draft batch
+    assert all(b == members for b, members in draft.calls if members), draft.calls
+    assert max(b for b, _ in draft.calls) >= min(rows, 3)
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
+@pytest.mark.parametrize(("seed", "vocab"), [(3, 97), (1, 128)], ids=["same", "padded"])
+def test_another_random_draft_model_is_rarely_right_and_changes_nothing(
+    model, rows, seed, vocab, alone
+):
+    """A model of other weights (with padded embedding rows past the tokenizer's ids, too):
+    most drafts are rejected, and the answers are the target's."""
+    prompts, lengths = PROMPT_SET[:rows], LENGTHS[:rows]
+    _, plain = run(model, None, prompts, lengths, speculation="off")
+    driver, spec = run(model, other_model(seed, vocab), prompts, lengths)
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    drafted, kept = by_source(driver, "draft_model")
+    assert drafted > 10 and kept < 0.6 * drafted, (drafted, kept)
+    check_caches(driver.ended)
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_seeded_sampled_rows_reproduce_with_a_draft_model(model, draft):
+    prompts, lengths, seeds = [MISLED, LOOPY, PROMPTS[3]], [30, 24, 20], [7, 8, 9]
+    _, plain = run(model, None, prompts, lengths, 0.7, seeds, speculation="off")
+    source = model if draft == "self" else other_model()
+    driver, spec = run(model, source, prompts, lengths, 0.7, seeds)
+    for a, b in zip(plain, spec, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text), b.request_id
+    assert by_source(driver, "draft_model")[0] > 0
+    check_caches(driver.ended)
+
+
+def test_the_draft_kv_holds_each_members_tokens(model, alone):
+    """After every step each member's row of the draft KV holds exactly its `held` tokens,
+    and those are the start of its committed tokens plus at most its newest draft."""
+    drafts = DraftModel(model, prefill_step=8)
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
+    driver.batch.speculator.cost = PriorCost()
+    for p, n in zip(PROMPT_SET, LENGTHS, strict=True):
+        driver.join(request(p, max_tokens=n))
+        driver.step()
+    seen = 0
+    while driver.batch:
+        driver.step()
+        for i, m in enumerate(drafts.members):
+            assert drafts.cache is not None
+            assert int(drafts.cache[0].offset[i].item()) == len(m.held)
+            assert m.held[: m.settled] == m.tokens[: m.settled]
+            seen += 1
+    assert seen > 0 and not drafts.members  # rows that left are forgotten
+
+
+def test_a_draft_model_with_windows_is_refused():
+    with pytest.raises(ValueError, match="plain attention"):
+        DraftModel(tiny_llama(True))
