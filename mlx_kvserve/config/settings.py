@@ -179,6 +179,16 @@ class Settings:
             "same either way) or off. Off in a job across machines."
         },
     )
+    draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "A small model with the same tokenizer (a directory, an org/name repo or an "
+            "embedded model's name) that drafts for --speculation auto, batched, beside the "
+            "lookup sources. Server-wide only with one model; with several, set it per model "
+            "([[models]] settings). Refused at start if its vocabulary differs; not loaded "
+            "with --speculation off."
+        },
+    )
     mlx_cache_limit: str = field(
         default="512MiB",
         metadata={

@@ -52,6 +52,8 @@ class Timings:
             + (f" retried={self.failed_source}" if self.retried else "")
             + (
                 f" drafted={self.drafted} accepted={self.accepted} passes={self.verify_passes}"
+                + " by_source="
+                + ",".join(f"{s}:{d}/{a}/{n}" for s, (d, a, n) in sorted(self.by_source.items()))
                 if self.drafted
                 else ""
             )

@@ -37,7 +37,7 @@ from typing import TypeVar
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_kvserve.cache.kinds import KVLayout
+from mlx_kvserve.cache.kinds import KVLayout, describe_model
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
@@ -56,6 +56,7 @@ from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
+from mlx_kvserve.engine.speculation.draft_model import DraftLoader, load_draft
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -87,6 +88,7 @@ class Engine(Intake, Stopping, Failures):
         live_budget: int = 1 << 30,
         kv_reserve: int = RESERVE_TOKENS,
         speculation: str = "off",
+        draft_loader: DraftLoader | None = None,
         context_length: int | None = None,
         job: MakeAgreement | None = None,
     ) -> None:
@@ -98,8 +100,10 @@ class Engine(Intake, Stopping, Failures):
         also disables reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
         `speculation` "auto" lets the decode batch draft and verify (engine/speculation/); it
-        stays off in a job across machines. `context_length` is the window the model's config
-        states (models/context.py); None falls back to the model object's args. `job` makes the
+        stays off in a job across machines; `draft_loader` (run on the engine thread after
+        the model's loader) gives it a draft model of the same tokenizer. `context_length` is
+        the window the model's config states (models/context.py); None falls back to the model
+        object's args. `job` makes the
         agreement of the job this engine steps with across machines (engine/lockstep.py); None:
         this process alone (`Solo`).
         """
@@ -116,6 +120,7 @@ class Engine(Intake, Stopping, Failures):
         self.live_budget = live_budget
         self.kv_reserve = kv_reserve
         self.speculation = speculation
+        self._draft_loader = draft_loader
         self.room: Room | None = None  # the KV ledger, once the model is loaded
         self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
@@ -243,15 +248,17 @@ class Engine(Intake, Stopping, Failures):
         self.memory.start(model)
         if self.kv_budget is None:
             self.kv_budget = self.memory.default_kv_budget(model)
+        speculation = self.speculation if job is None else "off"
+        drafts = load_draft(self._draft_loader, tokenizer, self.prefill_step, speculation)
+        layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
         self.room = Room(
-            self.layout.layers,
+            layers,  # a draft model's KV is counted per row beside the model's
             self.kv_budget,
             states,
             checkpoints_to,
             self.kv_reserve,
             batched=self._can_batch,
         )
-        speculation = self.speculation if job is None else "off"
         if speculation == "auto":  # a draft source: what finished requests' tokens went on with
             self.continuations = Continuations()
             for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
@@ -263,6 +270,7 @@ class Engine(Intake, Stopping, Failures):
             mergeable=self._can_batch,
             speculation=speculation,
             continuations=self.continuations,
+            draft_model=drafts,
         )
 
     def _loop(self) -> None:

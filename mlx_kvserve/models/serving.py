@@ -22,7 +22,7 @@ from mlx_kvserve.engine import Engine
 from mlx_kvserve.engine.loading import Loaded
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.worker import MakeAgreement
-from mlx_kvserve.models.budget import footprint
+from mlx_kvserve.models.budget import footprint, weights_bytes
 from mlx_kvserve.models.pool import Slot
 from mlx_kvserve.models.specs import ModelSpec
 
@@ -42,6 +42,7 @@ PER_MODEL = frozenset(
         "max_concurrency",
         "max_queue",
         "speculation",
+        "draft_model",
         "cache_budget",
         "cache_ram_budget",
         "no_cache",
@@ -84,7 +85,7 @@ class Engines:
         self._open_prompt_cache = open_prompt_cache
         self._mlx_load = mlx_load
         self._job = job
-        self._places: dict[str, tuple[Path, Settings]] = {}
+        self._places: dict[str, tuple[Path, Settings, Path | None]] = {}
 
     def slot(self, spec: ModelSpec, model_id: str, model_dir: Path) -> Slot:
         """The pool slot of a model whose files are in `model_dir` (ModelSetupError: they
@@ -95,20 +96,48 @@ class Engines:
         if problem:
             raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
         own = model_settings(self.settings, spec)
+        draft_dir = self._draft(spec, own, model_dir)
         kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
-        slot = Slot(spec, model_id, footprint(model_dir, kv_reserve), model_dir=model_dir)
-        self._places[slot.name] = (model_dir, own)
+        size = footprint(model_dir, kv_reserve) + (weights_bytes(draft_dir) if draft_dir else 0)
+        slot = Slot(spec, model_id, size, model_dir=model_dir)
+        self._places[slot.name] = (model_dir, own, draft_dir)
         return slot
+
+    def _draft(self, spec: ModelSpec, own: Settings, model_dir: Path) -> Path | None:
+        """The model's draft model, checked now (models/draft.py), or None."""
+        from mlx_kvserve.models.draft import prepare_draft
+
+        if own.draft_model is None:
+            return None
+        if own.speculation != "auto":
+            log.warning(
+                "model %s: draft model %r not loaded: --speculation is %s",
+                spec.name or spec.source,
+                own.draft_model,
+                own.speculation,
+            )
+            return None
+        try:
+            return prepare_draft(own.draft_model, model_dir, paths.data_dir())
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelSetupError(f"model {spec.name or spec.source}: {exc}") from None
 
     def adopt(self, model_id: str, model_dir: Path, aliases: tuple[str, ...] = ()) -> Slot:
         """The slot of a model fetched while serving: named by its id (and `aliases`), with
         the server's settings."""
-        return self.slot(ModelSpec(None, model_id, aliases), model_id, model_dir)
+        spec = ModelSpec(None, model_id, aliases, settings={"draft_model": None})
+        return self.slot(spec, model_id, model_dir)  # the server's draft model is another's
 
     def __call__(self, slot: Slot) -> Engine:
-        model_dir, own = self._places[slot.name]
+        model_dir, own, draft_dir = self._places[slot.name]
         return make_engine(
-            own, model_dir, slot.model_id, self._open_prompt_cache, self._mlx_load, self._job
+            own,
+            model_dir,
+            slot.model_id,
+            self._open_prompt_cache,
+            self._mlx_load,
+            self._job,
+            draft_dir,
         )
 
 
@@ -126,6 +155,12 @@ def prepare_slots(
         specs = settings.model_specs()
     except ValueError as exc:
         raise ModelSetupError(str(exc)) from None
+    if settings.draft_model is not None and len(specs) > 1:
+        raise ModelSetupError(
+            f"--draft-model serves one model, and {len(specs)} are configured: a draft model "
+            "needs its model's tokenizer, so set it per model ([[models]] settings = "
+            '{draft_model = "..."})'
+        )
     engines = Engines(settings, open_prompt_cache, mlx_load, job)
     slots: list[Slot] = []
     taken: dict[str, str] = {}
@@ -154,8 +189,10 @@ def make_engine(
     open_prompt_cache: OpenCache,
     mlx_load: Callable[[str], Loaded | tuple[nn.Module, TokenizerWrapper]],
     job: MakeAgreement | None = None,
+    draft_dir: Path | None = None,
 ) -> Engine:
-    """One model's engine (not started) with its prompt cache open."""
+    """One model's engine (not started) with its prompt cache open (`draft_dir`: its draft
+    model's files, checked by models/draft.py)."""
     from mlx_kvserve.chat.formats import add_end_tokens, tool_format_notice
     from mlx_kvserve.embed.encoder import EncoderEngine, load_encoder
     from mlx_kvserve.embed.kind import kind_of, pooling_config
@@ -192,6 +229,12 @@ def make_engine(
         prompt_cache.close()
         return Loaded(model, tokenizer, open_prompt_cache(settings, model_dir, model_id, used))
 
+    def load_draft() -> tuple[nn.Module, TokenizerWrapper]:
+        assert draft_dir is not None
+        model, tokenizer, *_ = mlx_load(str(draft_dir))
+        apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
+        return model, tokenizer
+
     return Engine(
         load_model,
         prompt_cache=prompt_cache,
@@ -205,6 +248,7 @@ def make_engine(
         live_budget=parse_size(settings.live_budget),
         kv_reserve=settings.kv_reserve,
         speculation=settings.speculation,
+        draft_loader=load_draft if draft_dir is not None else None,
         context_length=read_context_length(model_dir),
         job=job,
     )

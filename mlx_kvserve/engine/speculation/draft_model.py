@@ -23,15 +23,23 @@ cost (`VerifyCost`, depth.py) each depth is weighed against includes the draft m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.engine.speculation.drafts import Draft
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
+from mlx_kvserve.models.draft import vocabulary_problem
+
+log = logging.getLogger("mlx_kvserve.engine")
+
+# Runs on the engine thread, after the model's own loader: the draft model and its tokenizer.
+DraftLoader = Callable[[], tuple[nn.Module, TokenizerWrapper]]
 
 NAME = "draft_model"
 # Beside prompt lookup a draft wins over 2- and 3-token matches (a tie goes to the row's own
@@ -171,3 +179,19 @@ class DraftModel:
             HoleKVCache.adopt(BatchKVCache.merge([c.extract(i) for i in range(len(self.members))]))
             for c in self.cache
         ]
+
+
+def load_draft(
+    loader: DraftLoader | None, tokenizer: object, prefill_step: int, speculation: str
+) -> DraftModel | None:
+    """The engine's draft model (None without a loader, or with speculation off); ValueError
+    if it cannot draft for a model of `tokenizer` (another vocabulary, or windows)."""
+    if loader is None or speculation != "auto":
+        return None
+    model, draft_tokenizer = loader()
+    problem = vocabulary_problem(tokenizer, draft_tokenizer)
+    if problem:
+        raise ValueError(f"the draft model cannot draft for this model: {problem}")
+    drafts = DraftModel(model, prefill_step)
+    log.info("speculation drafts with a draft model too (engine/speculation/draft_model.py)")
+    return drafts
