@@ -143,6 +143,8 @@ class DecodeBatch:
         self._read([(seq, seq.first_read()) for seq in self.seqs])  # newcomers, redraws
         self._leave()
         if not self.seqs:
+            if self.speculator is not None:  # the rows that left drop their draft state (KV)
+                self.speculator.forget([])
             return
         self.steps += 1
         for seq in self.seqs:

@@ -158,3 +158,75 @@ def test_the_draft_kv_holds_each_members_tokens(model, alone):
 def test_a_draft_model_with_windows_is_refused():
     with pytest.raises(ValueError, match="plain attention"):
         DraftModel(tiny_llama(True))
+
+
+def test_a_failed_draft_pass_starts_the_draft_batch_afresh(model, alone):
+    """A pass that raises leaves the draft KV unknown: the draft model drops every row, which
+    rejoin (prefilled again) on their next draft, and answers stay the target's."""
+    _, plain = run(model, None, PROMPT_SET[:2], LENGTHS[:2], speculation="off")
+
+    class Flaky(Counted):
+        def __call__(self, inputs, cache=None):
+            if len(self.calls) == 11:
+                self.calls.append((0, 0))
+                raise RuntimeError("a failed draft pass")
+            return super().__call__(inputs, cache=cache)
+
+    draft = Flaky(model)
+    drafts = DraftModel(draft, prefill_step=8)
+    draft.drafts = drafts
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
+    driver.batch.speculator.cost = PriorCost()
+    reqs = [request(p, max_tokens=n) for p, n in zip(PROMPT_SET[:2], LENGTHS[:2], strict=True)]
+    with pytest.raises(RuntimeError, match="a failed draft pass"):
+        for req in reqs:
+            driver.join(req)
+            driver.step()
+        driver.drain()
+    assert drafts.members == [] and drafts.cache is None
+    for seq in driver.batch.fail_all():  # as the engine does after a failed step
+        driver.ended.append(seq)
+    again = [request(p, max_tokens=n) for p, n in zip(PROMPT_SET[:2], LENGTHS[:2], strict=True)]
+    for req in again:
+        driver.join(req)
+    driver.drain()
+    for a, b in zip(plain, again, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text)
+    assert by_source(driver, "draft_model")[1] > 0
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["solo", "merged"])
+def test_a_row_cancelled_mid_verify_leaves_and_the_others_answer_the_same(model, rows, alone):
+    """A client that leaves while a verify pass's kept drafts are emitted: its row ends
+    "cancelled" within one pass, the draft batch forgets it, the others answer as without
+    speculation, and every row's caches hold exactly its tokens."""
+    prompts, lengths = PROMPT_SET[:rows], [40, 34, 24][:rows]
+    _, plain = run(model, None, prompts, lengths, speculation="off")
+    drafts = DraftModel(model, prefill_step=8)
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
+    driver.batch.speculator.cost = PriorCost()
+    reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    leaving = reqs[0]
+    emit = type(leaving).emit
+
+    def leave_midway(self, event) -> None:
+        emit(self, event)
+        if len(tokens_of(self.text)) >= 12 and driver.batch.speculator.accepted:
+            self.cancel()
+
+    leaving.emit = leave_midway.__get__(leaving)  # type: ignore[method-assign]
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    (gone,) = [s for s in driver.ended if s.req is leaving]
+    assert gone.timings.finish_reason == "cancelled"
+    assert 12 <= gone.timings.completion_tokens <= 12 + driver.batch.speculator.max_depth + 1
+    assert tokens_of(leaving.text) == tokens_of(plain[0].text)[: len(tokens_of(leaving.text))]
+    for a, b in zip(plain[1:], reqs[1:], strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text)
+    assert by_source(driver, "draft_model")[1] > 0
+    assert not drafts.members
+    check_caches(driver.ended)

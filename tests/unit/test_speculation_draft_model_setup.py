@@ -68,6 +68,10 @@ def answer(client: TestClient) -> list[int]:
     return reply.json()["choices"][0]["logprobs"]["tokens"]
 
 
+def kv_per_token(client: TestClient) -> int:
+    return client.app.state.pool.default.engine.room.ledger.cost.per_token
+
+
 def draft_counts(client: TestClient) -> tuple[float, float]:
     text = client.get("/metrics").text
     out = []
@@ -86,12 +90,16 @@ def test_a_draft_model_drafts_and_changes_no_answer(dirs, draft, prior_cost, mon
     model = str(dirs["target"])
     with serve(Settings(model=[model], speculation="off")) as client:
         plain = [answer(client) for _ in range(2)]
+        alone = kv_per_token(client)
     settings = Settings(model=[model], speculation="auto", draft_model=str(dirs[draft]))
     with serve(settings) as client:
         got = [answer(client) for _ in range(2)]
         drafted, accepted = draft_counts(client)
         status = client.get("/v1/status").json()["speculation"]["by_source"]["draft_model"]
+        beside = kv_per_token(client)
     assert got == plain
+    # the KV ledger counts each row's draft KV beside its own (the target: twice as much)
+    assert beside == 2 * alone if draft == "target" else alone < beside < 2 * alone
     assert drafted > 10
     assert accepted >= 0.9 * drafted if draft == "target" else accepted < 0.6 * drafted
     assert (status["drafted"], status["accepted"]) == (drafted, accepted)

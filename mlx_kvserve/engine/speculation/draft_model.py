@@ -115,6 +115,13 @@ class DraftModel:
         depth = max((d for _, d in wanted), default=0)
         if depth <= 0:
             return
+        try:
+            self._draft(wanted, depth, vocab)
+        except BaseException:  # the batch's KV may be half updated: every row starts afresh
+            self.members, self.cache = [], None
+            raise
+
+    def _draft(self, wanted: Sequence[tuple[DraftModelRow, int]], depth: int, vocab: int) -> None:
         for row, d in wanted:
             if d > 0 and not any(row is m for m in self.members):
                 self._join(row)
