@@ -56,7 +56,7 @@ class Counted:
 
 def run(model, draft, prompts, lengths, temperature=0.0, seeds=None, speculation="auto"):
     driver = Driver(model)
-    drafts = None if draft is None else DraftModel(draft, prefill_step=8)
+    drafts = None if draft is None else DraftModel(draft, prefill_step=64)
     if isinstance(draft, Counted):
         draft.drafts = drafts
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation, draft_model=drafts)
@@ -230,3 +230,31 @@ def test_a_row_cancelled_mid_verify_leaves_and_the_others_answer_the_same(model,
     assert by_source(driver, "draft_model")[1] > 0
     assert not drafts.members
     check_caches(driver.ended)
+
+
+def test_a_long_prompt_joins_the_draft_batch_a_chunk_per_step(model, alone):
+    """A joining row's prompt is prefilled one chunk per step, so the rows already drafting
+    keep drafting meanwhile; it drafts once it has joined."""
+    draft = Counted(model)
+    drafts = DraftModel(draft, prefill_step=4)
+    draft.drafts = drafts
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
+    driver.batch.speculator.cost = PriorCost()
+    driver.join(request(PROMPTS[1], max_tokens=300))
+    for _ in range(6):
+        driver.step()
+    driver.join(request(MISLED, max_tokens=30))  # 31 tokens: 8 chunks of 4
+    chunks, joined = [], None
+    for step in range(30):
+        before = len(draft.calls)
+        driver.step()
+        new = draft.calls[before:]
+        chunks.append(sum(1 for _, members in new if members == 0))
+        assert any(members for _, members in new) or not drafts.members  # others still draft
+        if joined is None and len(drafts.members) == 2 and not drafts.joining:
+            joined = step
+    assert max(chunks) == 1 and joined is not None and joined >= 7
+    driver.drain()
+    drafted = [s.timings.by_source.get("draft_model", [0])[0] for s in driver.ended]
+    assert all(drafted)

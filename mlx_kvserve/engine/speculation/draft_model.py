@@ -12,9 +12,10 @@ member. Each row knows the tokens its KV holds (`held`) and the row's committed 
 `DraftSource.extend`), so a step first gives back what the target did not keep (the rejected
 drafts: holes, no copy), then feeds every member what it has not seen (the accepted drafts'
 last and the bonus token; after plain steps, the tokens they emitted), right-padded to the
-longest backlog in one pass, the padding given back the same way. A row joins lazily, the first
-time its controller asks for a draft: its tokens so far are prefilled on their own and merged in
-(short requests that never speculate never pay it). A row leaves when the decode batch forgets
+longest backlog in one pass, the padding given back the same way. A row joins lazily, once its
+controller asks for a draft: its tokens so far are prefilled on their own, a chunk per step (a
+long prompt does not stall the other rows), and merged in (a request that never drafts never
+pays it). A row leaves when the decode batch forgets
 it. The holes are compacted (each row's valid slots gathered) once they outnumber the tokens.
 
 All of it runs inside the speculative step, which the decode batch times whole, so the verify
@@ -87,6 +88,7 @@ class DraftModel:
         self.model = model
         self.prefill_step = prefill_step
         self.members: list[DraftModelRow] = []  # row i of `cache`
+        self.joining: dict[int, tuple[DraftModelRow, list[KVCache]]] = {}  # prefilling
         self.cache: list[HoleKVCache] | None = None
         self.passes = 0  # draft-model forwards run (prefills of joining rows included)
 
@@ -95,6 +97,8 @@ class DraftModel:
 
     def forget(self, alive: Sequence[DraftModelRow]) -> None:
         """Drop the rows that left the decode batch."""
+        live = {id(a) for a in alive}
+        self.joining = {k: v for k, v in self.joining.items() if k in live}
         keep = [i for i, m in enumerate(self.members) if any(m is a for a in alive)]
         if len(keep) == len(self.members):
             return
@@ -118,14 +122,15 @@ class DraftModel:
         try:
             self._draft(wanted, depth, vocab)
         except BaseException:  # the batch's KV may be half updated: every row starts afresh
-            self.members, self.cache = [], None
+            self.members, self.cache, self.joining = [], None, {}
             raise
 
     def _draft(self, wanted: Sequence[tuple[DraftModelRow, int]], depth: int, vocab: int) -> None:
         for row, d in wanted:
             if d > 0 and not any(row is m for m in self.members):
                 self._join(row)
-        assert self.cache is not None
+        if self.cache is None:
+            return  # every row that wants a draft is still prefilling
         rows = self.members
         gone, feeds = zip(*(m.backlog() for m in rows), strict=True)
         for c in self.cache:
@@ -157,17 +162,22 @@ class DraftModel:
 
     # ------------------------------------------------------------------------------------
     def _join(self, row: DraftModelRow) -> None:
-        """Prefill the row's committed tokens but the last (the step feeds that one) on its
-        own caches, in chunks, then merge them into the batch."""
-        caches = make_prompt_cache(self.model)
-        prompt = row.tokens[:-1]
-        assert prompt, "a row joins with at least two committed tokens (prompt, first token)"
-        for start in range(0, len(prompt), self.prefill_step):
-            chunk = prompt[start : start + self.prefill_step]
+        """Prefill one more chunk of the row's committed tokens but the last (the step feeds
+        that one) on caches of its own, and merge them into the batch once they hold them all:
+        a long prompt does not stall every other row's step."""
+        _, caches = self.joining.setdefault(id(row), (row, make_prompt_cache(self.model)))
+        done = caches[0].offset
+        chunk = row.tokens[done : min(done + self.prefill_step, len(row.tokens) - 1)]
+        assert chunk or done, "a row joins with at least two committed tokens"
+        if chunk:
             self.model(mx.array([chunk], dtype=mx.uint32), cache=caches)
             mx.eval([c.state for c in caches])
             self.passes += 1
-        row.held, row.settled = list(prompt), len(prompt)
+            done += len(chunk)
+        if done < len(row.tokens) - 1:
+            return
+        del self.joining[id(row)]
+        row.held, row.settled = row.tokens[:done], done
         merged = [HoleKVCache.adopt(BatchKVCache.merge([c])) for c in caches]
         if self.cache is None:
             self.cache = merged
