@@ -249,7 +249,7 @@ class Engine(Intake, Stopping, Failures):
         if self.kv_budget is None:
             self.kv_budget = self.memory.default_kv_budget(model)
         speculation = self.speculation if job is None else "off"
-        drafts = load_draft(self._draft_loader, tokenizer, self.prefill_step, speculation)
+        drafts = load_draft(self._draft_loader, model, tokenizer, self.prefill_step, speculation)
         layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
         self.room = Room(
             layers,  # a draft model's KV is counted per row beside the model's

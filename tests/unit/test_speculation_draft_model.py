@@ -56,7 +56,7 @@ class Counted:
 
 def run(model, draft, prompts, lengths, temperature=0.0, seeds=None, speculation="auto"):
     driver = Driver(model)
-    drafts = None if draft is None else DraftModel(draft, prefill_step=64)
+    drafts = None if draft is None else DraftModel(draft, prefill_step=64, prior=CHEAP)
     if isinstance(draft, Counted):
         draft.drafts = drafts
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation, draft_model=drafts)
@@ -80,6 +80,9 @@ def by_source(driver, source: str) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
+# A draft pass's cost over a target pass, as if the draft model were far smaller than its
+# target (these tests' drafts are as large): the mechanics, not whether drafting pays.
+CHEAP = 0.02
 PROMPT_SET = [PROMPTS[1], PROMPTS[3], MISLED, PROMPTS[2]]
 LENGTHS = [40, 31, 24, 37]
 
@@ -137,7 +140,7 @@ def test_seeded_sampled_rows_reproduce_with_a_draft_model(model, draft):
 def test_the_draft_kv_holds_each_members_tokens(model, alone):
     """After every step each member's row of the draft KV holds exactly its `held` tokens,
     and those are the start of its committed tokens plus at most its newest draft."""
-    drafts = DraftModel(model, prefill_step=8)
+    drafts = DraftModel(model, prefill_step=8, prior=CHEAP)
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
@@ -173,7 +176,7 @@ def test_a_failed_draft_pass_starts_the_draft_batch_afresh(model, alone):
             return super().__call__(inputs, cache=cache)
 
     draft = Flaky(model)
-    drafts = DraftModel(draft, prefill_step=8)
+    drafts = DraftModel(draft, prefill_step=8, prior=CHEAP)
     draft.drafts = drafts
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
@@ -203,7 +206,7 @@ def test_a_row_cancelled_mid_verify_leaves_and_the_others_answer_the_same(model,
     speculation, and every row's caches hold exactly its tokens."""
     prompts, lengths = PROMPT_SET[:rows], [40, 34, 24][:rows]
     _, plain = run(model, None, prompts, lengths, speculation="off")
-    drafts = DraftModel(model, prefill_step=8)
+    drafts = DraftModel(model, prefill_step=8, prior=CHEAP)
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
@@ -236,7 +239,7 @@ def test_a_long_prompt_joins_the_draft_batch_a_chunk_per_step(model, alone):
     """A joining row's prompt is prefilled one chunk per step, so the rows already drafting
     keep drafting meanwhile; it drafts once it has joined."""
     draft = Counted(model)
-    drafts = DraftModel(draft, prefill_step=4)
+    drafts = DraftModel(draft, prefill_step=4, prior=CHEAP)
     draft.drafts = drafts
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
@@ -258,3 +261,26 @@ def test_a_long_prompt_joins_the_draft_batch_a_chunk_per_step(model, alone):
     driver.drain()
     drafted = [s.timings.by_source.get("draft_model", [0])[0] for s in driver.ended]
     assert all(drafted)
+
+
+def test_a_draft_model_as_costly_as_its_target_drafts_only_probes(model, alone):
+    """Each draft costs a pass of the draft model: one as large as its target never pays, so
+    the controller drafts nothing but its probes, however often the drafts are right."""
+    driver = Driver(model)
+    drafts = DraftModel(model, prefill_step=64, prior=1.0)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
+    driver.batch.speculator.cost = PriorCost()
+    driver.join(request(PROMPTS[1], max_tokens=60))
+    driver.drain()
+    drafted, kept = by_source(driver, "draft_model")
+    assert drafted <= 8 and kept == drafted  # probes of depth 2, all kept, never enough
+
+
+def test_a_long_lookup_match_is_drafted_without_the_draft_model(model):
+    """A row whose own tokens have a 4-token match takes that copy (free) and the draft model
+    runs no pass for it."""
+    draft = Counted(model)
+    driver, spec = run(model, draft, [LOOPY], [30])
+    drafted = by_source(driver, "prompt_lookup")[0]
+    assert drafted > 20 and by_source(driver, "draft_model")[0] <= 4
+    assert len(draft.calls) <= 12  # the first steps', before the match; none after

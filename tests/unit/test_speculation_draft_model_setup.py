@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.engine.speculation.depth import VerifyCost
+from mlx_kvserve.engine.speculation.draft_model import DraftModel
 from mlx_kvserve.engine.speculation.drafts import PromptLookup
 from mlx_kvserve.models.serving import ModelSetupError, prepare_slots
 from tests.support.tiny_models import make_model_dir
@@ -43,7 +44,17 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture
 def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafting on the cost prior, with draft passes as if the draft model were far smaller
+    than its target (these drafts are as large or half as large): the path, not the payoff."""
     monkeypatch.setattr(VerifyCost, "observe", lambda self, batch, width, seconds: None)
+    monkeypatch.setattr(DraftModel, "__init__", cheap(DraftModel.__init__))
+
+
+def cheap(init):
+    def __init__(self, model, prefill_step=512, prior=0.25):
+        init(self, model, prefill_step, prior=0.02)
+
+    return __init__
 
 
 def slots(settings: Settings):

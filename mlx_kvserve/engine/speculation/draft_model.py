@@ -25,15 +25,18 @@ cost (`VerifyCost`, depth.py) each depth is weighed against includes the draft m
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_kvserve.engine.speculation.drafts import Draft
+from mlx_kvserve.engine.speculation.depth import VerifyCost
+from mlx_kvserve.engine.speculation.drafts import Draft, Drafter
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.models.draft import vocabulary_problem
 
@@ -82,11 +85,16 @@ class DraftModelRow:
 class DraftModel:
     """The draft model and the KV of the rows it drafts for, shared by a decode batch."""
 
-    def __init__(self, model: nn.Module, prefill_step: int = 512) -> None:
+    def __init__(self, model: nn.Module, prefill_step: int = 512, prior: float = 0.25) -> None:
+        """`prior`: a draft pass's cost over a plain pass of the model until both are timed
+        (`load_draft`: the ratio of their parameter counts)."""
         if not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise ValueError("a draft model must have plain attention layers (KVCache) only")
         self.model = model
         self.prefill_step = prefill_step
+        self.prior = prior
+        self._pass_seconds: dict[int, float] = {}  # rows in the pass -> smoothed seconds
+        self._spent = 0.0  # seconds in draft passes since `take_seconds`
         self.members: list[DraftModelRow] = []  # row i of `cache`
         self.joining: dict[int, tuple[DraftModelRow, list[KVCache]]] = {}  # prefilling
         self.cache: list[HoleKVCache] | None = None
@@ -110,6 +118,32 @@ class DraftModel:
         for c in self.cache:
             c.filter(keep)
 
+    def wanted(self, drafter: Drafter) -> bool:
+        """Whether a row would take this model's draft: no free source has as good a guess
+        (their evidence ties or beats `EVIDENCE`: a 3- or 4-token match of its own tokens)."""
+        free = drafter.propose(1)
+        return free is None or free.source == NAME or free.evidence < EVIDENCE
+
+    def cost(self, verify: VerifyCost, batch: int) -> Callable[[int], float]:
+        """c(w) for a row drafting w - 1 tokens with this model: the verify pass's (`verify`)
+        plus w - 1 draft passes, each over a plain pass of the model as timed (else `prior`)."""
+        plain = verify.plain(batch)
+        rows = len(self.members) or 1
+        near = sorted(self._pass_seconds, key=lambda n: abs(n - rows))  # the rows timed nearest
+        timed = self._pass_seconds[near[0]] if near else None
+        ratio = timed / plain if timed and plain else self.prior
+
+        def cost(width: int) -> float:
+            return verify.cost(batch, width) + max(0, width - 1) * ratio
+
+        return cost
+
+    def take_seconds(self) -> float:
+        """Seconds spent drafting since the last call (the step's time less these is the
+        verify pass's, for `VerifyCost`)."""
+        spent, self._spent = self._spent, 0.0
+        return spent
+
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
@@ -119,11 +153,14 @@ class DraftModel:
         depth = max((d for _, d in wanted), default=0)
         if depth <= 0:
             return
+        started = time.perf_counter()
         try:
             self._draft(wanted, depth, vocab)
         except BaseException:  # the batch's KV may be half updated: every row starts afresh
             self.members, self.cache, self.joining = [], None, {}
             raise
+        finally:
+            self._spent += time.perf_counter() - started
 
     def _draft(self, wanted: Sequence[tuple[DraftModelRow, int]], depth: int, vocab: int) -> None:
         for row, d in wanted:
@@ -131,6 +168,7 @@ class DraftModel:
                 self._join(row)
         if self.cache is None:
             return  # every row that wants a draft is still prefilling
+        started = time.perf_counter()
         rows = self.members
         gone, feeds = zip(*(m.backlog() for m in rows), strict=True)
         for c in self.cache:
@@ -154,6 +192,9 @@ class DraftModel:
             self.passes += 1
             out.append(mx.argmax(logits, axis=-1))
         drafts = mx.stack(out, axis=1).tolist()
+        per_pass = (time.perf_counter() - started) / depth  # a catch-up pass, depth - 1 more
+        old = self._pass_seconds.get(len(rows))
+        self._pass_seconds[len(rows)] = per_pass if old is None else 0.8 * old + 0.2 * per_pass
         wants = {id(row): d for row, d in wanted}
         for m, tokens in zip(rows, drafts, strict=True):
             m.held.extend(tokens[:-1])
@@ -199,16 +240,27 @@ class DraftModel:
 
 
 def load_draft(
-    loader: DraftLoader | None, tokenizer: object, prefill_step: int, speculation: str
+    loader: DraftLoader | None,
+    target: nn.Module,
+    tokenizer: object,
+    prefill_step: int,
+    speculation: str,
 ) -> DraftModel | None:
-    """The engine's draft model (None without a loader, or with speculation off); ValueError
-    if it cannot draft for a model of `tokenizer` (another vocabulary, or windows)."""
+    """The engine's draft model for `target` (None without a loader, or with speculation
+    off); ValueError if it cannot draft for a model of `tokenizer` (another vocabulary, or
+    windows). Its passes are first assumed to cost their share of the target's parameters."""
     if loader is None or speculation != "auto":
         return None
     model, draft_tokenizer = loader()
     problem = vocabulary_problem(tokenizer, draft_tokenizer)
     if problem:
         raise ValueError(f"the draft model cannot draft for this model: {problem}")
-    drafts = DraftModel(model, prefill_step)
-    log.info("speculation drafts with a draft model too (engine/speculation/draft_model.py)")
-    return drafts
+    prior = min(1.0, parameters(model) / max(1, parameters(target)))
+    log.info(
+        "speculation drafts with a draft model too (%.0f%% of the model's parameters)", 100 * prior
+    )
+    return DraftModel(model, prefill_step, prior)
+
+
+def parameters(model: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
@@ -85,6 +86,8 @@ class Speculator:
         return seq.decoder.rewindable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
+        if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
+            seconds -= self.draft_model.take_seconds()
         self.cost.observe(batch, width, seconds)
 
     def forget(self, seqs: list[Sequence]) -> None:
@@ -119,9 +122,14 @@ class Speculator:
         def cost(width: int) -> float:
             return self.cost.cost(batch, width)
 
+        # rows whose draft would be the draft model's: its passes are part of their cost
+        uses = self._uses_draft_model(seqs, states)
+        drafting = cost if self.draft_model is None else self.draft_model.cost(self.cost, batch)
         depths = [
-            state.depth.depth(cost, self.max_depth) if seq.req.params.speculative else 0
-            for seq, state in zip(seqs, states, strict=True)
+            state.depth.depth(drafting if use else cost, self.max_depth)
+            if seq.req.params.speculative
+            else 0
+            for seq, state, use in zip(seqs, states, uses, strict=True)
         ]  # a row that opted out feeds one token in the verify pass, as in a plain step
         if not any(depths):
             return 0
@@ -129,10 +137,10 @@ class Speculator:
             sync(seq, state.drafter)
         # A pipelined row's pending token is still on the device: reading it gives up the
         # overlap, so that is done only if some row that wants a draft would have had one a
-        # token ago (prose seldom does; a file being copied does).
+        # token ago (prose seldom does; a file being copied does; the draft model always has).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and (state.model_row or state.drafter.propose(1))
-            for state, depth in zip(states, depths, strict=True)
+            depth and (use or state.drafter.propose(1))
+            for state, depth, use in zip(states, depths, uses, strict=True)
         ):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
@@ -143,7 +151,11 @@ class Speculator:
         if self.draft_model is not None:  # every row that wants a draft, in one batch
             for seq, state in zip(seqs, states, strict=True):
                 sync(seq, state.drafter)
-            wanted = [(s.model_row, d) for s, d in zip(states, depths, strict=True) if s.model_row]
+            wanted = [
+                (s.model_row, d if use else 0)
+                for s, d, use in zip(states, depths, uses, strict=True)
+                if s.model_row
+            ]
             self.draft_model.draft(wanted, vocab)
         plans: list[Plan] = []
         sources: list[str] = []  # where each row's draft came from
@@ -165,7 +177,7 @@ class Speculator:
         if not any(plan.drafts for plan in plans):
             return -1
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
-        planned = plan_width(curves, cost, margin=0.0)
+        planned = plan_width(curves, drafting if DRAFT_MODEL in sources else cost, margin=0.0)
         if planned == 1:
             return -1
         plans = [plan.cut(planned) for plan in plans]
@@ -186,6 +198,16 @@ class Speculator:
             self.accepted += kept
         self.passes += 1
         return width
+
+    def _uses_draft_model(self, seqs: list[Sequence], states: list[RowState]) -> list[bool]:
+        """Per row: would its draft come from the draft model (no free source's guess as good)?"""
+        if self.draft_model is None:
+            return [False] * len(seqs)
+        out = []
+        for seq, state in zip(seqs, states, strict=True):
+            sync(seq, state.drafter)
+            out.append(state.model_row is not None and self.draft_model.wanted(state.drafter))
+        return out
 
     def _state(self, seq: Sequence) -> RowState:
         state = self.rows.get(id(seq))
