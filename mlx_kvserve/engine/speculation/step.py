@@ -40,7 +40,6 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
-from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
@@ -177,7 +176,7 @@ class Speculator:
         if not any(plan.drafts for plan in plans):
             return -1
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
-        planned = plan_width(curves, drafting if DRAFT_MODEL in sources else cost, margin=0.0)
+        planned = plan_width(curves, cost, margin=0.0)  # drafts made are paid for: verify only
         if planned == 1:
             return -1
         plans = [plan.cut(planned) for plan in plans]
