@@ -144,9 +144,6 @@ class DraftModel:
         spent, self._spent = self._spent, 0.0
         return spent
 
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) if self.cache else 0
-
     def draft(self, wanted: Sequence[tuple[DraftModelRow, int]], vocab: int) -> None:
         """Draft `depth` tokens for each (row, depth) with a positive depth (its `propose` then
         returns them), in one draft-model pass per position over every member."""
@@ -166,7 +163,9 @@ class DraftModel:
         for row, d in wanted:
             if d > 0 and not any(row is m for m in self.members):
                 self._join(row)
-        if self.cache is None:
+        joined = {id(m) for m in self.members}
+        depth = max((d for row, d in wanted if id(row) in joined), default=0)
+        if self.cache is None or depth <= 0:
             return  # every row that wants a draft is still prefilling
         started = time.perf_counter()
         rows = self.members
