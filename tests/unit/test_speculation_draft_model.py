@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.speculation.draft_model import DraftModel
-from mlx_kvserve.engine.speculation.drafts import PromptLookup
+from mlx_kvserve.engine.speculation.drafts import Drafter, PromptLookup
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_cache_models import tiny_llama
 from tests.unit.test_engine_units import request, tiny_model, tokens_of
@@ -284,3 +284,23 @@ def test_a_long_lookup_match_is_drafted_without_the_draft_model(model):
     drafted = by_source(driver, "prompt_lookup")[0]
     assert drafted > 20 and by_source(driver, "draft_model")[0] <= 4
     assert len(draft.calls) <= 12  # the first steps', before the match; none after
+
+
+def test_a_draft_model_whose_drafts_are_rejected_yields_to_any_lookup_match(model):
+    """While its first drafts are kept half the time or more, the model's guess beats a
+    2-token match of the row's own tokens; once they are mostly rejected, every match goes
+    first (and only rows without one ask the model)."""
+    drafts = DraftModel(model, prior=CHEAP)
+    row = drafts.row()
+    drafter = Drafter([PromptLookup(), row])
+    drafter.extend([5, 6, 7, 8, 9, 5, 6])  # "5 6" occurred before: a 2-token match
+    assert drafter.propose(4).evidence == 2
+    assert drafts.wanted(drafter)
+    for _ in range(6):
+        drafts.record(4, 0)
+    assert not drafts.wanted(drafter)
+    for _ in range(30):
+        drafts.record(4, 3)
+    assert drafts.wanted(drafter)
+    drafter.extend([1, 2])  # no match of "6 1 2" or "1 2"
+    assert drafter.propose(4) is None and drafts.wanted(drafter)

@@ -46,9 +46,11 @@ log = logging.getLogger("mlx_kvserve.engine")
 DraftLoader = Callable[[], tuple[nn.Module, TokenizerWrapper]]
 
 NAME = "draft_model"
-# Beside prompt lookup a draft wins over 2- and 3-token matches (a tie goes to the row's own
-# tokens, asked first) and loses to the longest (4): a copy that long is the better guess.
+# Beside prompt lookup a draft wins over a 2-token match and loses to 3 and 4 (a tie goes to the
+# row's own tokens, asked first): a copy that long is the better guess. A model whose drafts are
+# seldom kept drops to WEAK, below every match.
 EVIDENCE = 3
+WEAK = 1
 
 
 @dataclass(eq=False)
@@ -59,6 +61,7 @@ class DraftModelRow:
     held: list[int] = field(default_factory=list)  # the tokens in its row of the draft KV
     settled: int = 0  # held[:settled] are known to be committed
     draft: tuple[int, ...] = ()
+    evidence: int = EVIDENCE  # the model's standing when `draft` was made
     drafted_at: int = -1  # len(tokens) when `draft` was made
     name: str = NAME
 
@@ -69,7 +72,7 @@ class DraftModelRow:
         """The batch's draft for this row, if it was made for its tokens as they are now."""
         if limit <= 0 or not self.draft or self.drafted_at != len(self.tokens):
             return None
-        return Draft(self.draft[:limit], NAME, EVIDENCE)
+        return Draft(self.draft[:limit], NAME, self.evidence)
 
     def backlog(self) -> tuple[int, list[int]]:
         """(held tokens to give back, committed tokens to feed): the held tokens past the
@@ -95,6 +98,7 @@ class DraftModel:
         self.prior = prior
         self._pass_seconds: dict[int, float] = {}  # rows in the pass -> smoothed seconds
         self._spent = 0.0  # seconds in draft passes since `take_seconds`
+        self._tried = self._kept = 0.0  # decayed rounds drafted from it, and first drafts kept
         self.members: list[DraftModelRow] = []  # row i of `cache`
         self.joining: dict[int, tuple[DraftModelRow, list[KVCache]]] = {}  # prefilling
         self.cache: list[HoleKVCache] | None = None
@@ -120,9 +124,23 @@ class DraftModel:
 
     def wanted(self, drafter: Drafter) -> bool:
         """Whether a row would take this model's draft: no free source has as good a guess
-        (their evidence ties or beats `EVIDENCE`: a 3- or 4-token match of its own tokens)."""
+        (their evidence ties or beats the model's: a 3- or 4-token match of its own tokens, or
+        any match while the model's drafts are seldom kept)."""
         free = drafter.propose(1)
-        return free is None or free.source == NAME or free.evidence < EVIDENCE
+        return free is None or free.source == NAME or free.evidence < self.evidence()
+
+    def evidence(self) -> int:
+        """`EVIDENCE` while the model's first drafts are kept at least half the time (decayed,
+        over every row; the prior: half), else `WEAK`: then any match of a row's own tokens goes
+        first, so a model that guesses badly cannot displace a copy."""
+        rate = (self._kept + 1.0) / (self._tried + 2.0)
+        return EVIDENCE if rate >= 0.5 else WEAK
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A row's draft from this model: `drafted` tokens, `kept` of them."""
+        if drafted:
+            self._tried = 0.95 * self._tried + 1
+            self._kept = 0.95 * self._kept + (kept > 0)
 
     def cost(self, verify: VerifyCost, batch: int) -> Callable[[int], float]:
         """c(w) for a row drafting w - 1 tokens with this model: the verify pass's (`verify`)
@@ -198,6 +216,7 @@ class DraftModel:
         for m, tokens in zip(rows, drafts, strict=True):
             m.held.extend(tokens[:-1])
             m.draft = tuple(tokens[: wants.get(id(m), 0)])
+            m.evidence = self.evidence()
             m.drafted_at = len(m.tokens)
 
     # ------------------------------------------------------------------------------------

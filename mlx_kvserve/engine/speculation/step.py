@@ -40,6 +40,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
@@ -193,6 +194,8 @@ class Speculator:
                 counts[0] += len(plan.drafts)
                 counts[1] += kept
                 counts[2] += 1
+                if source == DRAFT_MODEL and self.draft_model is not None:
+                    self.draft_model.record(len(plan.drafts), kept)
             self.drafted += len(plan.drafts)
             self.accepted += kept
         self.passes += 1
