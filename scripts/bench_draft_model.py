@@ -113,6 +113,7 @@ def main() -> None:
         default="8,30",
         help="comma-separated: a server with a draft model of the default model's first N layers",
     )
+    parser.add_argument("--cells", default="", help="only the cells whose name contains this")
     add_run_options(parser)
     args = parser.parse_args()
     set_blas_threads(args.blas_threads)
@@ -133,13 +134,14 @@ def main() -> None:
         print(f"# {machine()}; load average before: {load_average()}")
         print(f"# median decode tok/s of {args.reps} greedy runs, {args.max_tokens} tokens at most")
         print("# draftN: auto with a draft model of the default model's first N of 30 layers")
-        for server in servers.values():  # the recorded loop's first pass, untimed
-            for route, body in warm_up():
+        wanted = [n for n in [*cells(0), "4 prose at once (chat)"] if args.cells in n]
+        for server in servers.values() if "loop" in " ".join(wanted) else ():
+            for route, body in warm_up():  # the recorded loop's first pass, untimed
                 ask(server, route, body, args.max_tokens)
         names = list(servers)
         head = f"{'cell':26s} " + " ".join(f"{m:>7s}" for m in names)
         print(f"{head}  " + "  ".join(f"{m} kept/drafted" for m in names if m.startswith("draft")))
-        for name in [*cells(0), "4 prose at once (chat)"]:
+        for name in wanted:
             speeds: dict[str, list[float]] = {m: [] for m in names}
             texts: dict[str, list] = {m: [] for m in names}
             before = {m: draft_counts(s) for m, s in servers.items() if m.startswith("draft")}
