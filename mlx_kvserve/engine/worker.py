@@ -424,12 +424,13 @@ class Engine(Intake, Stopping, Failures):
         assert self.generator is not None
         log.info(seq.timings.log_line(seq.req))
         self._release(seq.req)
-        tokens = seq.live.tokens + seq.feed
+        held = seq.live.key()  # its images keyed by content: the index leaves them out
+        tokens = None if held is None else held + seq.feed
         try:
             self.generator.finish(seq)
         except Exception:  # after its Done: only the checkpoint is lost
             log.exception("request %s: saving its KV failed", seq.req.request_id)
-        if self.continuations is not None:  # after its Done: a draft source for later requests
+        if self.continuations is not None and tokens is not None:  # a draft source from now on
             self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:

@@ -16,6 +16,7 @@ that ends inside a span is cut back to the span's start (`whole_spans`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,16 +36,23 @@ class ImageSpan:
     length: int
     digest: str  # Image.digest: sha-256 hex of the decoded pixels
 
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < 1:
+            raise ValueError(f"an image span needs start >= 0 and length >= 1, got {self}")
+
     @property
     def end(self) -> int:
         return self.start + self.length
 
     def key_ids(self) -> np.ndarray:
-        """The span's ids as the cache keys them: the digest's words in turn, each mixed with
-        its position so that no two positions of a span share an id. Any span of 8 or more
-        tokens carries the whole digest (248 of its bits)."""
-        raw = bytes.fromhex(self.digest)
-        words = np.frombuffer(raw[: 4 * _WORDS].ljust(4 * _WORDS, b"\0"), dtype="<u4")
+        """The span's ids as the cache keys them: the words of a hash of the digest and the
+        span's length in turn, each mixed with its position so that no two positions of a span
+        share an id. Any span of 8 or more tokens carries the whole hash (248 of its bits). The
+        length is in the hash because the same pixels read as another number of tokens (another
+        resize setting) are other features: a shorter span must not match a longer one's
+        first positions."""
+        raw = hashlib.sha256(f"{self.digest}:{self.length}".encode()).digest()
+        words = np.frombuffer(raw[: 4 * _WORDS], dtype="<u4")
         i = np.arange(self.length, dtype=np.uint64)
         mixed = (words[i % _WORDS].astype(np.uint64) ^ (i * np.uint64(0x9E3779B1))) & _KEY_MASK
         return (mixed | IMAGE_KEY_BASE).astype(np.uint32)
