@@ -56,6 +56,7 @@ from mlx_kvserve.cache.entry import (
     entry_key,
 )
 from mlx_kvserve.cache.exceptions import CacheError, EntryFormatError
+from mlx_kvserve.cache.features import FEATURE_SHARE, FeatureCache
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.lookup import find_match
 from mlx_kvserve.cache.persistence import apply_writer_results
@@ -95,10 +96,21 @@ class PromptCache:
         self.rebuild_seconds = 0.0
         self.disk: DiskTier | None = None
         self._space: SpaceWatch | None = None
-        if directory is None:
+        on_disk = directory is not None and not read_only
+        if directory is not None:
+            self.disk = DiskTier(Path(directory), self.fingerprint, self.log, read_only=read_only)
+            self._catalog.disk = self.disk
+        # the vision encoder's outputs by image digest, beside the entries (cache/features.py)
+        self.features = FeatureCache(
+            self.disk.dir if on_disk and self.disk is not None else None,
+            self.fingerprint,
+            ram_budget=ram_budget // FEATURE_SHARE,
+            disk_budget=lambda: self._policy.disk_budget,
+            logger=self.log,
+        )
+        self._policy.beside = self.features.disk_bytes
+        if self.disk is None:
             return
-        self.disk = DiskTier(Path(directory), self.fingerprint, self.log, read_only=read_only)
-        self._catalog.disk = self.disk
         self._space = SpaceWatch(self._catalog, self._policy, disk_budget)
         try:
             recovered = open_directory(
@@ -288,13 +300,14 @@ class PromptCache:
     def stats(self) -> dict[str, JSON]:
         with self._lock:
             self._drain()
-            return stats_report(
+            report = stats_report(
                 self._catalog,
                 self._policy,
                 self._space,
                 unclean_start=self.unclean_start,
                 rebuild_seconds=self.rebuild_seconds,
             )
+        return {**report, **self.features.stats()}
 
     def memory(self) -> dict[str, int]:
         """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
@@ -336,7 +349,8 @@ class PromptCache:
         """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
         results (engine-thread work), so a metrics scrape may call it from any thread."""
         with self._lock:
-            return counters_report(self._catalog, disk_budget=self.disk_budget)
+            report = counters_report(self._catalog, disk_budget=self.disk_budget)
+        return {**report, **self.features.stats()}
 
     def entries(self) -> list[EntryInfo]:
         with self._lock:
@@ -391,7 +405,8 @@ class PromptCache:
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
             self.log.info("prompt-cache cleared %d entries", removed)
-            return removed
+        self.features.clear()
+        return removed
 
     def flush(self) -> None:
         """Wait for pending writes to land on disk."""
@@ -409,6 +424,7 @@ class PromptCache:
         if self._writer is not None:
             self._writer.flush()
             self._writer.stop()
+        self.features.close()
         with self._lock:
             self._drain()
             if self.disk is not None and not self.read_only:

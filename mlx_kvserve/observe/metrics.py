@@ -334,3 +334,26 @@ class CacheCollector(Collector):
         yield gauge("cache_ram_bytes", "Bytes of checkpoints held in RAM.", get("ram_bytes"))
         yield gauge("cache_ram_budget_bytes", "The RAM tier's byte budget.", get("ram_budget"))
         yield gauge("cache_entries", "Checkpoints in the prompt cache.", get("entries"))
+        lookups = CounterMetricFamily(
+            f"{PREFIX}_cache_image_features_lookups",
+            "Vision-encoder outputs looked up by image digest: hit (RAM or disk) or miss.",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], get("features_hits"))
+        lookups.add_metric(["miss"], get("features_misses"))
+        yield lookups
+        yield counter(
+            "cache_image_features_discarded",
+            "Vision-encoder output files deleted unserved: torn, garbled or another model's.",
+            get("features_discarded"),
+        )
+        yield gauge(
+            "cache_image_features_disk_bytes",
+            "Bytes of vision-encoder output files beside the checkpoints (within the budget).",
+            get("features_disk_bytes"),
+        )
+        yield gauge(
+            "cache_image_features_ram_bytes",
+            "Bytes of vision-encoder outputs held in RAM.",
+            get("features_ram_bytes"),
+        )
