@@ -10,6 +10,7 @@ model the real ids; a reused prefix and every checkpoint end outside an image.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_kvserve.cache import PromptCache
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.generate import Generator
 from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.requests import SamplingParams
@@ -283,3 +285,43 @@ def test_key_ids_never_reach_the_continuations_index(model):
         continuations.remember(None, tokens)
     kept = continuations.index(None).tokens
     assert kept and not any(is_image_key(t) for t in kept if t < 1 << 40)
+
+
+# ----------------------------------------------------------- the text cache's invariants hold --
+def test_entries_of_a_run_that_died_are_checked_then_used(model, tmp_path):
+    """After an unclean shutdown an image prompt's entries are suspect: the restore re-prefills
+    the probe position with the prompt's real ids, the logits match, and the chain is used."""
+    spans = [image("screenshot")]
+    cache = disk_cache(tmp_path)
+    gen = engine(model, cache)
+    first = ask(gen, PROMPT, spans, boundaries={IMAGE_AT: "anchor"})
+    run_id = cache.run_id
+    cache.close()
+    marker = tmp_path / FINGERPRINT / "RUNNING"  # what the dead run would have left
+    marker.write_text(json.dumps({"run_id": run_id, "pid": 1, "started": 0}))
+    cache = disk_cache(tmp_path)
+    assert cache.unclean_start and all(e.suspect for e in cache.entries())
+    suspect = cache.stats()["suspect"]
+    turn_two = PROMPT + tokens_of(first.text) + [9, 8, 7, 6]
+    second = ask(engine(model, cache), turn_two, spans)
+    assert second.done.cached_tokens >= 0.9 * len(PROMPT)
+    assert tokens_of(second.text) == answer_of(model, turn_two, spans)
+    stats = cache.stats()
+    assert stats["failure_evictions"] == 0 and stats["suspect"] < suspect  # checked: verified
+    cache.close()
+
+
+def test_a_failure_after_restoring_an_image_prompt_blames_the_newest_link(model, monkeypatch):
+    spans = [image("screenshot")]
+    cache = ram_cache()
+    gen = engine(model, cache)
+    first = ask(gen, PROMPT, spans, boundaries={IMAGE_AT: "anchor"})
+    gen.states.reset()
+    monkeypatch.setenv(faults.ENV, "prefill_after_restore:1")
+    monkeypatch.setattr(faults, "_rules", None)
+    monkeypatch.setattr(faults, "_calls", {})
+    turn_two = PROMPT + tokens_of(first.text) + [9, 8, 7, 6]
+    second = ask(gen, turn_two, spans)
+    assert second.done.cached_tokens == IMAGE_AT  # from the anchor before the image
+    assert tokens_of(second.text) == answer_of(model, turn_two, spans)
+    assert cache.stats()["failure_evictions"] >= 1
