@@ -18,10 +18,13 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_kvserve.cache import PromptCache
+from mlx_kvserve.cache.kinds import describe_model
 from mlx_kvserve.engine import faults
+from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.generate import Generator
 from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.requests import SamplingParams
+from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.images.spans import (
     IMAGE_KEY_BASE,
@@ -325,3 +328,37 @@ def test_a_failure_after_restoring_an_image_prompt_blames_the_newest_link(model,
     assert second.done.cached_tokens == IMAGE_AT  # from the anchor before the image
     assert tokens_of(second.text) == answer_of(model, turn_two, spans)
     assert cache.stats()["failure_evictions"] >= 1
+
+
+def test_a_paused_image_request_checkpoints_its_key_and_resumes_on_real_ids(model, fed):
+    """Paused for memory: its KV is checkpointed under its key, freed, and rebuilt from that
+    checkpoint; the model is fed real ids, and the answer is the no-cache one."""
+    spans = [image("screenshot")]
+    cache = ram_cache()
+    gen = engine(model, cache)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    req = Recorder(list(PROMPT), params, "text", image_spans=tuple(spans))
+    _, seq = gen.start(req)
+    ended: list = []
+    batch = DecodeBatch(model, ended.append)
+    batch.add(seq)
+    for _ in range(2):
+        batch.step()
+    room = Room(describe_model(model).layers, 1 << 30, gen.states, cache, 16, True)
+    gen.states.reset()
+    room._pause(seq, batch, 0)
+    held = key_tokens(seq.live.tokens, spans)
+    paused = cache.lookup(held + [0])
+    assert paused.hit and paused.usable == len(held)  # stored under the key, not the real ids
+    assert cache.lookup(seq.live.tokens + [0]).usable <= IMAGE_AT
+    task = room.next_resume(model, 8, busy=False)
+    assert task is not None
+    while not task.advance():
+        pass
+    assert seq.live.tokens[: len(PROMPT)] == PROMPT and seq.live.spans == tuple(spans)
+    batch.add(seq)
+    while batch.seqs:
+        batch.step()
+    gen.finish(ended[0])
+    assert tokens_of(req.text) == answer_of(model, PROMPT, spans)
+    assert max(max(ids) for ids in fed) < IMAGE_KEY_BASE
