@@ -15,6 +15,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.models import llama
 
 from mlx_kvserve.cache import PromptCache
@@ -362,3 +364,52 @@ def test_a_paused_image_request_checkpoints_its_key_and_resumes_on_real_ids(mode
     gen.finish(ended[0])
     assert tokens_of(req.text) == answer_of(model, PROMPT, spans)
     assert max(max(ids) for ids in fed) < IMAGE_KEY_BASE
+
+
+# ------------------------------------------------------------------------------- fuzzing --
+@st.composite
+def prompts_with_images(draw, pictures=("a", "b")):
+    """A prompt of a few ids with 0-2 images of placeholder ids, each one of `pictures`: small
+    alphabets, so that prompts often share prefixes, images and places."""
+    text = st.lists(st.integers(6, 8), min_size=0, max_size=3)
+    tokens, spans = draw(text), []
+    for _ in range(draw(st.integers(0, 2))):
+        length = draw(st.integers(2, 4))
+        spans.append(ImageSpan(len(tokens), length, digest(draw(st.sampled_from(pictures)))))
+        tokens += [PAD] * length + draw(text)
+    tokens += draw(text)
+    if len(tokens) < 2:
+        tokens = [6, 7] + tokens
+        spans = [ImageSpan(s.start + 2, s.length, s.digest) for s in spans]
+    return tokens, spans
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stored=st.lists(st.tuples(prompts_with_images(), st.floats(0.1, 1.0)), min_size=1, max_size=3),
+    query=prompts_with_images(),
+)
+def test_any_reuse_is_a_whole_image_prefix_of_the_same_key(model, stored, query):
+    """Whatever was stored (a shared prefix, other pictures at the same places, text where an
+    image was, even a state cut inside an image, which no engine stores), a start holds the
+    query's real ids, never ends inside one of its images, and its state is that of a stored
+    prompt whose key agrees with the query's that far."""
+    cache = ram_cache()
+    states = PromptStates(model, cache)
+    keys = []
+    for (tokens, spans), part in stored:
+        cut = max(1, int(len(tokens) * part))
+        key = key_tokens(tokens, spans)[:cut]
+        start = states.cold()
+        model(mx.array([tokens[:cut]]), cache=start.caches)
+        keys.append(key)
+        cache.checkpoint(key, start.caches, "message")
+        states.keep(key, start.caches)
+    tokens, spans = query
+    got = states.acquire(tokens, spans=spans)
+    n = got.usable
+    assert n <= len(tokens) - 1 and whole_spans(n, spans) == n
+    assert got.tokens == tokens[:n] and not any(is_image_key(t) for t in got.tokens)
+    assert all(c.offset == n for c in got.caches)
+    want = key_tokens(tokens, spans)[:n]
+    assert n == 0 or any(key[:n] == want for key in keys)
