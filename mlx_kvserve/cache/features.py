@@ -8,11 +8,11 @@ depend on the model, so each model's prompt cache has its own (`PromptCache.feat
 
 RAM: the most recently used features within a byte budget. Disk: `<model dir>/features/
 <digest>.feat`, in the prompt cache's entry format (cache/codec.py: magic, version, header
-checksum, payload SHA-256) with one array, written as KV entries are: the bytes are made on the
-caller's thread (it owns MLX), a writer thread puts them in a temporary file, fsyncs it, renames
-it and fsyncs the directory (durable.replace_file: 0600 in the 0700 directory). A file that fails
-any check (torn by a crash, garbled, another model's) is deleted when read and counts as a miss:
-it is never served. Start-up deletes temporary leftovers.
+checksum, payload SHA-256) with one array, written as KV entries are: the host copy is made on
+the caller's thread (it owns MLX); a writer thread checksums it, puts it in a temporary file,
+fsyncs it, renames it and fsyncs the directory (durable.replace_file: 0600 in the 0700
+directory). A file that fails any check (torn by a crash, garbled, another model's) is deleted
+when read and counts as a miss: it is never served. Start-up deletes temporary leftovers.
 
 Bounded: the files hold at most 1/FEATURE_SHARE of the prompt cache's disk budget in force, and
 the KV entries leave them that room (`Policy.beside`), so together they stay within the budget;
@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_kvserve.cache import codec
-from mlx_kvserve.cache.codec import Slot
+from mlx_kvserve.cache.codec import HostArray, Slot
 from mlx_kvserve.cache.dirs import private_subdir
 from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.state import StateError, to_host, to_mx
@@ -118,18 +118,19 @@ class FeatureCache:
             self._keep_in_ram(digest, features)
             if self._writer is None or digest in self._files:
                 return
-        data = self._encode(digest, features)
+        host = to_host("features", features)  # the writer thread never touches MLX
+        size = len(self._head(digest, host, "0" * 64)) + host.nbytes
         with self._lock:
             cap = self.disk_budget() // FEATURE_SHARE
-            if len(data) > cap:
+            if size > cap:
                 return  # more than the whole share: RAM only
-            self._files[digest] = len(data)
+            self._files[digest] = size
             self._pending.add(digest)
             self.counters["stores"] += 1
             victims = self._over_budget(cap, keep=digest)
         for victim in victims:
             self._writer.submit(self._delete, victim)
-        self._writer.submit(self._write, digest, data)
+        self._writer.submit(self._write, digest, host)
 
     # -- reports and life ------------------------------------------------------------------------
     def disk_bytes(self) -> int:
@@ -197,9 +198,9 @@ class FeatureCache:
             victims.append(digest)
         return victims
 
-    def _encode(self, digest: str, features: mx.array) -> bytes:
-        """The file's bytes, made on the caller's thread (the writer never touches MLX)."""
-        host = to_host("features", features)
+    def _head(self, digest: str, host: HostArray, sha256: str) -> bytes:
+        """Everything before the payload (its length does not depend on the checksum's value,
+        so the file's size is known before the writer thread computes it)."""
         specs, size = codec.array_specs([host])
         header = {
             "format": _FORMAT,
@@ -207,9 +208,9 @@ class FeatureCache:
             "digest": digest,
             "arrays": specs,
             "payload_bytes": size,
-            "payload_sha256": codec.payload_digest([host]),
+            "payload_sha256": sha256,
         }
-        return codec.pack_head(header, Slot()) + bytes(codec.byte_view(host.data))
+        return codec.pack_head(header, Slot())
 
     def _read(self, digest: str) -> mx.array | None:
         """A file's features, fully checked; a file that fails a check is deleted."""
@@ -238,11 +239,13 @@ class FeatureCache:
                 self._path(digest).unlink()
             return None
 
-    def _write(self, digest: str, data: bytes) -> None:
+    def _write(self, digest: str, host: HostArray) -> None:
         """(writer thread) Durably write one file, unless it was evicted meanwhile."""
         with self._lock:
             if digest not in self._pending:
                 return
+        head = self._head(digest, host, codec.payload_digest([host]))
+        data = head + codec.byte_view(host.data).tobytes()
         try:
             assert self.root is not None
             private_subdir(self.root, DIR_NAME)

@@ -71,7 +71,8 @@ class Prompt:
     key: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", key_tokens(self.tokens, self.spans))
+        key = key_tokens(self.tokens, self.spans) if self.spans else self.tokens
+        object.__setattr__(self, "key", key)
 
     def whole(self, length: int) -> int:
         """`length` cut back to the start of an image it would split."""
