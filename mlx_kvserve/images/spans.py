@@ -4,10 +4,11 @@ A vision model reads an image as a run of placeholder tokens (Qwen's `<|image_pa
 `<image_soft_token>`) whose embeddings the vision encoder replaces. Those ids are the same for
 every image, so a cache keyed by token ids alone would give one picture's KV to another
 (vllm-mlx #718). The prompt cache therefore keys a prompt by `key_tokens`: the text's own ids,
-and in each image's span ids derived from the hash of its decoded pixels (`Image.digest`), in a
-range no tokenizer uses (at or above 2**31). A prefix is then reused exactly up to the first
-image that differs, a text-only prompt shares its prefix with an image prompt, and the key
-survives a restart because it is made of the pixels, not of a path or a URL.
+and in each image's span ids derived from the hash of its decoded pixels (`Image.digest`) and
+the span's length, in a range no tokenizer uses (at or above 2**31). A prefix is then reused
+exactly up to the first image that differs, a text-only prompt shares its prefix with an image
+prompt, and the key survives a restart because it is made of the pixels, not of a path or a URL.
+The engine feeds the model the real ids; key ids are never fed to it nor drafted (`is_image_key`).
 
 A span is never split: the KV of half an image is not what any prompt computes (an encoder's
 features are fed whole, and some models attend within an image both ways), so a reused length
