@@ -17,7 +17,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 import numpy as np
 
 from mlx_kvserve.engine.namespaces import current_namespace
-from mlx_kvserve.images.spans import ImageSpan
+from mlx_kvserve.images.spans import ImageSpan, check_spans
 
 
 class CancelLatch:
@@ -168,6 +168,10 @@ class GenerationRequest:
     choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_spans:
+            check_spans(len(self.prompt_tokens), self.image_spans)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Attach the event loop that will consume this request's events."""

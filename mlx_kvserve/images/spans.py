@@ -72,6 +72,17 @@ def key_tokens(tokens: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
     return keyed.tolist()
 
 
+def check_spans(length: int, spans: Sequence[ImageSpan]) -> None:
+    """Raise ValueError unless `spans` lie within a prompt of `length` tokens, in order and
+    apart: where the engine relies on it (a span cut, or two over one position, is a bug of
+    whoever placed them, not a prompt)."""
+    end = 0
+    for span in spans:
+        if span.start < end or span.end > length:
+            raise ValueError(f"image spans {list(spans)} do not fit a {length}-token prompt")
+        end = span.end
+
+
 def whole_spans(length: int, spans: Sequence[ImageSpan]) -> int:
     """`length` cut back to the start of the span it would split, if any: a reused prefix or a
     checkpoint never ends inside an image."""

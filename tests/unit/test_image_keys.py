@@ -122,6 +122,11 @@ def test_key_tokens_replace_each_span_and_nothing_else():
         key_tokens(PROMPT[:30], [a])
     with pytest.raises(ValueError):
         ImageSpan(0, 0, a.digest)
+    # A request whose images do not fit its prompt is a bug of whoever placed them: refused.
+    params = SamplingParams(max_tokens=1)
+    for bad in ([image("a", start=len(PROMPT) - 2)], [image("a"), image("b", start=IMAGE_AT + 4)]):
+        with pytest.raises(ValueError):
+            Recorder(list(PROMPT), params, "text", image_spans=tuple(bad))
 
 
 def test_whole_spans_cuts_back_to_an_image_start():
