@@ -39,7 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
 from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
 from mlx_kvserve.engine import faults
-from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
 from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
 
 
@@ -105,6 +105,12 @@ class PromptStates:
         self._full_live_budget = live_budget
         self.kv_dtype = _kv_dtype(model)
         self._residents: list[Start] = []  # newest first
+
+    @property
+    def features(self) -> ImageFeatures | None:
+        """The vision encoder's outputs by image digest, kept beside this cache (None with the
+        cache off): a vision model looks an image up here before it runs its tower."""
+        return self.cache.features if self.cache is not None else None
 
     @property
     def residents(self) -> int:

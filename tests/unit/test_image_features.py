@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_kvserve.cache import PromptCache
 from mlx_kvserve.cache.features import DIR_NAME, FEATURE_SHARE, SUFFIX
+from mlx_kvserve.engine.prompt_state import PromptStates
 from tests.unit.test_engine_units import tiny_model
 
 MiB = 1 << 20
@@ -149,6 +150,9 @@ def test_a_file_under_another_name_or_of_another_model_is_discarded(tmp_path):
 
 def test_not_a_digest_is_refused():
     cache = PromptCache(None, FINGERPRINT, disk_budget=None, ram_budget=64 * MiB)
+    model = tiny_model()
+    assert PromptStates(model, cache).features is cache.features  # where the engine finds it
+    assert PromptStates(model, cache, enabled=False).features is None  # --no-cache
     for bad in ["../../etc/passwd", "", "A" * 64, "a/b", "ab"]:
         assert cache.features.get(bad) is None
         with pytest.raises(ValueError):
