@@ -6,6 +6,7 @@ a restart, damaged files, the disk budget shared with the KV entries, file modes
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -190,3 +191,31 @@ def test_the_disk_budget_holds_the_features_and_the_kv_together(tmp_path):
     kv_bytes = sum(p.stat().st_size for p in (tmp_path / FINGERPRINT).glob("*.kvc"))
     assert kv_bytes > 0 and kv_bytes + held <= budget
     cache.close()
+
+
+def test_a_failing_disk_loses_only_the_file(tmp_path, monkeypatch, caplog):
+    """A write that fails (a full disk) fails no call: the features stay in RAM, the file is
+    not counted against the budget, one warning, and the next write goes to disk again."""
+    from mlx_kvserve.cache import features as features_module
+
+    real = features_module.replace_file
+    failures = iter([True, True])
+
+    def flaky(path, data, mode):
+        if next(failures, False):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data, mode)
+
+    monkeypatch.setattr(features_module, "replace_file", flaky)
+    cache = open_cache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="mlx_kvserve.cache"):
+        cache.features.put(digest("a"), features(1))
+        cache.features.put(digest("b"), features(2))
+        cache.features.flush()
+    assert same(cache.features.get(digest("a")), features(1))  # from RAM
+    stats = cache.stats()
+    assert stats["features_write_errors"] == 2 and stats["features_disk_bytes"] == 0
+    assert len([r for r in caplog.records if "could not write" in r.getMessage()]) == 1
+    cache.features.put(digest("c"), features(3))
+    cache.close()
+    assert [p.name for p in files(tmp_path)] == [digest("c") + SUFFIX]
