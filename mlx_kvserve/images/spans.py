@@ -72,6 +72,23 @@ def key_tokens(tokens: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
     return keyed.tolist()
 
 
+def find_spans(
+    tokens: Sequence[int], placeholder: int, digests: Sequence[str]
+) -> tuple[ImageSpan, ...]:
+    """The spans of a rendered prompt whose images a processor expanded into runs of the
+    `placeholder` id (Qwen's `<|image_pad|>`, Gemma's `<image_soft_token>`; each run between
+    the family's start and end markers), paired in order with the images' `digests`. Raises
+    ValueError when the runs and the images do not pair up."""
+    arr = np.asarray(tokens, dtype=np.int64) == placeholder
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], arr, [False])).astype(np.int8)))
+    starts, ends = edges[0::2], edges[1::2]
+    if len(starts) != len(digests):
+        raise ValueError(f"{len(starts)} runs of image tokens for {len(digests)} images")
+    return tuple(
+        ImageSpan(int(s), int(e - s), d) for s, e, d in zip(starts, ends, digests, strict=True)
+    )
+
+
 def check_spans(length: int, spans: Sequence[ImageSpan]) -> None:
     """Raise ValueError unless `spans` lie within a prompt of `length` tokens, in order and
     apart: where the engine relies on it (a span cut, or two over one position, is a bug of

@@ -31,6 +31,7 @@ from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.images.spans import (
     IMAGE_KEY_BASE,
     ImageSpan,
+    find_spans,
     is_image_key,
     key_tokens,
     whole_spans,
@@ -418,3 +419,20 @@ def test_any_reuse_is_a_whole_image_prefix_of_the_same_key(model, stored, query)
     assert all(c.offset == n for c in got.caches)
     want = key_tokens(tokens, spans)[:n]
     assert n == 0 or any(key[:n] == want for key in keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.tuples(st.lists(st.integers(6, 96), max_size=5), st.integers(1, 9))))
+def test_find_spans_pairs_each_run_of_image_tokens_with_its_image(parts):
+    """A rendered prompt: for each image some text, a start marker, a run of placeholder ids
+    and an end marker. Each run is found and paired with its image, in order; a count of
+    images that does not match the runs is refused."""
+    tokens, want = [], []
+    for n, (text, length) in enumerate(parts):
+        tokens += text + [7]  # the image's start marker
+        want.append(ImageSpan(len(tokens), length, digest(str(n))))
+        tokens += [PAD] * length + [8]  # its end marker
+    got = find_spans(tokens, PAD, [digest(str(n)) for n in range(len(parts))])
+    assert got == tuple(want)
+    with pytest.raises(ValueError):
+        find_spans(tokens, PAD, [digest("x")] * (len(parts) + 1))
