@@ -36,6 +36,7 @@ from mlx_kvserve.images.spans import (
     key_tokens,
     whole_spans,
 )
+from tests.unit.test_cache_models import tiny_llama
 from tests.unit.test_engine_units import Recorder, StubTokenizer, tiny_model, tokens_of
 
 MiB = 1 << 20
@@ -436,3 +437,41 @@ def test_find_spans_pairs_each_run_of_image_tokens_with_its_image(parts):
     assert got == tuple(want)
     with pytest.raises(ValueError):
         find_spans(tokens, PAD, [digest("x")] * (len(parts) + 1))
+
+
+def test_a_sliding_window_model_checkpoints_outside_images_too(fed, monkeypatch):
+    """Caches that cannot be cut back (a sliding window) run a chunk to each checkpoint,
+    the chat prompt's one-before-the-end point included: none of them ends inside an image,
+    and the next turn restores the exact prefix it stored."""
+    mx.random.seed(1)
+    sliding = tiny_llama(True)
+    mx.eval(sliding.parameters())
+    spans = [image("chart", start=20, length=14)]
+    prompt = SYSTEM[:20] + [PAD] * 14 + QUESTION * 8
+    cache = ram_cache("tiny-image-keys-sliding")
+    stored: list[int] = []
+    checkpoint = cache.checkpoint
+
+    def recording(tokens, *args, **kwargs):
+        stored.append(len(tokens))
+        return checkpoint(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "checkpoint", recording)
+    states = PromptStates(sliding, cache)
+    gen = Generator(sliding, StubTokenizer(), states, prefill_step=8, checkpoint_interval=12)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first = Recorder(list(prompt), params, "chat", boundaries={30: "message"})
+    first.image_spans = tuple(spans)
+    fed.clear()
+    gen.run(first)
+    ends, position = [], 0
+    for ids in fed:
+        position += len(ids)
+        ends.append(position)
+    assert not [e for e in ends if 20 < e < 34] and not [n for n in stored if 20 < n < 34]
+    assert 20 in stored and len(prompt) - 1 in stored
+    states.reset()
+    again = Recorder(list(prompt), params, "chat", image_spans=(*spans,))
+    gen.run(again)
+    assert again.done.cached_tokens == len(prompt) - 1
+    assert tokens_of(again.text) == tokens_of(first.text)
