@@ -28,7 +28,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,6 +71,8 @@ class FeatureCache:
         self._ram_bytes = 0
         self._files: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, LRU first
         self._pending: set[str] = set()  # queued for the writer, not on disk yet
+        self._queued_bytes = 0  # host copies waiting for the writer
+        self._last: Future[None] | None = None  # the writer's newest job (it runs them in order)
         self._failing = False
         self.counters = dict.fromkeys(
             ("hits", "disk_hits", "misses", "stores", "evictions", "discarded", "write_errors"),
@@ -128,15 +130,34 @@ class FeatureCache:
             self._pending.add(digest)
             self.counters["stores"] += 1
             victims = self._over_budget(cap, keep=digest)
+        with self._lock:
+            self._queued_bytes += host.nbytes
         for victim in victims:
-            self._writer.submit(self._delete, victim)
-        self._writer.submit(self._write, digest, host)
+            self._submit(self._delete, victim)
+        self._submit(self._write, digest, host)
 
     # -- reports and life ------------------------------------------------------------------------
     def disk_bytes(self) -> int:
         """Bytes of the files (queued ones included): what the KV entries leave them."""
         with self._lock:
             return sum(self._files.values())
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes of features in RAM, bytes of host copies queued for the disk): what the
+        engine's memory ledger counts beside the KV (PromptCache.memory)."""
+        with self._lock:
+            return self._ram_bytes, self._queued_bytes
+
+    def release_ram(self, nbytes: int) -> int:
+        """Drop the least recently used features from RAM until `nbytes` are freed (their
+        files stay); the bytes freed."""
+        freed = 0
+        with self._lock:
+            while self._ram and freed < nbytes:
+                _, gone = self._ram.popitem(last=False)
+                freed += gone.nbytes
+            self._ram_bytes -= freed
+        return freed
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -150,8 +171,9 @@ class FeatureCache:
 
     def flush(self) -> None:
         """Wait for the queued writes and deletions."""
-        if self._writer is not None:
-            self._writer.submit(lambda: None).result()
+        last = self._last
+        if last is not None:
+            wait([last])
 
     def clear(self) -> int:
         """Forget every image (RAM and disk); how many files went."""
@@ -161,8 +183,7 @@ class FeatureCache:
             victims = list(self._files)
             self._files.clear()
         for digest in victims:
-            if self._writer is not None:
-                self._writer.submit(self._delete, digest)
+            self._submit(self._delete, digest)
         self.flush()
         return len(victims)
 
@@ -171,6 +192,10 @@ class FeatureCache:
             self._writer.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------
+    def _submit(self, job: Callable[..., None], *args: object) -> None:
+        if self._writer is not None:
+            self._last = self._writer.submit(job, *args)
+
     def _path(self, digest: str) -> Path:
         assert self.dir is not None
         return self.dir / f"{digest}{SUFFIX}"
@@ -241,6 +266,13 @@ class FeatureCache:
 
     def _write(self, digest: str, host: HostArray) -> None:
         """(writer thread) Durably write one file, unless it was evicted meanwhile."""
+        try:
+            self._write_file(digest, host)
+        finally:
+            with self._lock:
+                self._queued_bytes -= host.nbytes
+
+    def _write_file(self, digest: str, host: HostArray) -> None:
         with self._lock:
             if digest not in self._pending:
                 return

@@ -312,9 +312,13 @@ class PromptCache:
     def memory(self) -> dict[str, int]:
         """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
         the disk that are not in it. Any thread (for the engine's memory ledger)."""
+        features, queued = self.features.memory()  # the image features count with the tier
         with self._lock:
             cat = self._catalog
-            return {"ram_tier": cat.ram.nbytes, "pending_writes": cat.pending_only_bytes()}
+            return {
+                "ram_tier": cat.ram.nbytes + features,
+                "pending_writes": cat.pending_only_bytes() + queued,
+            }
 
     def release_ram(self, nbytes: int) -> int:
         """Drop at least `nbytes` of the RAM tier if it can (least recently used first; copies
@@ -329,7 +333,8 @@ class PromptCache:
                 self._policy.enforce_ram_budget(set())
             finally:
                 ram.budget = budget
-            return before - ram.nbytes
+            freed = before - ram.nbytes
+        return freed + self.features.release_ram(max(0, int(nbytes)) - freed)
 
     def disk_state(self) -> dict[str, JSON] | None:
         """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
@@ -409,9 +414,10 @@ class PromptCache:
         return removed
 
     def flush(self) -> None:
-        """Wait for pending writes to land on disk."""
+        """Wait for pending writes to land on disk (the image features' too)."""
         if self._writer is not None:
             self._writer.flush()
+        self.features.flush()
         with self._lock:
             self._drain()
 

@@ -219,3 +219,20 @@ def test_a_failing_disk_loses_only_the_file(tmp_path, monkeypatch, caplog):
     cache.features.put(digest("c"), features(3))
     cache.close()
     assert [p.name for p in files(tmp_path)] == [digest("c") + SUFFIX]
+
+
+def test_the_memory_ledger_counts_the_features_and_can_free_them(tmp_path):
+    """Features in RAM count with the RAM tier (the engine's memory ledger reads it), and a
+    request short of memory can have them dropped: their files stay and serve."""
+    cache = open_cache(tmp_path)
+    before = cache.memory()["ram_tier"]
+    a = features(1)
+    cache.features.put(digest("a"), a)
+    cache.flush()  # the image features' write too
+    assert files(tmp_path) and cache.memory()["ram_tier"] == before + a.nbytes
+    assert cache.memory()["pending_writes"] == 0
+    assert cache.release_ram(cache.memory()["ram_tier"]) >= a.nbytes
+    assert cache.memory()["ram_tier"] == 0 and cache.stats()["features_ram_entries"] == 0
+    assert same(cache.features.get(digest("a")), a)  # from its file
+    assert cache.stats()["features_disk_hits"] == 1
+    cache.close()
