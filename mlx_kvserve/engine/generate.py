@@ -410,6 +410,5 @@ class Generator:
         if cache is not None and tokens:
             anchor = reason == "anchor"
             cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
-        held = live.key()
-        if reason in {"generation", "partial"} and held is not None:
+        if reason in {"generation", "partial"} and (held := live.key()) is not None:
             states.keep(held, live.caches)
