@@ -61,7 +61,7 @@ class FeatureCache:
         logger: logging.Logger | None = None,
     ) -> None:
         self.fingerprint = fingerprint
-        self.ram_budget = max(0, ram_budget)
+        self.ram_budget = self._full_ram_budget = max(0, ram_budget)
         self.disk_budget = disk_budget
         self.log = logger or logging.getLogger("mlx_kvserve.cache")
         self.root = directory  # the model's cache directory; ours is made at the first write
@@ -70,8 +70,7 @@ class FeatureCache:
         self._ram: OrderedDict[str, mx.array] = OrderedDict()  # least recently used first
         self._ram_bytes = 0
         self._files: OrderedDict[str, int] = OrderedDict()  # digest -> file bytes, LRU first
-        self._pending: set[str] = set()  # queued for the writer, not on disk yet
-        self._queued_bytes = 0  # host copies waiting for the writer
+        self._pending: dict[str, HostArray] = {}  # host copies queued for the writer
         self._last: Future[None] | None = None  # the writer's newest job (it runs them in order)
         self._failing = False
         self.counters = dict.fromkeys(
@@ -95,18 +94,23 @@ class FeatureCache:
                     self._files.move_to_end(digest)
                 self.counters["hits"] += 1
                 return self._ram[digest]
-            on_disk = digest in self._files and digest not in self._pending
-        features = self._read(digest) if on_disk else None
+            queued = self._pending.get(digest)  # its write has not landed yet
+            on_disk = digest in self._files and queued is None
+        features = to_mx(queued) if queued is not None else None
+        if on_disk:
+            features = self._read(digest)
         with self._lock:
             if features is None:
                 self.counters["misses"] += 1
                 return None
             self.counters["hits"] += 1
-            self.counters["disk_hits"] += 1
-            self._files.move_to_end(digest)
+            self.counters["disk_hits"] += on_disk
+            if digest in self._files:
+                self._files.move_to_end(digest)
             self._keep_in_ram(digest, features)
-        with contextlib.suppress(OSError):
-            os.utime(self._path(digest))  # recency survives a restart
+        if on_disk:
+            with contextlib.suppress(OSError):
+                os.utime(self._path(digest))  # recency survives a restart
         return features
 
     def put(self, digest: str, features: mx.array) -> None:
@@ -127,11 +131,9 @@ class FeatureCache:
             if size > cap:
                 return  # more than the whole share: RAM only
             self._files[digest] = size
-            self._pending.add(digest)
+            self._pending[digest] = host
             self.counters["stores"] += 1
             victims = self._over_budget(cap, keep=digest)
-        with self._lock:
-            self._queued_bytes += host.nbytes
         for victim in victims:
             self._submit(self._delete, victim)
         self._submit(self._write, digest, host)
@@ -146,7 +148,13 @@ class FeatureCache:
         """(bytes of features in RAM, bytes of host copies queued for the disk): what the
         engine's memory ledger counts beside the KV (PromptCache.memory)."""
         with self._lock:
-            return self._ram_bytes, self._queued_bytes
+            return self._ram_bytes, sum(h.nbytes for h in self._pending.values())
+
+    def limit_ram(self, share: float) -> None:
+        """Keep `share` of the RAM budget (1.0 restores it), the system being short of memory."""
+        with self._lock:
+            self.ram_budget = int(self._full_ram_budget * max(0.0, min(1.0, share)))
+        self.release_ram(self._ram_bytes - self.ram_budget)
 
     def release_ram(self, nbytes: int) -> int:
         """Drop the least recently used features from RAM until `nbytes` are freed (their
@@ -218,7 +226,7 @@ class FeatureCache:
             if digest == keep:
                 continue
             total -= self._files.pop(digest)
-            self._pending.discard(digest)
+            self._pending.pop(digest, None)
             self.counters["evictions"] += 1
             victims.append(digest)
         return victims
@@ -266,13 +274,6 @@ class FeatureCache:
 
     def _write(self, digest: str, host: HostArray) -> None:
         """(writer thread) Durably write one file, unless it was evicted meanwhile."""
-        try:
-            self._write_file(digest, host)
-        finally:
-            with self._lock:
-                self._queued_bytes -= host.nbytes
-
-    def _write_file(self, digest: str, host: HostArray) -> None:
         with self._lock:
             if digest not in self._pending:
                 return
@@ -285,7 +286,7 @@ class FeatureCache:
         except OSError as exc:
             with self._lock:
                 self._files.pop(digest, None)
-                self._pending.discard(digest)
+                self._pending.pop(digest, None)
                 self.counters["write_errors"] += 1
                 first, self._failing = not self._failing, True
             if first:
@@ -293,9 +294,8 @@ class FeatureCache:
             return
         with self._lock:
             self._failing = False
-            if digest not in self._pending:  # evicted while it was written
+            if self._pending.pop(digest, None) is None:  # evicted while it was written
                 self._delete(digest)
-            self._pending.discard(digest)
 
     def _delete(self, digest: str) -> None:
         with contextlib.suppress(OSError):

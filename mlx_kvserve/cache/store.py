@@ -164,6 +164,7 @@ class PromptCache:
         """Shrink the RAM tier to `share` of its configured budget (1.0 restores it) when the
         system is short of memory; copies beyond it leave at once (the disk keeps them, or,
         without a disk tier, they are evicted). The new budget in bytes."""
+        self.features.limit_ram(share)
         with self._lock:
             self._drain()
             budget = int(self._full_ram_budget * max(0.0, min(1.0, share)))

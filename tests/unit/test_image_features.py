@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import stat
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -235,4 +236,34 @@ def test_the_memory_ledger_counts_the_features_and_can_free_them(tmp_path):
     assert cache.memory()["ram_tier"] == 0 and cache.stats()["features_ram_entries"] == 0
     assert same(cache.features.get(digest("a")), a)  # from its file
     assert cache.stats()["features_disk_hits"] == 1
+    cache.limit_ram(0.0)  # the system is short of memory: no RAM for features either
+    assert cache.stats()["features_ram_bytes"] == 0
+    cache.features.put(digest("b"), features(2))
+    assert cache.stats()["features_ram_bytes"] == 0
+    cache.limit_ram(1.0)
+    assert same(cache.features.get(digest("b")), features(2))
+    assert cache.stats()["features_ram_bytes"] == features(2).nbytes
+    cache.close()
+
+
+def test_features_whose_write_has_not_landed_are_served_from_their_copy(tmp_path, monkeypatch):
+    from mlx_kvserve.cache import features as features_module
+
+    real, landed = features_module.replace_file, threading.Event()
+
+    def slow(path, data, mode):
+        landed.wait(30)
+        real(path, data, mode)
+
+    monkeypatch.setattr(features_module, "replace_file", slow)
+    cache = open_cache(tmp_path)
+    cache.limit_ram(0.0)  # nothing stays in RAM
+    a = features(1)
+    cache.features.put(digest("a"), a)
+    assert cache.memory()["pending_writes"] == a.nbytes  # the queued copy counts
+    assert same(cache.features.get(digest("a")), a) and files(tmp_path) == []
+    landed.set()
+    cache.close()
+    cache = open_cache(tmp_path)
+    assert same(cache.features.get(digest("a")), a)
     cache.close()
