@@ -261,10 +261,12 @@ class FeatureCache:
             if not codec.host_finite(host):
                 raise EntryFormatError("features contain NaN or Inf")
             return to_mx(host)
+        except FileNotFoundError:  # deleted by someone else: nothing to discard
+            with self._lock:
+                self._files.pop(digest, None)
+            return None
         except (OSError, EntryFormatError, StateError, ValueError) as exc:
             with self._lock:
-                if digest in self._pending:  # evicted from RAM before its write landed
-                    return None
                 self._files.pop(digest, None)
                 self.counters["discarded"] += 1
             self.log.warning("prompt-cache discarded the features of image %s: %s", digest, exc)

@@ -267,3 +267,15 @@ def test_features_whose_write_has_not_landed_are_served_from_their_copy(tmp_path
     cache = open_cache(tmp_path)
     assert same(cache.features.get(digest("a")), a)
     cache.close()
+
+
+def test_a_file_deleted_behind_its_back_is_a_plain_miss(tmp_path):
+    cache = open_cache(tmp_path)
+    cache.features.put(digest("a"), features(1))
+    cache.close()
+    cache = open_cache(tmp_path)
+    files(tmp_path)[0].unlink()  # `rm` by hand while the server runs
+    assert cache.features.get(digest("a")) is None
+    stats = cache.stats()
+    assert stats["features_discarded"] == 0 and stats["features_disk_entries"] == 0
+    cache.close()
