@@ -211,7 +211,8 @@ class Engine(Intake, Stopping, Failures):
         """Load the model and make what serves it: its prompt states, generator, KV ledger and
         decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
         of the model can do)."""
-        model, tokenizer, prompt_cache = Loaded(*self._loader())
+        loaded = Loaded(*self._loader())
+        model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
         if prompt_cache is not None:
             self.prompt_cache = prompt_cache
         self.model, self.tokenizer = model, tokenizer
@@ -263,6 +264,7 @@ class Engine(Intake, Stopping, Failures):
             mergeable=self._can_batch,
             speculation=speculation,
             continuations=self.continuations,
+            mtp=loaded.mtp if speculation == "auto" else None,
         )
 
     def _loop(self) -> None:

@@ -15,7 +15,7 @@ harmless: a hit is checked against the tokens before it is used.
 Sources see only committed tokens (the prompt, then accepted output), so none needs rolling
 back. The prompt cache's continuations (continuations.py: what finished requests' tokens went
 on with, SuffixDecoding-style) implement the same `DraftSource` protocol and join a row's
-`Drafter` beside it, as later sources (a model's MTP heads, a draft model) will.
+`Drafter` beside it, as a checkpoint's MTP heads do (mtp.py) and a draft model will.
 """
 
 from __future__ import annotations
@@ -158,8 +158,13 @@ class Drafter:
             source.extend(tokens)
 
     def propose(self, limit: int) -> Draft | None:
+        """A source whose every proposal carries the same `evidence` (a model's heads, which
+        cost a forward) is not asked once an earlier one has proposed as much."""
         best: Draft | None = None
         for source in self.sources:
+            fixed = getattr(source, "evidence", None)
+            if best is not None and fixed is not None and best.evidence >= fixed:
+                continue
             draft = source.propose(limit)
             if draft and draft.tokens and (best is None or draft.evidence > best.evidence):
                 best = draft

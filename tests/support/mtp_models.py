@@ -1,0 +1,87 @@
+"""Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
+the model's safetensors, `mtp_num_hidden_layers` in its `text_config`).
+
+`mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
+layer: random heads guess badly, so they show exactness (every guess checked) but not
+acceptance. `predictable=True` makes heads that guess right: the target's decoder layers add
+nothing to the residual stream (their output projections zeroed), so its next token depends on
+the current token alone, h_p = norm(embedding of t_p); the MTP block's `fc` passes the next
+token's normed embedding through and its layer adds nothing either, so its output is the
+target's hidden state one position on, and through the target's head it predicts exactly what
+the target will. `leak` keeps that fraction of the target's layers (its answers then depend on
+context, and the heads guess right only sometimes: drafts kept and rejected).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.support.tiny_models import make_model_dir
+
+# the projections whose output joins the residual stream
+_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def mtp_model_dir(
+    dest: Path,
+    *,
+    layers: int = 1,
+    predictable: bool = False,
+    leak: float = 0.0,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """A tiny Qwen3.5 directory whose safetensors also hold `layers` MTP layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from mlx_kvserve.models.mtp_heads import _block
+
+    make_model_dir(dest, "qwen3_5", seed=seed, mtp_num_hidden_layers=layers, **overrides)
+    config = json.loads((dest / "config.json").read_text())
+    target, _ = load_model(dest)
+    mx.random.seed(seed + 1)
+    block = _block(config, target, layers)
+    heads = {f"mtp.{k}": v for k, v in tree_flatten(block.parameters())}
+    path = dest / "model.safetensors"
+    weights = dict(mx.load(str(path)))
+    if predictable:
+        hidden = config["text_config"]["hidden_size"]
+        for key in weights:
+            if key.endswith(_OUTPUTS):
+                weights[key] = weights[key] * leak
+        for key in heads:
+            if key.endswith(_OUTPUTS):
+                heads[key] = mx.zeros_like(heads[key])
+        eye = mx.eye(hidden, dtype=heads["mtp.fc.weight"].dtype)
+        heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    weights.update(heads)
+    mx.eval(weights)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    return dest
+
+
+def predictable_llama_heads(model: Any, leak: float = 0.0) -> Any:
+    """`MTPHeads` for an in-memory mlx-lm llama (every layer plain KV, so rows verify merged):
+    one llama block as the MTP layer, made predictable as above (`model` changed in place)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import TransformerBlock
+
+    from mlx_kvserve.models.mtp_heads import MTPBlock, MTPHeads
+
+    args = model.args
+    scaled = [(k, v * leak) for k, v in tree_flatten(model.parameters()) if k.endswith(_OUTPUTS)]
+    model.load_weights(scaled, strict=False)
+    block = MTPBlock([TransformerBlock(args)], args.hidden_size, args.rms_norm_eps)
+    zeroed = [(k, mx.zeros_like(v)) for k, v in tree_flatten(block.parameters())]
+    eye = mx.eye(args.hidden_size)
+    fc = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    block.load_weights(
+        [(k, v) for k, v in zeroed if k.endswith(_OUTPUTS)] + [("fc.weight", fc)], strict=False
+    )
+    mx.eval(model.parameters(), block.parameters())
+    return MTPHeads(model, block)

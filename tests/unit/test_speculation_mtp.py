@@ -1,0 +1,246 @@
+"""Drafting from a checkpoint's own MTP heads (models/mtp_heads.py, engine/speculation/mtp.py):
+the heads are kept at load from the model's safetensors; the decode batch's passes keep the
+target's hidden states for them without changing its logits; with random heads (every draft a
+guess) the tokens are plain decoding's, and with heads made to guess right (tests/support/
+mtp_models.py) their drafts are kept, solo and merged, and their own cache holds exactly one
+entry per committed position, as if fed afresh."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.loading import Loaded
+from mlx_kvserve.engine.speculation.depth import VerifyCost
+from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap
+from mlx_kvserve.engine.worker import Engine
+from mlx_kvserve.models.mtp_heads import MTPHeads, load_heads
+from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
+from tests.support.tiny_models import make_model_dir
+from tests.unit.test_batching import Driver
+from tests.unit.test_engine_units import StubTokenizer, reference, request, tokens_of
+
+PROMPTS = [[5, 9, 2, 7, 11, 13, 17, 19], [3, 4, 8, 100, 200], [40, 41, 42, 43, 44, 45]]
+# heads: random (guesses), right (the target's own next token), leaky (right only sometimes)
+HEADS = {"random": {}, "right": {"predictable": True}, "leaky": {"predictable": True, "leak": 0.05}}
+
+
+@pytest.fixture(autouse=True)
+def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft on the cost prior alone: a loaded machine's timings must not decide the test."""
+    monkeypatch.setattr(VerifyCost, "observe", lambda self, batch, width, seconds: None)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer."""
+    out = {}
+    for name, kwargs in HEADS.items():
+        path = mtp_model_dir(tmp_path_factory.mktemp(name), **kwargs)
+        model, _ = load_model(path)
+        out[name] = (model, load_heads(path, model), path)
+    return out
+
+
+def decode(model, heads: MTPHeads | None, prompts, n, speculation: str = "auto", **params):
+    """Each request joins the batch a step after the one before, then all run out; `n`: the
+    tokens each asks for (or a list, one per prompt)."""
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation=speculation, mtp=heads)
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        req = request(prompt, max_tokens=n[i] if isinstance(n, list) else n)
+        req.params = replace(req.params, **params)
+        reqs.append(req)
+        driver.join(req)
+        driver.step()
+    driver.drain()
+    return driver, reqs
+
+
+def untied_llama():
+    """A tiny llama with its own output head (tied, a zeroed llama predicts its input token)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(3)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
+    return llama.Model(args)
+
+
+def mtp_counts(driver: Driver) -> list[list[int]]:
+    """Each finished row's (drafted, kept, passes) from the MTP heads."""
+    return [seq.timings.by_source.get(SOURCE, [0, 0, 0]) for seq in driver.ended]
+
+
+def test_the_heads_are_kept_at_load_and_passes_return_the_models_logits(qwen):
+    model, heads, path = qwen["random"]
+    assert heads is not None and heads.depth == 1
+    config = json.loads((path / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1
+    tokens = mx.array([PROMPTS[0]])
+    cache, cache2 = model.make_cache(), model.make_cache()
+    tap = Tap(heads)
+    for part in (tokens[:, :5], tokens[:, 5:]):  # a prefill, then more on the same caches
+        assert mx.array_equal(tap(part, cache=cache), model(part, cache=cache2)).item()
+    width = config["text_config"]["hidden_size"]
+    assert tap.hidden is not None and tap.hidden.shape == (1, 3, width)
+
+
+def test_a_checkpoint_without_heads_has_none(tmp_path: Path):
+    plain = make_model_dir(tmp_path / "plain", "qwen3_5")
+    model, _ = load_model(plain)
+    assert load_heads(plain, model) is None  # no mtp_num_hidden_layers
+    stated = make_model_dir(tmp_path / "stated", "qwen3_5", mtp_num_hidden_layers=1)
+    assert load_heads(stated, model) is None  # stated, but the conversion dropped the tensors
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    assert load_heads(llama, load_model(llama)[0]) is None  # a family without heads
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_greedy_tokens_are_plain_decodings_and_right_heads_are_kept(qwen, kind):
+    """A lone row (snapshot and replay of the hybrid's states when a draft is rejected)."""
+    model, heads, _ = qwen[kind]
+    _, plain = decode(model, None, PROMPTS[:1], 30, "off")
+    driver, spec = decode(model, heads, PROMPTS[:1], 30)
+    assert tokens_of(spec[0].text) == tokens_of(plain[0].text)
+    assert spec[0].done.completion_tokens == 30
+    ((drafted, kept, passes),) = mtp_counts(driver)
+    assert drafted > 0 and passes > 0
+    if kind == "random":
+        assert kept < drafted
+    elif kind == "right":
+        assert kept == drafted
+    else:
+        assert 0 < kept < drafted
+
+
+def test_merged_rows_hand_each_its_hidden_states(qwen):
+    """A hybrid's merged rows step plainly (per-row rollback of merged recurrent states is not
+    built), feeding their MTP sources all the while: once alone again, a row's source holds
+    every position since its first decode pass, and it drafts at once."""
+    model, heads, _ = qwen["right"]
+    lengths = [40, 12, 12]  # the first decodes alone again after the others end
+    _, plain = decode(model, None, PROMPTS, lengths, "off")
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    while len(driver.batch) > 1:
+        driver.step()
+    (seq,) = driver.batch.seqs
+    assert seq.req is reqs[0] and max(driver.sizes) == 3
+    drafted_before = seq.timings.by_source.get(SOURCE, [0])[0]
+    assert_fed_afresh(heads, driver.batch.speculator.rows[id(seq)].mtp, len(PROMPTS[0]))
+    driver.step()
+    assert seq.timings.by_source[SOURCE][0] > drafted_before  # drafted on its first step alone
+    driver.drain()
+    for a, b in zip(plain, reqs, strict=True):
+        assert tokens_of(b.text) == tokens_of(a.text)
+
+
+@pytest.mark.parametrize("leak", [0.0, 0.3])
+def test_merged_plain_kv_rows_verify_mtp_drafts_together(leak):
+    """Every layer plain KV (a llama with heads made for it): rows verify merged, each
+    accepting and rolling back its own drafts (holes), and give plain decoding's tokens."""
+    model = untied_llama()
+    heads = predictable_llama_heads(model, leak)
+    want = [reference(model, p, 24) for p in PROMPTS]
+    driver, spec = decode(model, heads, PROMPTS, 24)
+    assert [tokens_of(r.text) for r in spec] == want
+    assert max(driver.sizes) == 3
+    counts = mtp_counts(driver)
+    assert all(kept > 0 for _, kept, _ in counts), counts
+    if leak:
+        assert any(kept < drafted for drafted, kept, _ in counts), counts
+
+
+def test_seeded_sampled_rows_give_the_same_tokens(qwen):
+    model, heads, _ = qwen["leaky"]
+    params = {"temperature": 0.8, "seed": 7}
+    _, plain = decode(model, None, PROMPTS[:1], 30, "off", **params)
+    driver, spec = decode(model, heads, PROMPTS[:1], 30, **params)
+    assert tokens_of(spec[0].text) == tokens_of(plain[0].text)
+    assert mtp_counts(driver)[0][0] > 0
+
+
+def test_the_mtp_cache_holds_each_committed_pair_once(qwen):
+    """Mid-answer, after drafts kept and rejected: the row's MTP source equals one fed afresh
+    every pair (h_p, t_{p+1}) since its first decode pass, h from a full forward of its tokens
+    (its drafting steps trimmed away, no rejected position in it)."""
+    model, heads, _ = qwen["leaky"]
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    req = request(PROMPTS[0], max_tokens=60)
+    driver.join(req)
+    for _ in range(12):
+        driver.step()
+    (seq,) = driver.batch.seqs
+    source = driver.batch.speculator.rows[id(seq)].mtp
+    assert 0 < seq.timings.by_source[SOURCE][1] < seq.timings.by_source[SOURCE][0]
+    assert_fed_afresh(heads, source, len(PROMPTS[0]))
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, PROMPTS[0], 60)
+
+
+def assert_fed_afresh(heads: MTPHeads, source: MTPDraft, first: int) -> None:
+    """`source` (a row's, mid-answer) equals an MTP source fed at once every pair since
+    position `first` (where the first decode pass fed the prefill's token), the hidden states
+    from a full forward of the row's tokens."""
+    source.propose(1)  # feeds what is pending
+    assert source.fed == len(source.tokens) - 2
+    assert source.cache[0].offset == source.fed - first + 1
+    fresh = MTPDraft(heads)
+    fresh.extend(source.tokens)
+    hidden = heads.inner(mx.array([source.tokens[: source.fed + 1]]), None)[0]
+    fresh.record(first, hidden[first:])
+    assert fresh.propose(1) is not None and fresh.fed == source.fed
+    assert mx.allclose(fresh.out, source.out, atol=1e-4).item()
+
+
+def test_the_engine_drafts_with_the_heads_its_loader_kept(qwen):
+    """A real engine thread whose loader returns the heads (as models/serving.py's does)."""
+    model, heads, _ = qwen["right"]
+    reqs = [request(p, max_tokens=20) for p in PROMPTS]
+    seen: dict[str, list[int]] = {}
+    ended = threading.Semaphore(0)
+
+    def observe(req, timings) -> None:
+        seen[req.request_id] = timings.by_source.get(SOURCE, [0, 0, 0])
+        ended.release()
+
+    mx.eval(model(mx.array([[0]])))  # lazy arrays made on this thread (test_batching's note)
+    engine = Engine(
+        lambda: Loaded(model, StubTokenizer(), mtp=heads), speculation="auto", cache_enabled=False
+    )
+    engine.add_observer(observe)
+    engine.start()
+    assert engine.ready.wait(60), engine.load_error
+    try:
+        for req in reqs:  # one after the other: each decodes alone, so each verifies
+            engine.submit(req)
+            assert ended.acquire(timeout=120)
+    finally:
+        engine.stop()
+    for req, prompt in zip(reqs, PROMPTS, strict=True):
+        assert tokens_of(req.text) == reference(model, prompt, 20)
+        drafted, kept, _ = seen[req.request_id]
+        assert kept == drafted > 0
