@@ -1,0 +1,65 @@
+"""MTP heads through the real server: a tiny Qwen3.5 checkpoint carrying `mtp.*` tensors
+(tests/support/mtp_models.py, heads that guess right only sometimes) served with
+`--speculation auto` loads its heads (the log says so) and answers as with `off`, over the
+OpenAI SDK's completions and chat, streamed and not; `/metrics` has the `source="mtp"` series.
+How much it drafts depends on the verify cost the server measures on this shared machine, so
+drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.mtp_models import mtp_model_dir
+from tests.support.servers import ServerProcess, client_for
+
+LOADED = "drafting with the checkpoint's 1 MTP layer(s) too"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    model = mtp_model_dir(
+        tmp_path_factory.mktemp("mtp") / "qwen35-mtp", predictable=True, leak=0.05
+    )
+    procs = {
+        mode: ServerProcess(model.parent, "--model", str(model), "--speculation", mode)
+        for mode in ("off", "auto")
+    }
+    try:
+        yield {mode: proc.wait_ready() for mode, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def answer(server: ServerProcess, kind: str, stream: bool) -> str:
+    client = client_for(server)
+    body = {"model": "default", "max_tokens": 48, "temperature": 0}
+    if kind == "text":
+        body["prompt"] = "The numbers go one, two, three,"
+        if stream:
+            return "".join(
+                c.choices[0].text for c in client.completions.create(**body, stream=True)
+            )
+        return client.completions.create(**body).choices[0].text
+    body["messages"] = [{"role": "user", "content": "Count from one to ten."}]
+    if stream:
+        chunks = client.chat.completions.create(**body, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return client.chat.completions.create(**body).choices[0].message.content or ""
+
+
+def test_the_auto_server_loads_the_heads_and_the_off_server_does_not(servers):
+    assert LOADED in servers["auto"].log()
+    assert "MTP" not in servers["off"].log()
+    metrics = httpx.get(servers["auto"].base_url + "/metrics").text
+    assert 'mlx_kvserve_speculation_drafted_tokens_total{source="mtp"}' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_answers_are_the_same_with_mtp_drafting(servers, kind, stream):
+    got = answer(servers["auto"], kind, stream)
+    assert got and got == answer(servers["off"], kind, stream)
