@@ -78,7 +78,7 @@ class MTPHeads:
     def depth(self) -> int:
         return len(self.block.layers)
 
-    def forward(self, inputs: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+    def forward(self, inputs: mx.array, cache: list | None) -> tuple[mx.array, mx.array]:
         """(hidden states, logits) of the target for `inputs`: the logits `model(inputs,
         cache=cache)` returns (its final norm's output through its head), and what made them."""
         hidden = self.inner(inputs, cache)

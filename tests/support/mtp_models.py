@@ -1,5 +1,6 @@
 """Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
-the model's safetensors, `mtp_num_hidden_layers` in its `text_config`).
+the model's safetensors, `mtp_num_hidden_layers` in its `text_config`); Qwen3.5-MoE and
+Qwen3-Next too.
 
 `mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
 layer: random heads guess badly, so they show exactness (every guess checked) but not
@@ -24,24 +25,40 @@ from tests.support.tiny_models import make_model_dir
 _OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
 
+# Qwen3.5-MoE is Qwen3.5's classes with experts (mlx-lm's qwen3_5_moe differs in `sanitize`)
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+
+
 def mtp_model_dir(
     dest: Path,
     *,
+    family: str = "qwen3_5",
     layers: int = 1,
     predictable: bool = False,
     leak: float = 0.0,
     seed: int = 0,
     **overrides: Any,
 ) -> Path:
-    """A tiny Qwen3.5 directory whose safetensors also hold `layers` MTP layers."""
+    """A tiny `family` (qwen3_5, qwen3_5_moe, qwen3_next) directory whose safetensors also
+    hold `layers` MTP layers."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
     from mlx_kvserve.models.mtp_heads import _block
 
-    make_model_dir(dest, "qwen3_5", seed=seed, mtp_num_hidden_layers=layers, **overrides)
+    moe = family == "qwen3_5_moe"
+    base = "qwen3_5" if moe else family
+    extra = MOE if moe else {}
+    make_model_dir(dest, base, seed=seed, mtp_num_hidden_layers=layers, **extra, **overrides)
     config = json.loads((dest / "config.json").read_text())
+    config["model_type"] = family
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
     target, _ = load_model(dest)
     mx.random.seed(seed + 1)
     block = _block(config, target, layers)
@@ -49,7 +66,7 @@ def mtp_model_dir(
     path = dest / "model.safetensors"
     weights = dict(mx.load(str(path)))
     if predictable:
-        hidden = config["text_config"]["hidden_size"]
+        hidden = config.get("text_config", config)["hidden_size"]
         for key in weights:
             if key.endswith(_OUTPUTS):
                 weights[key] = weights[key] * leak

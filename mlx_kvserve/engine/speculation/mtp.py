@@ -41,7 +41,7 @@ class Tap:
         self.hidden: mx.array | None = None  # (B, L, H) of the last pass
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
-        self.hidden, logits = self.heads.forward(inputs, cache or [])
+        self.hidden, logits = self.heads.forward(inputs, cache)
         return logits
 
 
