@@ -102,6 +102,34 @@ def mtp_layers(config: dict) -> int:
     return int(text.get("mtp_num_hidden_layers", 0) or 0)
 
 
+def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
+    """Why MTP cannot draft for the checkpoint in `model_dir` (`--mtp on`), or None; reads the
+    config and the safetensors' headers only."""
+    if speculation != "auto":
+        return "speculation is off (MTP drafts under --speculation auto)"
+    config = json.loads((model_dir / "config.json").read_text())
+    if not mtp_layers(config):
+        known = ", ".join(sorted(FAMILIES))
+        return (
+            f"its config.json states no MTP layers (mtp_num_hidden_layers, model_type "
+            f"{config.get('model_type')!r}; heads are loaded for {known})"
+        )
+    if not any(_mtp_names(path) for path in model_dir.glob("*.safetensors")):
+        return (
+            "its config.json states MTP layers but its safetensors hold no mtp.* tensors "
+            "(mlx_lm.convert drops them: serve the original checkpoint)"
+        )
+    return None
+
+
+def _mtp_names(path: Path) -> list[str]:
+    """The `mtp.*` tensor names in a safetensors file's header (no tensor is read)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [name for name in header if name.startswith("mtp.")]
+
+
 def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
     """The MTP heads of the checkpoint in `model_dir`, for the loaded `target`; None if its
     config states none or its safetensors hold none (mlx-lm's conversion drops them)."""

@@ -42,6 +42,7 @@ PER_MODEL = frozenset(
         "max_concurrency",
         "max_queue",
         "speculation",
+        "mtp",
         "cache_budget",
         "cache_ram_budget",
         "no_cache",
@@ -95,6 +96,12 @@ class Engines:
         if problem:
             raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
         own = model_settings(self.settings, spec)
+        if own.mtp == "on":
+            from mlx_kvserve.models.mtp_heads import heads_problem
+
+            problem = heads_problem(model_dir, own.speculation)
+            if problem:
+                raise ModelSetupError(f"--mtp on: cannot draft for {spec.source!r}: {problem}")
         kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
         slot = Slot(spec, model_id, footprint(model_dir, kv_reserve), model_dir=model_dir)
         self._places[slot.name] = (model_dir, own)
@@ -186,7 +193,8 @@ def make_engine(
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
         if cast:
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
-        mtp = load_heads(model_dir, model) if settings.speculation == "auto" else None
+        wanted = settings.speculation == "auto" and settings.mtp != "off"
+        mtp = load_heads(model_dir, model) if wanted else None
         if mtp is not None:
             log.info("drafting with the checkpoint's %d MTP layer(s) too", mtp.depth)
         used = served_dtype(settings.kv_dtype, kv_dtype, cast)

@@ -1,7 +1,9 @@
 """MTP heads through the real server: a tiny Qwen3.5 checkpoint carrying `mtp.*` tensors
 (tests/support/mtp_models.py, heads that guess right only sometimes) served with
-`--speculation auto` loads its heads (the log says so) and answers as with `off`, over the
-OpenAI SDK's completions and chat, streamed and not; `/metrics` has the `source="mtp"` series.
+`--speculation auto` loads its heads (the log says so) and answers as with `off` and with
+`--mtp off` (no heads loaded), over the OpenAI SDK's completions and chat, streamed and not;
+`/metrics` has the `source="mtp"` series. `--mtp on` refuses at start a checkpoint without heads,
+naming why.
 How much it drafts depends on the verify cost the server measures on this shared machine, so
 drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
 
@@ -14,6 +16,7 @@ import pytest
 
 from tests.support.mtp_models import mtp_model_dir
 from tests.support.servers import ServerProcess, client_for
+from tests.support.tiny_models import make_model_dir
 
 LOADED = "drafting with the checkpoint's 1 MTP layer(s) too"
 
@@ -23,9 +26,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     model = mtp_model_dir(
         tmp_path_factory.mktemp("mtp") / "qwen35-mtp", predictable=True, leak=0.05
     )
+    flags = {"off": ["--speculation", "off"], "auto": ["--speculation", "auto"]}
+    flags["mtp_off"] = ["--speculation", "auto", "--mtp", "off"]
     procs = {
-        mode: ServerProcess(model.parent, "--model", str(model), "--speculation", mode)
-        for mode in ("off", "auto")
+        mode: ServerProcess(model.parent, "--model", str(model), *args)
+        for mode, args in flags.items()
     }
     try:
         yield {mode: proc.wait_ready() for mode, proc in procs.items()}
@@ -51,9 +56,10 @@ def answer(server: ServerProcess, kind: str, stream: bool) -> str:
     return client.chat.completions.create(**body).choices[0].message.content or ""
 
 
-def test_the_auto_server_loads_the_heads_and_the_off_server_does_not(servers):
+def test_the_auto_server_loads_the_heads_and_the_off_servers_do_not(servers):
     assert LOADED in servers["auto"].log()
     assert "MTP" not in servers["off"].log()
+    assert "MTP" not in servers["mtp_off"].log()
     metrics = httpx.get(servers["auto"].base_url + "/metrics").text
     assert 'mlx_kvserve_speculation_drafted_tokens_total{source="mtp"}' in metrics
 
@@ -63,3 +69,26 @@ def test_the_auto_server_loads_the_heads_and_the_off_server_does_not(servers):
 def test_answers_are_the_same_with_mtp_drafting(servers, kind, stream):
     got = answer(servers["auto"], kind, stream)
     assert got and got == answer(servers["off"], kind, stream)
+    assert got == answer(servers["mtp_off"], kind, stream)
+
+
+@pytest.mark.parametrize(
+    ("flags", "cause"),
+    [
+        (["--speculation", "auto"], "its config.json states no MTP layers"),
+        (["--speculation", "off"], "speculation is off"),
+    ],
+    ids=["no_heads", "speculation_off"],
+)
+def test_mtp_on_refuses_at_start_what_cannot_draft(tmp_path, flags, cause):
+    """`--mtp on` asks for the heads: a checkpoint without them (or no speculation to draft
+    for) is refused before the server listens, naming the cause."""
+    model = make_model_dir(tmp_path / "plain", "qwen3_5")
+    proc = ServerProcess(tmp_path, "--model", str(model), "--mtp", "on", *flags)
+    try:
+        code = proc.proc.wait(timeout=120)
+    finally:
+        proc.stop()
+    assert code != 0
+    assert "--mtp on: cannot draft for" in proc.log() and cause in proc.log()
+    assert "Traceback" not in proc.log()

@@ -21,7 +21,7 @@ from mlx_kvserve.engine.loading import Loaded
 from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap
 from mlx_kvserve.engine.worker import Engine
-from mlx_kvserve.models.mtp_heads import MTPHeads, load_heads
+from mlx_kvserve.models.mtp_heads import MTPHeads, heads_problem, load_heads
 from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
 from tests.support.tiny_models import make_model_dir
 from tests.unit.test_batching import Driver
@@ -121,14 +121,33 @@ def test_other_families_heads_load_and_draft_exactly(tmp_path: Path, family):
     assert kept == drafted > 0
 
 
-def test_a_checkpoint_without_heads_has_none(tmp_path: Path):
+def test_a_checkpoint_without_heads_has_none_and_mtp_on_names_why(tmp_path: Path, qwen):
     plain = make_model_dir(tmp_path / "plain", "qwen3_5")
     model, _ = load_model(plain)
     assert load_heads(plain, model) is None  # no mtp_num_hidden_layers
+    assert "states no MTP layers" in heads_problem(plain)
     stated = make_model_dir(tmp_path / "stated", "qwen3_5", mtp_num_hidden_layers=1)
     assert load_heads(stated, model) is None  # stated, but the conversion dropped the tensors
+    assert "hold no mtp.* tensors" in heads_problem(stated)
     llama = make_model_dir(tmp_path / "llama", "llama")
     assert load_heads(llama, load_model(llama)[0]) is None  # a family without heads
+    assert "model_type 'llama'" in heads_problem(llama)
+    carrying = qwen["random"][2]
+    assert heads_problem(carrying) is None
+    assert "speculation is off" in heads_problem(carrying, "off")
+
+
+def test_an_unknown_mtp_mode_is_refused_naming_it(tmp_path: Path, monkeypatch):
+    from mlx_kvserve.config.file import ConfigError
+    from mlx_kvserve.config.precedence import resolve_settings
+
+    assert resolve_settings({}, tmp_path / "absent.toml").settings.mtp == "auto"
+    assert resolve_settings({"mtp": "on"}, tmp_path / "absent.toml").settings.mtp == "on"
+    with pytest.raises(ConfigError, match="mtp.*'yes' is not one of auto, on, off"):
+        resolve_settings({"mtp": "yes"}, tmp_path / "absent.toml")
+    monkeypatch.setenv("MLX_KVSERVE_MTP", "always")
+    with pytest.raises(ConfigError, match="^MLX_KVSERVE_MTP: setting 'mtp'"):
+        resolve_settings({}, tmp_path / "absent.toml")
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
