@@ -182,7 +182,8 @@ class Settings:
     mtp: str = field(
         default="auto",
         metadata={
-            "help": "Drafting from the checkpoint's own MTP heads (Qwen3.5/3.6, Qwen3-Next) "
+            "help": "Drafting from the checkpoint's own MTP heads (Qwen3.5/3.6, Qwen3-Next, "
+            "DeepSeek-V3) "
             "under --speculation auto: auto (where the checkpoint carries them), on (required: "
             "a checkpoint without them, or --speculation off, is refused at start) or off."
         },

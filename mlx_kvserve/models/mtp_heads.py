@@ -1,11 +1,12 @@
 """A checkpoint's own multi-token-prediction (MTP) heads, kept at load (issue 31, item 2).
 
-Qwen3.5/3.6 (dense and MoE) and Qwen3-Next ship `mtp.*` tensors beside the model: one or more
-decoder layers that take the target's last hidden state h_p (after its final norm) and the
-embedding of the next token t_{p+1}, and predict t_{p+2} through the target's own output head.
-mlx-lm drops them in `sanitize`; here they are read from the same safetensors, after the model
-loaded, into `MTPBlock`, built from mlx-lm's own decoder layer of the family (a full-attention
-one), so the block runs on the target's kernels and RoPE. The shape of the block (fc over the
+Qwen3.5/3.6 (dense and MoE) and Qwen3-Next ship `mtp.*` tensors beside the model, DeepSeek-V3
+a nextn layer (`model.layers.{num_hidden_layers}`): decoder layers that take the target's last
+hidden state h_p (after its final norm) and the embedding of the next token t_{p+1}, and predict
+t_{p+2} through the target's own output head. mlx-lm drops them in `sanitize`; here they are
+read from the same safetensors, after the model loaded, into `MTPBlock`, built from mlx-lm's own
+decoder layer of the family (a full-attention one; DeepSeek's MLA and experts), so the block
+runs on the target's kernels and RoPE. The shape of the block (fc over the
 normed [embedding, hidden] pair, the layers, a final norm) and the zero-centred norms of
 Hugging Face checkpoints (+1, as mlx-lm shifts the target's) follow mlx-vlm's
 `speculative/drafters/qwen3_5_mtp` (MIT). The embedding and the output head are the target's:
@@ -28,8 +29,21 @@ from mlx_lm.models.cache import KVCache
 
 log = logging.getLogger("mlx_kvserve.models")
 
-# model_type -> where its MTP depth is stated (the text config's field)
-FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+# model_type -> the config field stating its MTP layers: `mtp.*` tensors (Qwen), or DeepSeek's
+# nextn layer `model.layers.{num_hidden_layers}` (one, with its own enorm/hnorm/eh_proj)
+FAMILIES = {
+    "qwen3_5": "mtp_num_hidden_layers",
+    "qwen3_5_moe": "mtp_num_hidden_layers",
+    "qwen3_next": "mtp_num_hidden_layers",
+    "deepseek_v3": "num_nextn_predict_layers",
+}
+# a nextn layer's names -> the block's (its embed_tokens and shared_head.head: the target's)
+_NEXTN = {
+    "enorm.": "pre_fc_norm_embedding.",
+    "hnorm.": "pre_fc_norm_hidden.",
+    "eh_proj.": "fc.",
+    "shared_head.norm.": "norm.",
+}
 _NORMS = (
     ".input_layernorm.weight",
     ".post_attention_layernorm.weight",
@@ -57,7 +71,7 @@ class MTPBlock(nn.Module):
             [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
         h = self.fc(h)
-        mask = create_attention_mask(h, cache[0])
+        mask = create_attention_mask(h, cache[0], return_array=True)  # MLA takes arrays only
         for layer, c in zip(self.layers, cache, strict=True):
             h = layer(h, mask=mask, cache=c)
         return self.norm(h)
@@ -95,11 +109,11 @@ class MTPHeads:
 
 def mtp_layers(config: dict) -> int:
     """The MTP layers a config.json states (0: none, or a family this does not know)."""
-    family = FAMILIES.get(config.get("model_type", ""))
-    if family is None:
+    field = FAMILIES.get(config.get("model_type", ""))
+    if field is None:
         return 0
     text = config.get("text_config", config)
-    return int(text.get("mtp_num_hidden_layers", 0) or 0)
+    return int(text.get(field, 0) or 0)
 
 
 def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
@@ -114,20 +128,28 @@ def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
             f"its config.json states no MTP layers (mtp_num_hidden_layers, model_type "
             f"{config.get('model_type')!r}; heads are loaded for {known})"
         )
-    if not any(_mtp_names(path) for path in model_dir.glob("*.safetensors")):
+    prefix = _prefix(config)
+    if not any(_names(path, prefix) for path in model_dir.glob("*.safetensors")):
         return (
-            "its config.json states MTP layers but its safetensors hold no mtp.* tensors "
+            f"its config.json states MTP layers but its safetensors hold no {prefix}* tensors "
             "(mlx_lm.convert drops them: serve the original checkpoint)"
         )
     return None
 
 
-def _mtp_names(path: Path) -> list[str]:
-    """The `mtp.*` tensor names in a safetensors file's header (no tensor is read)."""
+def _prefix(config: dict) -> str:
+    """Where a checkpoint keeps its heads' tensors."""
+    if FAMILIES[config["model_type"]] == "mtp_num_hidden_layers":
+        return "mtp."
+    return f"model.layers.{config['num_hidden_layers']}."
+
+
+def _names(path: Path, prefix: str) -> list[str]:
+    """The tensor names under `prefix` in a safetensors file's header (no tensor is read)."""
     with path.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
-    return [name for name in header if name.startswith("mtp.")]
+    return [name for name in header if name.startswith(prefix)]
 
 
 def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
@@ -139,14 +161,18 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
         return None
     weights: dict[str, mx.array] = {}
     hf_layout = False
+    prefix = _prefix(config)
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors = mx.load(str(path))
         assert isinstance(tensors, dict)
         for key, value in tensors.items():
-            if key.startswith("mtp."):
-                weights[key[len("mtp.") :]] = value
+            if key.startswith(prefix):
+                weights[key[len(prefix) :]] = value
             elif "conv1d.weight" in key and value.shape[-1] != 1:
                 hf_layout = True  # as mlx-lm's sanitize tells a Hugging Face checkpoint
+    if prefix != "mtp.":
+        weights = _from_nextn(weights)
+        layers = 1  # a second nextn layer would be a second block: not built
     if not weights:
         log.info("the model's config states %d MTP layer(s) but its weights hold none", layers)
         return None
@@ -168,24 +194,46 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
 
 def _block(config: dict, target: nn.Module, layers: int) -> MTPBlock:
     """An empty block of `layers` full-attention decoder layers of the target's family."""
-    if FAMILIES[config["model_type"]] == "qwen3_5":
+    model_type = config["model_type"]
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
         from mlx_lm.models.qwen3_5 import DecoderLayer as Layer
 
         args = target.language_model.args
-    else:
+        index = args.full_attention_interval - 1  # an index whose layer attends (not linear)
+    elif model_type == "qwen3_next":
         from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer as Layer
 
         args = target.args
-    full = args.full_attention_interval - 1  # an index whose layer attends (not linear)
-    stack = [Layer(args, layer_idx=full) for _ in range(layers)]
+        index = args.full_attention_interval - 1
+    else:
+        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer as Layer
+
+        args = target.args
+        index = args.num_hidden_layers  # the nextn layer's own index: a MoE layer
+    stack = [Layer(args, layer_idx=index) for _ in range(layers)]
     return MTPBlock(stack, args.hidden_size, args.rms_norm_eps)
+
+
+def _from_nextn(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A DeepSeek nextn layer's tensors in the block's names: its decoder layer as layer 0."""
+    out = {}
+    for key, value in weights.items():
+        if key.startswith(("embed_tokens.", "shared_head.head.")):
+            continue  # copies of the target's embedding and output head
+        for theirs, ours in _NEXTN.items():
+            if key.startswith(theirs):
+                out[ours + key[len(theirs) :]] = value
+                break
+        else:
+            out["layers.0." + key] = value
+    return out
 
 
 def _sanitize(weights: dict[str, mx.array], target: nn.Module, hf_layout: bool) -> dict:
     """The `mtp.*` tensors (prefix cut) in the block's names: the layers through the target's
     own `sanitize` (its experts' layout), zero-centred norms shifted in a Hugging Face layout
     (Qwen3-Next's `sanitize` shifts its layers' itself)."""
-    own_shift = not hasattr(target, "language_model")  # qwen3_next
+    own_shift = not hasattr(target, "language_model")  # qwen3_next (and no shift for DeepSeek)
     if hf_layout:
         weights = {
             k: v + 1.0

@@ -1,6 +1,6 @@
 """Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
 the model's safetensors, `mtp_num_hidden_layers` in its `text_config`); Qwen3.5-MoE and
-Qwen3-Next too.
+Qwen3-Next too, and DeepSeek-V3 (its nextn layer `model.layers.{num_hidden_layers}`).
 
 `mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
 layer: random heads guess badly, so they show exactness (every guess checked) but not
@@ -54,8 +54,10 @@ def mtp_model_dir(
 
     moe = family == "qwen3_5_moe"
     base = "qwen3_5" if moe else family
-    extra = MOE if moe else {}
-    make_model_dir(dest, base, seed=seed, mtp_num_hidden_layers=layers, **extra, **overrides)
+    extra: dict[str, Any] = dict(MOE) if moe else {}
+    nextn = family == "deepseek_v3"
+    extra["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = layers
+    make_model_dir(dest, base, seed=seed, **extra, **overrides)
     config = json.loads((dest / "config.json").read_text())
     config["model_type"] = family
     (dest / "config.json").write_text(json.dumps(config, indent=2))
@@ -75,10 +77,32 @@ def mtp_model_dir(
                 heads[key] = mx.zeros_like(heads[key])
         eye = mx.eye(hidden, dtype=heads["mtp.fc.weight"].dtype)
         heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    if nextn:  # DeepSeek's names, with the copies of the embedding and head it ships
+        heads = _as_nextn(heads, config["num_hidden_layers"], weights)
     weights.update(heads)
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     return dest
+
+
+def _as_nextn(heads: dict, index: int, weights: dict) -> dict:
+    """The block's tensors as DeepSeek-V3 ships its nextn layer: `model.layers.{index}.*`."""
+    from mlx_kvserve.models.mtp_heads import _NEXTN
+
+    theirs = {ours: name for name, ours in _NEXTN.items()}
+    out = {}
+    for key, value in heads.items():
+        key = key.removeprefix("mtp.")
+        for ours, name in theirs.items():
+            if key.startswith(ours):
+                key = name + key[len(ours) :]
+                break
+        else:
+            key = key.removeprefix("layers.0.")
+        out[f"model.layers.{index}.{key}"] = value
+    out[f"model.layers.{index}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    out[f"model.layers.{index}.shared_head.head.weight"] = weights["lm_head.weight"]
+    return out
 
 
 def predictable_llama_heads(model: Any, leak: float = 0.0) -> Any:

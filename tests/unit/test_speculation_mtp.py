@@ -103,14 +103,16 @@ def test_the_heads_are_kept_at_load_and_passes_return_the_models_logits(qwen):
     assert tap.hidden is not None and tap.hidden.shape == (1, 3, width)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3"])
 def test_other_families_heads_load_and_draft_exactly(tmp_path: Path, family):
-    """Qwen3.5-MoE (experts in the MTP layer too) and Qwen3-Next: the heads load, and with
-    heads that guess right every draft is kept and the tokens are plain decoding's."""
+    """Qwen3.5-MoE (experts in the MTP layer too), Qwen3-Next, and DeepSeek-V3's nextn layer
+    (MLA attention, experts): the heads load, and with heads that guess right every draft is
+    kept and the tokens are plain decoding's."""
     path = mtp_model_dir(tmp_path / family, family=family, predictable=True)
-    # mlx-lm's Qwen3-Next `sanitize` drops `mtp.*` only from a Hugging Face layout (per-expert
-    # weights, as real checkpoints ship); this tiny one is in MLX's, so its load is not strict
-    model, _ = load_model(path, strict=family != "qwen3_next")
+    # mlx-lm drops Qwen3-Next's `mtp.*` only from a Hugging Face layout (per-expert weights, as
+    # real checkpoints ship) and DeepSeek-V3's nextn layer only at index 61 (the real one's):
+    # these tiny ones load unstrictly
+    model, _ = load_model(path, strict=family == "qwen3_5_moe")
     heads = load_heads(path, model)
     assert heads is not None and heads.depth == 1
     assert mx.array_equal(Tap(heads)(mx.array([PROMPTS[1]])), model(mx.array([PROMPTS[1]]))).item()
