@@ -14,6 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.utils import load_model
 
 from mlx_kvserve.engine.batch import DecodeBatch
@@ -283,3 +285,38 @@ def test_the_engine_drafts_with_the_heads_its_loader_kept(qwen):
         assert tokens_of(req.text) == reference(model, prompt, 20)
         drafted, kept, _ = seen[req.request_id]
         assert kept == drafted > 0
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=10
+    )
+)
+def test_any_run_of_passes_keeps_one_cache_entry_per_committed_pair(qwen, rounds):
+    """Rounds of (drafts kept, drafts asked, tokens known before or after the hidden states):
+    every proposal has the length asked, and the MTP cache holds one entry per pair fed."""
+    _, heads, _ = qwen["random"]
+    width = heads.embed.weight.shape[1]
+    source = MTPDraft(heads)
+    prompt = 5
+    source.extend(list(range(prompt + 1)))  # the prompt and the prefill's token (position 5)
+    assert source.propose(3) is None  # no hidden state before the first pass
+    cursor = prompt
+    for kept, limit, tokens_first in rounds:
+        fed = kept + 1  # the pending token and the drafts kept, positions cursor..
+        hidden = mx.random.normal((fed, width))
+        new = [7 + i for i in range(cursor + fed + 1 - len(source))]  # and the bonus token
+        if tokens_first:
+            source.extend(new)
+            source.record(cursor, hidden)
+        else:
+            source.record(cursor, hidden)
+            source.extend(new)
+        cursor += fed
+        draft = source.propose(limit)
+        assert draft is not None and len(draft.tokens) == limit
+        assert source.fed == len(source) - 2 == cursor - 1
+        assert source.cache[0].offset == source.fed - prompt + 1
