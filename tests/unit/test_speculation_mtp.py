@@ -320,3 +320,25 @@ def test_any_run_of_passes_keeps_one_cache_entry_per_committed_pair(qwen, rounds
         assert draft is not None and len(draft.tokens) == limit
         assert source.fed == len(source) - 2 == cursor - 1
         assert source.cache[0].offset == source.fed - prompt + 1
+
+
+def test_a_row_that_opted_out_feeds_no_mtp_source_and_its_company_drafts():
+    model = untied_llama()
+    heads = predictable_llama_heads(model)
+    want = [reference(model, p, 20) for p in PROMPTS[:2]]
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    reqs = [request(p, max_tokens=20) for p in PROMPTS[:2]]
+    reqs[0].params = replace(reqs[0].params, speculative=False)
+    for req in reqs:
+        driver.join(req)
+        driver.step()
+    quiet = next(s for s in driver.batch.seqs if s.req is reqs[0])
+    driver.step()
+    state = driver.batch.speculator.rows.get(id(quiet))
+    assert state is None or (state.mtp is not None and not state.mtp.hidden)
+    driver.drain()
+    assert [tokens_of(r.text) for r in reqs] == want
+    by_request = {s.req.request_id: s.timings.by_source for s in driver.ended}
+    assert by_request[reqs[0].request_id] == {}
+    assert by_request[reqs[1].request_id][SOURCE][1] > 0

@@ -199,6 +199,8 @@ class Speculator:
             return
         width = model.hidden.shape[1]
         for i, seq in enumerate(seqs):
+            if not seq.req.params.speculative:
+                continue  # it drafts nothing: its MTP source would only cost
             state = self._state(seq)
             assert state.mtp is not None
             sync(seq, state.drafter)  # its pairs need their next tokens, steps it drafts or not
@@ -238,8 +240,8 @@ class Speculator:
             kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
             rejected.append(width - kept)
             mtp = self.rows[id(seq)].mtp
-            if hidden is not None and mtp is not None:  # only what stays: never a rejected one
-                mtp.record(start, hidden[i, :kept])
+            if hidden is not None and mtp is not None and seq.req.params.speculative:
+                mtp.record(start, hidden[i, :kept])  # only what stays: never a rejected one
         if snapshot is not None and rejected[0]:  # solo: back to before the pass, then replay
             snapshot.restore()
             model(mx.array([rows[0][: width - rejected[0]]], dtype=mx.uint32), cache=caches)
