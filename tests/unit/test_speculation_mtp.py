@@ -342,3 +342,19 @@ def test_a_row_that_opted_out_feeds_no_mtp_source_and_its_company_drafts():
     by_request = {s.req.request_id: s.timings.by_source for s in driver.ended}
     assert by_request[reqs[0].request_id] == {}
     assert by_request[reqs[1].request_id][SOURCE][1] > 0
+
+
+def test_whether_to_read_first_is_asked_without_running_the_block(qwen, monkeypatch):
+    """The pipelined step asks whether some source would draft (read the pending token first,
+    or keep the overlap): MTP answers from what it was fed, running nothing."""
+    from mlx_kvserve.engine.speculation.drafts import Drafter
+
+    _, heads, _ = qwen["random"]
+    source = MTPDraft(heads)
+    drafter = Drafter([source])
+    drafter.extend(list(range(7)))
+    assert not drafter.would_propose()  # no hidden state yet
+    source.record(5, mx.zeros((1, heads.embed.weight.shape[1])))
+    steps = []
+    monkeypatch.setattr(MTPHeads, "step", lambda *args: steps.append(args))
+    assert drafter.would_propose() and not steps

@@ -157,6 +157,15 @@ class Drafter:
         for source in self.sources:
             source.extend(tokens)
 
+    def would_propose(self) -> bool:
+        """Whether some source has a draft now: a source that costs a forward (`ready`) says
+        so without running it, the others propose one token."""
+        for source in self.sources:
+            ready = getattr(source, "ready", None)
+            if ready() if ready is not None else source.propose(1):
+                return True
+        return False
+
     def propose(self, limit: int) -> Draft | None:
         """A source whose every proposal carries the same `evidence` (a model's heads, which
         cost a forward) is not asked once an earlier one has proposed as much."""

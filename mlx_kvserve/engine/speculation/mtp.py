@@ -75,6 +75,12 @@ class MTPDraft:
         if len(self.hidden) > _PENDING:
             self._catch_up()
 
+    def ready(self) -> bool:
+        """Whether it can draft now (the target's hidden state before the last token is
+        known), without running the block."""
+        end = len(self.tokens)
+        return (self.out is not None and self.fed == end - 2) or end - 2 in self.hidden
+
     def propose(self, limit: int) -> Draft | None:
         """`limit` tokens after the row's last one: the block from the target's hidden state
         before it, then from its own outputs; None while that hidden state is unknown."""

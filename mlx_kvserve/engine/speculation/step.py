@@ -131,7 +131,8 @@ class Speculator:
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and state.drafter.propose(1) for state, depth in zip(states, depths, strict=True)
+            depth and state.drafter.would_propose()
+            for state, depth in zip(states, depths, strict=True)
         ):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
