@@ -31,6 +31,7 @@ from mlx_kvserve.models.mtp_heads import MTPHeads
 
 SOURCE = "mtp"
 _PENDING = 64  # hidden states kept unfed at most: then fed in one step (a row lookup serves)
+MAX_DRAFT = 8  # steps a proposal runs at most (a grammar row asks for more, forced tokens too)
 
 
 class Tap:
@@ -84,7 +85,7 @@ class MTPDraft:
     def propose(self, limit: int) -> Draft | None:
         """`limit` tokens after the row's last one: the block from the target's hidden state
         before it, then from its own outputs; None while that hidden state is unknown."""
-        end = len(self.tokens)
+        end, limit = len(self.tokens), min(limit, MAX_DRAFT)
         if limit <= 0:
             return None
         if self._memo[0] == end and len(self._memo[1]) >= limit:
