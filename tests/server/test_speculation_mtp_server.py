@@ -1,9 +1,9 @@
 """MTP heads through the real server: a tiny Qwen3.5 checkpoint carrying `mtp.*` tensors
 (tests/support/mtp_models.py, heads that guess right only sometimes) served with
 `--speculation auto` loads its heads (the log says so) and answers as with `off` and with
-`--mtp off` (no heads loaded), over the OpenAI SDK's completions and chat, streamed and not;
-`/metrics` has the `source="mtp"` series. `--mtp on` refuses at start a checkpoint without heads,
-naming why.
+`--mtp off` (no heads loaded), over the OpenAI SDK's completions, chat and JSON-schema chat (a
+grammar), streamed and not; `/metrics` has the `source="mtp"` series. `--mtp on` refuses at
+start a checkpoint without heads, naming why.
 How much it drafts depends on the verify cost the server measures on this shared machine, so
 drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
 
@@ -19,6 +19,11 @@ from tests.support.servers import ServerProcess, client_for
 from tests.support.tiny_models import make_model_dir
 
 LOADED = "drafting with the checkpoint's 1 MTP layer(s) too"
+SCHEMA = {
+    "type": "object",
+    "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["numbers"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +55,11 @@ def answer(server: ServerProcess, kind: str, stream: bool) -> str:
             )
         return client.completions.create(**body).choices[0].text
     body["messages"] = [{"role": "user", "content": "Count from one to ten."}]
+    if kind == "json":  # a grammar row: MTP drafts walked through its matcher
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "count", "schema": SCHEMA},
+        }
     if stream:
         chunks = client.chat.completions.create(**body, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -65,7 +75,7 @@ def test_the_auto_server_loads_the_heads_and_the_off_servers_do_not(servers):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("kind", ["text", "chat"])
+@pytest.mark.parametrize("kind", ["text", "chat", "json"])
 def test_answers_are_the_same_with_mtp_drafting(servers, kind, stream):
     got = answer(servers["auto"], kind, stream)
     assert got and got == answer(servers["off"], kind, stream)
