@@ -126,3 +126,41 @@ def predictable_llama_heads(model: Any, leak: float = 0.0) -> Any:
     )
     mx.eval(model.parameters(), block.parameters())
     return MTPHeads(model, block)
+
+
+# zero-centred RMSNorm weights: Hugging Face's Qwen3.5 stores w - 1 (mlx-lm adds the 1 back)
+_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
+
+
+def as_hugging_face(mlx_dir: Path, dest: Path) -> Path:
+    """The Qwen3.5 checkpoint in `mlx_dir` in the layout Qwen ships it on the Hub: names under
+    `model.language_model.`, convolutions (C, 1, K), zero-centred norms stored as w - 1 (the
+    MTP block's too), as mlx-lm's `sanitize` expects to undo."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(mlx_dir, dest)
+    weights = dict(mx.load(str(dest / "model.safetensors")))
+    out = {}
+    for key, value in weights.items():
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model.") :]
+        elif key.startswith("language_model."):
+            key = key[len("language_model.") :]
+        if "conv1d.weight" in key:
+            value = value.moveaxis(1, 2)
+        if value.ndim == 1 and key.endswith(_CENTRED) and "linear_attn" not in key:
+            value = value - 1.0
+        out[key] = value
+    mx.eval(out)
+    mx.save_safetensors(str(dest / "model.safetensors"), out)
+    return dest

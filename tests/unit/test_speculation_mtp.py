@@ -358,3 +358,21 @@ def test_whether_to_read_first_is_asked_without_running_the_block(qwen, monkeypa
     steps = []
     monkeypatch.setattr(MTPHeads, "step", lambda *args: steps.append(args))
     assert drafter.would_propose() and not steps
+
+
+def test_a_hugging_face_checkpoints_heads_equal_its_mlx_conversions(qwen, tmp_path: Path):
+    """The layout Qwen ships (zero-centred norms stored as w - 1, the MTP block's too): the
+    heads loaded from it draft exactly what those of the same weights in MLX's layout do."""
+    from tests.support.mtp_models import as_hugging_face
+
+    model, heads, path = qwen["random"]
+    hub = as_hugging_face(path, tmp_path / "hub")
+    hub_model, _ = load_model(hub)
+    hub_heads = load_heads(hub, hub_model)
+    assert hub_heads is not None
+    tokens = mx.array([PROMPTS[0]])
+    assert mx.allclose(hub_model(tokens), model(tokens), atol=1e-5).item()
+    hidden = heads.inner(tokens, None)
+    ours = heads.step(tokens[:, 1:], hidden[:, :-1], heads.make_cache())
+    theirs = hub_heads.step(tokens[:, 1:], hidden[:, :-1], hub_heads.make_cache())
+    assert mx.allclose(ours, theirs, atol=1e-5).item()
