@@ -187,9 +187,13 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
             class_predicate=lambda path, _module: f"{path}.scales" in weights,
         )
     block.load_weights(list(weights.items()), strict=True)
+    heads = MTPHeads(target, block)
+    norm = getattr(heads.inner, "norm", None)
+    if norm is not None:  # the dtype the target computes in (`--kv-dtype` may have cast it)
+        block.set_dtype(norm.weight.dtype)
     block.eval()
     mx.eval(block.parameters())
-    return MTPHeads(target, block)
+    return heads
 
 
 def _block(config: dict, target: nn.Module, layers: int) -> MTPBlock:

@@ -376,3 +376,20 @@ def test_a_hugging_face_checkpoints_heads_equal_its_mlx_conversions(qwen, tmp_pa
     ours = heads.step(tokens[:, 1:], hidden[:, :-1], heads.make_cache())
     theirs = hub_heads.step(tokens[:, 1:], hidden[:, :-1], hub_heads.make_cache())
     assert mx.allclose(ours, theirs, atol=1e-5).item()
+
+
+def test_the_heads_compute_in_the_targets_dtype(tmp_path: Path):
+    """A bfloat16 checkpoint whose heads were saved in float32: they run in bfloat16, as the
+    target does (so its hidden states meet weights of their own dtype)."""
+    path = mtp_model_dir(tmp_path / "bf16", dtype="bfloat16")
+    model, _ = load_model(path)
+    heads = load_heads(path, model)
+    assert heads is not None
+    assert (
+        heads.block.fc.weight.dtype == mx.bfloat16 == model.language_model.model.norm.weight.dtype
+    )
+    hidden, _ = heads.forward(mx.array([PROMPTS[0]]), None)
+    assert (
+        heads.step(mx.array([PROMPTS[0][1:]]), hidden[:, :-1], heads.make_cache()).dtype
+        == mx.bfloat16
+    )
