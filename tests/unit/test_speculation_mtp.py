@@ -69,21 +69,10 @@ def decode(model, heads: MTPHeads | None, prompts, n, speculation: str = "auto",
 
 def untied_llama():
     """A tiny llama with its own output head (tied, a zeroed llama predicts its input token)."""
-    from mlx_lm.models import llama
+    from tests.unit.test_cache_models import tiny_llama
 
     mx.random.seed(3)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    )
-    return llama.Model(args)
+    return tiny_llama(False, vocab=512, tied=False)
 
 
 def mtp_counts(driver: Driver) -> list[list[int]]:
