@@ -183,7 +183,7 @@ class Settings:
         default="auto",
         metadata={
             "help": "Drafting from the checkpoint's own MTP heads (Qwen3.5/3.6, Qwen3-Next, "
-            "DeepSeek-V3) "
+            "DeepSeek-V3, GLM-4.5/4.6) "
             "under --speculation auto: auto (where the checkpoint carries them), on (required: "
             "a checkpoint without them, or --speculation off, is refused at start) or off."
         },

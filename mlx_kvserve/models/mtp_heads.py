@@ -1,7 +1,7 @@
 """A checkpoint's own multi-token-prediction (MTP) heads, kept at load (issue 31, item 2).
 
 Qwen3.5/3.6 (dense and MoE) and Qwen3-Next ship `mtp.*` tensors beside the model, DeepSeek-V3
-a nextn layer (`model.layers.{num_hidden_layers}`): decoder layers that take the target's last
+and GLM-4 MoE a nextn layer (`model.layers.{num_hidden_layers}`): decoder layers that take the target's last
 hidden state h_p (after its final norm) and the embedding of the next token t_{p+1}, and predict
 t_{p+2} through the target's own output head. mlx-lm drops them in `sanitize`; here they are
 read from the same safetensors, after the model loaded, into `MTPBlock`, built from mlx-lm's own
@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen3_5_moe": "mtp_num_hidden_layers",
     "qwen3_next": "mtp_num_hidden_layers",
     "deepseek_v3": "num_nextn_predict_layers",
+    "glm4_moe": "num_nextn_predict_layers",  # GLM-4.5/4.6: DeepSeek's layout, GLM's layer
 }
 # a nextn layer's names -> the block's (its embed_tokens and shared_head.head: the target's)
 _NEXTN = {
@@ -209,11 +210,16 @@ def _block(config: dict, target: nn.Module, layers: int) -> MTPBlock:
 
         args = target.args
         index = args.full_attention_interval - 1
+    elif model_type == "glm4_moe":
+        from mlx_lm.models.glm4_moe import DecoderLayer as Layer
+
+        args = target.args
+        index = args.num_hidden_layers  # the nextn layer's own index: a MoE layer
     else:
         from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer as Layer
 
         args = target.args
-        index = args.num_hidden_layers  # the nextn layer's own index: a MoE layer
+        index = args.num_hidden_layers
     stack = [Layer(args, layer_idx=index) for _ in range(layers)]
     return MTPBlock(stack, args.hidden_size, args.rms_norm_eps)
 

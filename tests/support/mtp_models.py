@@ -1,6 +1,7 @@
 """Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
 the model's safetensors, `mtp_num_hidden_layers` in its `text_config`); Qwen3.5-MoE and
-Qwen3-Next too, and DeepSeek-V3 (its nextn layer `model.layers.{num_hidden_layers}`).
+Qwen3-Next too, and DeepSeek-V3 and GLM-4 MoE (their nextn layer
+`model.layers.{num_hidden_layers}`).
 
 `mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
 layer: random heads guess badly, so they show exactness (every guess checked) but not
@@ -55,9 +56,12 @@ def mtp_model_dir(
     moe = family == "qwen3_5_moe"
     base = "qwen3_5" if moe else family
     extra: dict[str, Any] = dict(MOE) if moe else {}
-    nextn = family == "deepseek_v3"
+    nextn = family in ("deepseek_v3", "glm4_moe")
     extra["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = layers
-    make_model_dir(dest, base, seed=seed, **extra, **overrides)
+    if family == "glm4_moe":
+        _glm_dir(dest, seed, {**extra, **overrides})
+    else:
+        make_model_dir(dest, base, seed=seed, **extra, **overrides)
     config = json.loads((dest / "config.json").read_text())
     config["model_type"] = family
     (dest / "config.json").write_text(json.dumps(config, indent=2))
@@ -83,6 +87,58 @@ def mtp_model_dir(
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     return dest
+
+
+# GLM-4.5's shape, shrunk (tiny_models.py has no GLM family; the rest as its models are built)
+GLM = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "use_qk_norm": True,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+}
+
+
+def _glm_dir(dest: Path, seed: int, overrides: dict) -> None:
+    """A tiny random GLM-4 MoE directory, as `make_model_dir` writes its families."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import glm4_moe
+
+    from tests.support.tiny_models import EOS_IDS, ROWS, TOKENIZER_FILES, default_tokenizer_dir
+
+    config = {"model_type": "glm4_moe", **GLM, "vocab_size": ROWS, **overrides}
+    config["eos_token_id"] = EOS_IDS
+    mx.random.seed(seed)
+    model = glm4_moe.Model(glm4_moe.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (default_tokenizer_dir() / name).is_file():
+            shutil.copyfile(default_tokenizer_dir() / name, dest / name)
 
 
 def _as_nextn(heads: dict, index: int, weights: dict) -> dict:

@@ -94,16 +94,16 @@ def test_the_heads_are_kept_at_load_and_passes_return_the_models_logits(qwen):
     assert tap.hidden is not None and tap.hidden.shape == (1, 3, width)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe"])
 def test_other_families_heads_load_and_draft_exactly(tmp_path: Path, family):
-    """Qwen3.5-MoE (experts in the MTP layer too), Qwen3-Next, and DeepSeek-V3's nextn layer
-    (MLA attention, experts): the heads load, and with heads that guess right every draft is
-    kept and the tokens are plain decoding's."""
+    """Qwen3.5-MoE (experts in the MTP layer too), Qwen3-Next, DeepSeek-V3's nextn layer (MLA
+    attention, experts) and GLM-4 MoE's: the heads load, and with heads that guess right every
+    draft is kept and the tokens are plain decoding's."""
     path = mtp_model_dir(tmp_path / family, family=family, predictable=True)
     # mlx-lm drops Qwen3-Next's `mtp.*` only from a Hugging Face layout (per-expert weights, as
     # real checkpoints ship) and DeepSeek-V3's nextn layer only at index 61 (the real one's):
     # these tiny ones load unstrictly
-    model, _ = load_model(path, strict=family == "qwen3_5_moe")
+    model, _ = load_model(path, strict=family in ("qwen3_5_moe", "glm4_moe"))
     heads = load_heads(path, model)
     assert heads is not None and heads.depth == 1
     assert mx.array_equal(Tap(heads)(mx.array([PROMPTS[1]])), model(mx.array([PROMPTS[1]]))).item()
