@@ -89,8 +89,8 @@ class DecodeBatch:
         self.speculator = None
         if speculation == "auto":
             self.speculator = Speculator(continuations=continuations, mtp=mtp)
-            if mtp is not None:
-                self.model = Tap(mtp)
+            if mtp is not None and not isinstance(model, Tap):
+                self.model = Tap(model, mtp)
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.waiting)
@@ -108,6 +108,8 @@ class DecodeBatch:
 
     def add(self, seq: Sequence) -> None:
         """Join between steps; the sequence's caches hold exactly its `live.tokens`."""
+        if self.speculator is not None:
+            self.speculator.joined(seq, self.model)  # its prefill's hidden states, for MTP
         if not self.seqs:
             self.seqs.append(seq)
             return

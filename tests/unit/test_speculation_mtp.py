@@ -56,6 +56,7 @@ def decode(model, heads: MTPHeads | None, prompts, n, speculation: str = "auto",
     tokens each asks for (or a list, one per prompt)."""
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation, mtp=heads)
+    driver.gen.model = driver.batch.model  # the prefill through the tap too, as the engine's
     reqs = []
     for i, prompt in enumerate(prompts):
         req = request(prompt, max_tokens=n[i] if isinstance(n, list) else n)
@@ -87,7 +88,7 @@ def test_the_heads_are_kept_at_load_and_passes_return_the_models_logits(qwen):
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
     tokens = mx.array([PROMPTS[0]])
     cache, cache2 = model.make_cache(), model.make_cache()
-    tap = Tap(heads)
+    tap = Tap(model, heads)
     for part in (tokens[:, :5], tokens[:, 5:]):  # a prefill, then more on the same caches
         assert mx.array_equal(tap(part, cache=cache), model(part, cache=cache2)).item()
     width = config["text_config"]["hidden_size"]
@@ -106,7 +107,9 @@ def test_other_families_heads_load_and_draft_exactly(tmp_path: Path, family):
     model, _ = load_model(path, strict=family in ("qwen3_5_moe", "glm4_moe"))
     heads = load_heads(path, model)
     assert heads is not None and heads.depth == 1
-    assert mx.array_equal(Tap(heads)(mx.array([PROMPTS[1]])), model(mx.array([PROMPTS[1]]))).item()
+    assert mx.array_equal(
+        Tap(model, heads)(mx.array([PROMPTS[1]])), model(mx.array([PROMPTS[1]]))
+    ).item()
     _, plain = decode(model, None, PROMPTS[:1], 24, "off")
     driver, spec = decode(model, heads, PROMPTS[:1], 24)
     assert tokens_of(spec[0].text) == tokens_of(plain[0].text)
@@ -170,6 +173,7 @@ def test_merged_rows_hand_each_its_hidden_states(qwen):
     _, plain = decode(model, None, PROMPTS, lengths, "off")
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
     reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
     for req in reqs:
         driver.join(req)
@@ -179,7 +183,7 @@ def test_merged_rows_hand_each_its_hidden_states(qwen):
     (seq,) = driver.batch.seqs
     assert seq.req is reqs[0] and max(driver.sizes) == 3
     drafted_before = seq.timings.by_source.get(SOURCE, [0])[0]
-    assert_fed_afresh(heads, driver.batch.speculator.rows[id(seq)].mtp, len(PROMPTS[0]))
+    assert_fed_afresh(heads, driver.batch.speculator.rows[id(seq)].mtp, 0)
     driver.step()
     assert seq.timings.by_source[SOURCE][0] > drafted_before  # drafted on its first step alone
     driver.drain()
@@ -193,8 +197,9 @@ def test_merged_plain_kv_rows_verify_mtp_drafts_together(leak):
     accepting and rolling back its own drafts (holes), and give plain decoding's tokens."""
     model = untied_llama()
     heads = predictable_llama_heads(model, leak)
-    want = [reference(model, p, 24) for p in PROMPTS]
-    driver, spec = decode(model, heads, PROMPTS, 24)
+    lengths = [64, 24, 24]  # the first still runs when the third joins, drafting as it does
+    want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    driver, spec = decode(model, heads, PROMPTS, lengths)
     assert [tokens_of(r.text) for r in spec] == want
     assert max(driver.sizes) == 3
     counts = mtp_counts(driver)
@@ -219,6 +224,7 @@ def test_the_mtp_cache_holds_each_committed_pair_once(qwen):
     model, heads, _ = qwen["leaky"]
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
     req = request(PROMPTS[0], max_tokens=60)
     driver.join(req)
     for _ in range(12):
@@ -226,15 +232,15 @@ def test_the_mtp_cache_holds_each_committed_pair_once(qwen):
     (seq,) = driver.batch.seqs
     source = driver.batch.speculator.rows[id(seq)].mtp
     assert 0 < seq.timings.by_source[SOURCE][1] < seq.timings.by_source[SOURCE][0]
-    assert_fed_afresh(heads, source, len(PROMPTS[0]))
+    assert_fed_afresh(heads, source, 0)  # from the prompt's first token: its prefill's pass
     driver.drain()
     assert tokens_of(req.text) == reference(model, PROMPTS[0], 60)
 
 
 def assert_fed_afresh(heads: MTPHeads, source: MTPDraft, first: int) -> None:
     """`source` (a row's, mid-answer) equals an MTP source fed at once every pair since
-    position `first` (where the first decode pass fed the prefill's token), the hidden states
-    from a full forward of the row's tokens."""
+    position `first` (where its prefill's last pass began), the hidden states from a full
+    forward of the row's tokens."""
     source.propose(1)  # feeds what is pending
     assert source.fed == len(source.tokens) - 2
     assert source.cache[0].offset == source.fed - first + 1
@@ -317,6 +323,7 @@ def test_a_row_that_opted_out_feeds_no_mtp_source_and_its_company_drafts():
     want = [reference(model, p, 20) for p in PROMPTS[:2]]
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
     reqs = [request(p, max_tokens=20) for p in PROMPTS[:2]]
     reqs[0].params = replace(reqs[0].params, speculative=False)
     for req in reqs:
@@ -382,3 +389,25 @@ def test_the_heads_compute_in_the_targets_dtype(tmp_path: Path):
         heads.step(mx.array([PROMPTS[0][1:]]), hidden[:, :-1], heads.make_cache()).dtype
         == mx.bfloat16
     )
+
+
+def test_a_row_takes_only_its_own_prefills_hidden_states(qwen):
+    """A joining row's MTP source starts at its prefill's last pass, and only if that pass ran
+    on its own caches: after another row's pass (a prompt the cache served whole, a fork),
+    it takes nothing and starts at its first decode pass."""
+    model, heads, _ = qwen["random"]
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    tap = driver.gen.model = driver.batch.model
+    driver.join(request(PROMPTS[0], max_tokens=8))
+    (first,) = driver.batch.seqs
+    mine = driver.batch.speculator.rows[id(first)].mtp
+    assert sorted(mine.hidden) == list(range(len(PROMPTS[0])))  # the prompt's, all of them
+    assert mine.propose(1) is not None  # before any decode pass: the prompt's pairs fed
+    assert mine.fed == len(PROMPTS[0]) - 2  # all but the last (its next token is unread)
+    _, second = driver.gen.start(request(PROMPTS[1], max_tokens=8))
+    tap(mx.array([[3]]), cache=model.make_cache())  # some other pass runs in between
+    driver.batch.add(second)
+    theirs = driver.batch.speculator.rows.get(id(second))
+    assert theirs is None or not (theirs.mtp and theirs.mtp.hidden)
+    driver.drain()

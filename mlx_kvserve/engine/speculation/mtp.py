@@ -4,20 +4,21 @@ An MTP step takes the target's hidden state h_p at a position and the token t_{p
 and predicts t_{p+2}; its output is the hidden state of the next step, so k drafts cost k small
 steps (one decoder layer each, and the target's output head) and no target pass.
 
-Where the hidden states come from: `Tap` stands in for the model in the decode batch and
-returns its logits as before (the same computation, `MTPHeads.forward`), keeping the hidden
-states they came from. After each pass the batch (plain steps, engine/batch.py) or the
-speculator (verify passes, step.py) hands each row's `MTPDraft` the hidden states of the
-positions that stay in its caches: a verify pass's kept prefix only, so the MTP never sees a
-rejected position.
+Where the hidden states come from: `Tap` stands in for the model in the prefill and the decode
+batch and returns its logits as before (the same computation, `MTPHeads.forward`), keeping the
+hidden states they came from. A row joining the batch takes those of its prefill's last pass
+(the tail of its prompt, when that pass ran on its own caches); after each pass the batch
+(plain steps, engine/batch.py) or the speculator (verify passes, step.py) hands each row's
+`MTPDraft` the hidden states of the positions that stay in its caches: a verify pass's kept
+prefix only, so the MTP never sees a rejected position.
 
 Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
 whose both halves are committed: pairs are fed when their next token is known, and the steps
 that draft (fed the MTP's own outputs) are trimmed off again as soon as the draft is read, so
-no rollback is ever owed after a verify pass. Its cache starts at the row's first decode pass
-(the prefill keeps no hidden states), so its attention sees the tokens the row wrote, not its
-prompt: a source of lost acceptance on real checkpoints, not of wrong tokens (verify.py decides
-what is kept, and the MTP only guesses).
+no rollback is ever owed after a verify pass. Its cache starts at the prefill's last pass (the
+prompt's tail; a prompt the cache served whole, or a resumed row, starts at its first decode
+pass): earlier positions it never sees, a source of lost acceptance, not of wrong tokens
+(verify.py decides what is kept, and the MTP only guesses).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_kvserve.engine.speculation.drafts import Draft
 from mlx_kvserve.models.mtp_heads import MTPHeads
@@ -35,15 +37,21 @@ MAX_DRAFT = 8  # steps a proposal runs at most (a grammar row asks for more, for
 
 
 class Tap:
-    """The target as the decode batch calls it: its logits, with `hidden` kept from the pass."""
+    """The target as the decode batch and the prefill call it: its logits, with `hidden` kept
+    from the last pass (and the caches it ran on); anything else is the model's."""
 
-    def __init__(self, heads: MTPHeads) -> None:
-        self.heads = heads
+    def __init__(self, model: nn.Module, heads: MTPHeads) -> None:
+        self.model, self.heads = model, heads
         self.hidden: mx.array | None = None  # (B, L, H) of the last pass
+        self.cache: list | None = None  # the caches that pass ran on
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         self.hidden, logits = self.heads.forward(inputs, cache)
+        self.cache = cache
         return logits
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)  # make_cache, layers, args...
 
 
 class MTPDraft:

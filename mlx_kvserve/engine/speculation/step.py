@@ -193,6 +193,19 @@ class Speculator:
             self.rows[id(seq)] = state
         return state
 
+    def joined(self, seq: Sequence, model: object) -> None:
+        """A row joins: its MTP source takes the hidden states of its prefill's last pass, if
+        that pass ran on its own caches (the prompt's tail, positions before its end)."""
+        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+            return
+        if model.cache is not seq.live.caches or not seq.req.params.speculative:
+            return  # another row's pass (a prompt the cache served whole, a fork, a resume)
+        state = self._state(seq)
+        assert state.mtp is not None
+        sync(seq, state.drafter)
+        width = model.hidden.shape[1]
+        state.mtp.record(len(seq.live.tokens) - width, model.hidden[0])
+
     def passed(self, seqs: list[Sequence], model: object) -> None:
         """After a plain pass: each row's MTP source takes the hidden states of what it fed
         (the positions before its cache's end; a pipelined row's fed token is still unread)."""
