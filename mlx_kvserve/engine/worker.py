@@ -56,6 +56,7 @@ from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
+from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -211,7 +212,8 @@ class Engine(Intake, Stopping, Failures):
         """Load the model and make what serves it: its prompt states, generator, KV ledger and
         decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
         of the model can do)."""
-        model, tokenizer, prompt_cache = Loaded(*self._loader())
+        loaded = Loaded(*self._loader())
+        model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
         if prompt_cache is not None:
             self.prompt_cache = prompt_cache
         self.model, self.tokenizer = model, tokenizer
@@ -230,8 +232,11 @@ class Engine(Intake, Stopping, Failures):
         # trusts the layout alone (engine/merge_check.py).
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
         self._can_batch = self.lockstep.all_true(merges, "batching")
+        speculation = self.speculation if job is None else "off"
+        mtp = loaded.mtp if speculation == "auto" else None
+        tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
         self.generator = Generator(
-            model,
+            tap or model,
             tokenizer,
             states,
             prefill_step=self.prefill_step,
@@ -251,18 +256,18 @@ class Engine(Intake, Stopping, Failures):
             self.kv_reserve,
             batched=self._can_batch,
         )
-        speculation = self.speculation if job is None else "off"
         if speculation == "auto":  # a draft source: what finished requests' tokens went on with
             self.continuations = Continuations()
             for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
                 for tokens in cache.token_streams(self.continuations.max_tokens):
                     self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
-            model,
+            tap or model,
             self._ended,
             mergeable=self._can_batch,
             speculation=speculation,
             continuations=self.continuations,
+            mtp=mtp,
         )
 
     def _loop(self) -> None:

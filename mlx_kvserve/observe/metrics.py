@@ -30,8 +30,9 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PREFILL_TPS_BUCKETS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800)
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 # Where speculative decoding's drafts come from (engine/speculation/: drafts.py, the row's own
-# tokens; continuations.py, finished requests' tokens in the prompt cache's namespace).
-DRAFT_SOURCES = ("prompt_lookup", "prompt_cache")
+# tokens; continuations.py, finished requests' tokens in the prompt cache's namespace; mtp.py, the
+# checkpoint's own MTP heads).
+DRAFT_SOURCES = ("prompt_lookup", "prompt_cache", "mtp")
 RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
