@@ -179,6 +179,15 @@ class Settings:
             "same either way) or off. Off in a job across machines."
         },
     )
+    mtp: str = field(
+        default="auto",
+        metadata={
+            "help": "Drafting from the checkpoint's own MTP heads (Qwen3.5/3.6, Qwen3-Next, "
+            "DeepSeek-V3, GLM-4.5/4.6) "
+            "under --speculation auto: auto (where the checkpoint carries them), on (required: "
+            "a checkpoint without them, or --speculation off, is refused at start) or off."
+        },
+    )
     draft_model: str | None = field(
         default=None,
         metadata={

@@ -18,6 +18,7 @@ from mlx_kvserve.cache.kinds import KVLayout, describe_model
 from mlx_kvserve.engine.ledger import KVCost
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.models.context import context_from_model
+from mlx_kvserve.models.mtp_heads import MTPHeads
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -30,6 +31,7 @@ class Loaded(NamedTuple):
     model: nn.Module
     tokenizer: TokenizerWrapper
     prompt_cache: Caches = None
+    mtp: MTPHeads | None = None  # the checkpoint's MTP heads, a draft source (--speculation)
 
 
 # Runs on the engine thread: `Loaded`, or mlx_lm.load's (model, tokenizer) pair.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeAlias
 
 import mlx.nn as nn
@@ -26,6 +26,7 @@ from mlx_kvserve.cache.entry import EntryInfo
 from mlx_kvserve.engine.job_states import JobStates, Votes
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 
 current_namespace: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -105,7 +106,9 @@ class States(Protocol):
     @property
     def resident_bytes(self) -> int: ...
 
-    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None: ...
+    def reusable(
+        self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()
+    ) -> Start | None: ...
 
     def drop_residents(self, keep: Start | None = None) -> int: ...
 
@@ -152,11 +155,13 @@ class NamespacedStates:
     def resident_bytes(self) -> int:
         return self._active.resident_bytes
 
-    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None:
+    def reusable(
+        self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()
+    ) -> Start | None:
         """Only the selected namespace has residents (selecting another drops them)."""
         if namespace != self._active_namespace or self._active is self._none:
             return None
-        return self._active.reusable(prompt)
+        return self._active.reusable(prompt, spans=spans)
 
     def drop_residents(self, keep: Start | None = None) -> int:
         return self._active.drop_residents(keep)

@@ -87,7 +87,7 @@ class Room:
             return False  # they resume first (even when nothing runs: see `next_resume`)
         shortfall = self._shortfall(req)
         if shortfall and busy:
-            reused = self.states.reusable(req.prompt_tokens, req.namespace)
+            reused = self.states.reusable(req.prompt_tokens, req.namespace, req.image_spans)
             if reused is not None:  # it moves into the request: counted once, as its prompt
                 shortfall = self._shortfall(req, reused)
             if shortfall and self._shed(shortfall, keep=reused):
@@ -171,8 +171,9 @@ class Room:
         faults.maybe_fail("pause")
         batch.take(seq)
         cache = seq.states.cache
-        if cache is not None and seq.live.tokens and not seq.req.choice:  # a fork: see finish
-            cache.checkpoint(seq.live.tokens, seq.live.caches, "pause", probe=seq.last_logits)
+        held = seq.live.key()  # the tokens as the cache keys them (images by their content)
+        if cache is not None and held and not seq.req.choice:  # a fork: see finish
+            cache.checkpoint(held, seq.live.caches, "pause", probe=seq.last_logits)
         seq.live.caches = []
         self.paused.append((seq, order))
         self.pauses += 1
@@ -266,11 +267,11 @@ def _resume(
     """Rebuild the caches of a paused sequence (its checkpoint, else cold) for exactly its
     `live.tokens`; the logits of that prefill are only checked (the sequence kept its next
     token). A failure is blamed and tried again as a request's prefill is (engine/blame.py)."""
-    states, tokens = seq.states, list(seq.live.tokens)
+    states, tokens, spans = seq.states, list(seq.live.tokens), seq.live.spans
     timings = Timings(prompt_tokens=len(tokens))  # the resumption's own: not the request's
 
     def attempt(start: Start) -> Generator_[int, None, Live]:
-        live = Live(start.caches, list(start.tokens))
+        live = Live(start.caches, list(start.tokens), spans)
 
         def check() -> None:
             if seq.req.cancelled.is_set():
@@ -279,7 +280,7 @@ def _resume(
         try:
             if len(live.tokens) < len(tokens):
                 logits = yield from prefill_steps(
-                    model, live, tokens, step, Checkpoints({}, 0, _no_store), check
+                    model, live, tokens, step, Checkpoints({}, 0, _no_store, spans=spans), check
                 )
                 check_logits(logits)
         except Cancelled:
@@ -287,10 +288,10 @@ def _resume(
         return live
 
     if not tokens:
-        seq.live = Live(states.fresh(), [])
+        seq.live = Live(states.fresh(), [], spans)
         return timings, seq
     who = f"request {seq.req.request_id} (resuming)"
-    seq.live = yield from recover(states, tokens, who, attempt, timings)
+    seq.live = yield from recover(states, tokens, who, attempt, timings, spans)
     return timings, seq
 
 

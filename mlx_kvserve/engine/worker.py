@@ -57,6 +57,7 @@ from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.engine.speculation.draft_model import DraftLoader, load_draft
+from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -216,7 +217,8 @@ class Engine(Intake, Stopping, Failures):
         """Load the model and make what serves it: its prompt states, generator, KV ledger and
         decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
         of the model can do)."""
-        model, tokenizer, prompt_cache = Loaded(*self._loader())
+        loaded = Loaded(*self._loader())
+        model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
         if prompt_cache is not None:
             self.prompt_cache = prompt_cache
         self.model, self.tokenizer = model, tokenizer
@@ -235,8 +237,11 @@ class Engine(Intake, Stopping, Failures):
         # trusts the layout alone (engine/merge_check.py).
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
         self._can_batch = self.lockstep.all_true(merges, "batching")
+        speculation = self.speculation if job is None else "off"
+        mtp = loaded.mtp if speculation == "auto" else None
+        tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
         self.generator = Generator(
-            model,
+            tap or model,
             tokenizer,
             states,
             prefill_step=self.prefill_step,
@@ -248,7 +253,6 @@ class Engine(Intake, Stopping, Failures):
         self.memory.start(model)
         if self.kv_budget is None:
             self.kv_budget = self.memory.default_kv_budget(model)
-        speculation = self.speculation if job is None else "off"
         drafts = load_draft(self._draft_loader, model, tokenizer, self.prefill_step, speculation)
         layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
         self.room = Room(
@@ -265,11 +269,12 @@ class Engine(Intake, Stopping, Failures):
                 for tokens in cache.token_streams(self.continuations.max_tokens):
                     self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
-            model,
+            tap or model,
             self._ended,
             mergeable=self._can_batch,
             speculation=speculation,
             continuations=self.continuations,
+            mtp=mtp,
             draft_model=drafts,
         )
 
@@ -432,12 +437,13 @@ class Engine(Intake, Stopping, Failures):
         assert self.generator is not None
         log.info(seq.timings.log_line(seq.req))
         self._release(seq.req)
-        tokens = seq.live.tokens + seq.feed
+        held = seq.live.key()  # its images keyed by content: the index leaves them out
+        tokens = None if held is None else held + seq.feed
         try:
             self.generator.finish(seq)
         except Exception:  # after its Done: only the checkpoint is lost
             log.exception("request %s: saving its KV failed", seq.req.request_id)
-        if self.continuations is not None:  # after its Done: a draft source for later requests
+        if self.continuations is not None and tokens is not None:  # a draft source from now on
             self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:

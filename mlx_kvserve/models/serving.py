@@ -42,6 +42,7 @@ PER_MODEL = frozenset(
         "max_concurrency",
         "max_queue",
         "speculation",
+        "mtp",
         "draft_model",
         "cache_budget",
         "cache_ram_budget",
@@ -96,6 +97,12 @@ class Engines:
         if problem:
             raise ModelSetupError(f"cannot serve the model {spec.source!r}: {problem}")
         own = model_settings(self.settings, spec)
+        if own.mtp == "on":
+            from mlx_kvserve.models.mtp_heads import heads_problem
+
+            problem = heads_problem(model_dir, own.speculation)
+            if problem:
+                raise ModelSetupError(f"--mtp on: cannot draft for {spec.source!r}: {problem}")
         draft_dir = self._draft(spec, own, model_dir)
         kv_reserve = None if own.kv_budget == "auto" else parse_size(own.kv_budget)
         size = footprint(model_dir, kv_reserve) + (weights_bytes(draft_dir) if draft_dir else 0)
@@ -198,6 +205,7 @@ def make_engine(
     from mlx_kvserve.embed.kind import kind_of, pooling_config
     from mlx_kvserve.embed.pooling import ENCODER
     from mlx_kvserve.models.context import read_context_length
+    from mlx_kvserve.models.mtp_heads import load_heads
     from mlx_kvserve.models.precision import (
         apply_kv_dtype,
         on_metal,
@@ -216,18 +224,23 @@ def make_engine(
     prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
 
     def load_model() -> Loaded:
-        model, tokenizer, _ = Loaded(*mlx_load(str(model_dir)))
+        model, tokenizer = Loaded(*mlx_load(str(model_dir)))[:2]
         add_end_tokens(tokenizer)  # its format's own (gpt-oss's <|call|>) end a generation
         log.info("%s", tool_format_notice(tokenizer))
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
         if cast:
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
+        wanted = settings.speculation == "auto" and settings.mtp != "off"
+        mtp = load_heads(model_dir, model) if wanted else None
+        if mtp is not None:
+            log.info("drafting with the checkpoint's %d MTP layer(s) too", mtp.depth)
         used = served_dtype(settings.kv_dtype, kv_dtype, cast)
         if used == kv_dtype or prompt_cache is None:
-            return Loaded(model, tokenizer)
+            return Loaded(model, tokenizer, mtp=mtp)
         # "auto" left the model in its own dtype: its cache is the one named for that dtype
         prompt_cache.close()
-        return Loaded(model, tokenizer, open_prompt_cache(settings, model_dir, model_id, used))
+        other = open_prompt_cache(settings, model_dir, model_id, used)
+        return Loaded(model, tokenizer, other, mtp)
 
     def load_draft() -> tuple[nn.Module, TokenizerWrapper]:
         assert draft_dir is not None

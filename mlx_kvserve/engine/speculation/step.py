@@ -1,4 +1,4 @@
-"""A decode step that drafts and verifies: prompt lookup and the prompt cache's continuations.
+"""A decode step that drafts and verifies: prompt lookup, the prompt cache's continuations, MTP.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
 only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
@@ -17,9 +17,10 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
    match for its tokens so far, every row's pending token is read (speculating rows give up the
    pipelining overlap: the drafter needs that token);
 2. each row's draft (its `Drafter`: `PromptLookup` and, given `continuations`, the prompt
-   cache's continuations of its namespace, synced with its tokens; a grammar row's checked token
-   by token, a refused token ending it, forced tokens following each drafted one), cut to the
-   batch's width;
+   cache's continuations of its namespace, and, given `mtp`, the checkpoint's MTP heads fed
+   the target's hidden states of every pass (mtp.py), synced with its tokens; a grammar row's
+   checked token by token, a refused token ending it, forced tokens following each drafted
+   one), cut to the batch's width;
 3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
    sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
@@ -44,9 +45,11 @@ from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
+from mlx_kvserve.engine.speculation.mtp import MTPDraft, Tap
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
 from mlx_kvserve.engine.speculation.snapshot import Snapshot, needs_snapshot, restorable
 from mlx_kvserve.engine.speculation.verify import verify
+from mlx_kvserve.models.mtp_heads import MTPHeads
 
 
 @dataclass
@@ -57,6 +60,7 @@ class RowState:
     drafter: Drafter
     depth: DepthController = field(default_factory=DepthController)
     model_row: DraftModelRow | None = None  # its row of the draft model's batch, if any
+    mtp: MTPDraft | None = None  # its MTP source, fed the target's hidden states
 
 
 class Speculator:
@@ -66,12 +70,15 @@ class Speculator:
         self,
         max_depth: int = 8,
         continuations: Continuations | None = None,
+        mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
-        `draft_model`: a small model of the same tokenizer, a third (draft_model.py)."""
+        `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
+        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py)."""
         self.max_depth = max_depth
         self.continuations = continuations
+        self.mtp = mtp
         self.draft_model = draft_model
         self.cost = VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
@@ -102,7 +109,7 @@ class Speculator:
         self,
         seqs: list[Sequence],
         merged: list | None,
-        model: nn.Module,
+        model: nn.Module | Tap,
         read: Callable[[list], None],
         leave: Callable[[], None],
     ) -> int:
@@ -139,7 +146,7 @@ class Speculator:
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does; the draft model always has).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and (use or state.drafter.propose(1))
+            depth and (use or state.drafter.would_propose())
             for state, depth, use in zip(states, depths, uses, strict=True)
         ):
             return 0
@@ -217,17 +224,46 @@ class Speculator:
             sources: list[DraftSource] = [PromptLookup()]
             if self.continuations is not None:
                 sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
+            mtp = None if self.mtp is None else MTPDraft(self.mtp)
             row = self.draft_model.row() if self.draft_model is not None else None
-            if row is not None:
-                sources.append(row)
-            state = self.rows[id(seq)] = RowState(Drafter(sources), model_row=row)
+            own = [s for s in (mtp, row) if s is not None]
+            state = RowState(Drafter(sources + own), mtp=mtp, model_row=row)
+            self.rows[id(seq)] = state
         return state
+
+    def joined(self, seq: Sequence, model: object) -> None:
+        """A row joins: its MTP source takes the hidden states of its prefill's last pass, if
+        that pass ran on its own caches (the prompt's tail, positions before its end)."""
+        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+            return
+        if model.cache is not seq.live.caches or not seq.req.params.speculative:
+            return  # another row's pass (a prompt the cache served whole, a fork, a resume)
+        state = self._state(seq)
+        assert state.mtp is not None
+        sync(seq, state.drafter)
+        width = model.hidden.shape[1]
+        state.mtp.record(len(seq.live.tokens) - width, model.hidden[0])
+
+    def passed(self, seqs: list[Sequence], model: object) -> None:
+        """After a plain pass: each row's MTP source takes the hidden states of what it fed
+        (the positions before its cache's end; a pipelined row's fed token is still unread)."""
+        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+            return
+        width = model.hidden.shape[1]
+        for i, seq in enumerate(seqs):
+            if not seq.req.params.speculative:
+                continue  # it drafts nothing: its MTP source would only cost
+            state = self._state(seq)
+            assert state.mtp is not None
+            sync(seq, state.drafter)  # its pairs need their next tokens, steps it drafts or not
+            end = len(seq.live.tokens) + (seq.unread is not None)
+            state.mtp.record(end - width, model.hidden[i])
 
     def _verify(
         self,
         seqs: list[Sequence],
         merged: list | None,
-        model: nn.Module,
+        model: nn.Module | Tap,
         plans: list[Plan],
         vocab: int,
     ) -> tuple[list[int], int]:
@@ -241,6 +277,7 @@ class Speculator:
         caches = merged if merged is not None else seqs[0].live.caches
         snapshot = Snapshot(caches) if merged is None and needs_snapshot(caches) else None
         logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
+        hidden = model.hidden if isinstance(model, Tap) else None
         slots = max(len(plan.drafts) for plan in plans) + 1
         logits = slot_logits(logits, plans, slots)
         masks = row_masks(seqs, plans, vocab, slots)
@@ -251,8 +288,12 @@ class Speculator:
         for i, (seq, plan, out) in enumerate(zip(seqs, plans, emitted, strict=True)):
             if seq.decoder.seeded:  # slot j was drawn as its token number draws + j
                 seq.decoder.draws += len(out)
+            start = len(seq.live.tokens) - len(plan.feed)  # the pass's first position
             kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
             rejected.append(width - kept)
+            mtp = self.rows[id(seq)].mtp
+            if hidden is not None and mtp is not None and seq.req.params.speculative:
+                mtp.record(start, hidden[i, :kept])  # only what stays: never a rejected one
         if snapshot is not None and rejected[0]:  # solo: back to before the pass, then replay
             snapshot.restore()
             model(mx.array([rows[0][: width - rejected[0]]], dtype=mx.uint32), cache=caches)
