@@ -17,6 +17,8 @@ from typing import Protocol, TypeAlias, runtime_checkable
 import numpy as np
 
 from mlx_kvserve.engine.namespaces import current_namespace
+from mlx_kvserve.images.image import Image
+from mlx_kvserve.images.spans import ImageSpan
 
 
 class CancelLatch:
@@ -162,6 +164,10 @@ class GenerationRequest:
     # is prefilled once. Only this request's output extends the prompt cache.
     forks: list[GenerationRequest] = field(default_factory=list)
     choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
+    # Where each image's placeholder tokens sit in `prompt_tokens` (images/spans.py)
+    image_spans: tuple[ImageSpan, ...] = ()
+    # The images themselves, one per span (a vision model's prefill embeds them: vision/)
+    images: tuple[Image, ...] = ()
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
 

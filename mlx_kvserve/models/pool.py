@@ -32,6 +32,7 @@ from pathlib import Path
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.specs import DEFAULT_KEEP_ALIVE, ModelSpec
+from mlx_kvserve.vision.family import vision_family
 
 log = logging.getLogger("mlx_kvserve.models")
 
@@ -79,9 +80,12 @@ class Slot:
 
     @property
     def sees_images(self) -> bool:
-        """Whether the model takes images: the one seam a vision backend plugs into. No backend
-        serves images yet, so every model is shown a note in an image's place (images/note.py)."""
-        return False
+        """Whether the model takes images: a vision checkpoint whose tower runs here (read from
+        its files, so it is known before a load), or a loaded engine with a tower. Any other
+        model is shown a note in an image's place (images/note.py)."""
+        if self.engine is not None and getattr(self.engine, "vision", None) is not None:
+            return True
+        return vision_family(self.model_dir) is not None
 
     def busy(self) -> bool:
         engine = self.engine

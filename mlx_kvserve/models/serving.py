@@ -167,6 +167,7 @@ def make_engine(
         resolve_kv_dtype,
         served_dtype,
     )
+    from mlx_kvserve.vision.encoder import load_vision
 
     if kind_of(model_dir).pooling == ENCODER:  # a model that only embeds (embed/encoder.py)
         pooling = pooling_config(model_dir)
@@ -179,7 +180,8 @@ def make_engine(
     prompt_cache = open_prompt_cache(settings, model_dir, model_id, kv_dtype)
 
     def load_model() -> Loaded:
-        model, tokenizer, _ = Loaded(*mlx_load(str(model_dir)))
+        model, tokenizer, *_ = Loaded(*mlx_load(str(model_dir)))
+        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens)
         add_end_tokens(tokenizer)  # its format's own (gpt-oss's <|call|>) end a generation
         log.info("%s", tool_format_notice(tokenizer))
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
@@ -187,10 +189,11 @@ def make_engine(
             log.info("serving the model's activations and KV cache in %s", kv_dtype)
         used = served_dtype(settings.kv_dtype, kv_dtype, cast)
         if used == kv_dtype or prompt_cache is None:
-            return Loaded(model, tokenizer)
+            return Loaded(model, tokenizer, vision=vision)
         # "auto" left the model in its own dtype: its cache is the one named for that dtype
         prompt_cache.close()
-        return Loaded(model, tokenizer, open_prompt_cache(settings, model_dir, model_id, used))
+        reopened = open_prompt_cache(settings, model_dir, model_id, used)
+        return Loaded(model, tokenizer, reopened, vision)
 
     return Engine(
         load_model,

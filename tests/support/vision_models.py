@@ -1,0 +1,99 @@
+"""Tiny random-weight vision checkpoints, as a conversion of the real ones lays them out.
+
+`gemma3_vision_dir(dest)`: the tiny Gemma 3 text model of tiny_models.py (mlx-lm's classes,
+padded vocabulary, tied output), plus a SigLIP tower and projector built from mlx-vlm's config
+classes in a second safetensors file under `vision_tower.` and `multi_modal_projector.`, a
+`vision_config`, Gemma 3's image token ids and chat template (tests/fixtures/templates), the
+image tokens added to the tokenizer as Gemma's are, and a `preprocessor_config.json`
+(transformers' Gemma3ImageProcessor at the tower's size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.support.tiny_models import make_model_dir
+
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
+GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>")
+IMAGE_TOKEN = "<image_soft_token>"
+IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 8, 4  # a 4 x 4 patch grid pooled to 2 x 2
+
+
+def _add_tokens(model_dir: Path, tokens: tuple[str, ...]) -> dict[str, int]:
+    """Add `tokens` as special tokens to the tokenizer files; {token: id}."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    tokenizer.save(str(path))
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config["extra_special_tokens"] = {}
+    config_path.write_text(json.dumps(config, indent=2))
+    return {t: tokenizer.token_to_id(t) for t in tokens}
+
+
+def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
+    from mlx_vlm.models.gemma3.vision import VisionModel
+
+    dest = make_model_dir(dest, "gemma3", seed=seed, mm_tokens_per_image=TOKENS_PER_IMAGE)
+    ids = _add_tokens(dest, (*GEMMA_TOKENS, IMAGE_TOKEN))
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "gemma3.jinja").read_text())
+    config = json.loads((dest / "config.json").read_text())
+    config.update(
+        {
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "patch_size": PATCH,
+                "image_size": IMAGE_SIZE,
+                "layer_norm_eps": 1e-6,
+            },
+            "mm_tokens_per_image": TOKENS_PER_IMAGE,
+            "boi_token_index": ids["<start_of_image>"],
+            "eoi_token_index": ids["<end_of_image>"],
+            "image_token_index": ids[IMAGE_TOKEN],
+            # mlx-vlm scales image features by the top-level hidden size (2048 when absent)
+            "hidden_size": config["text_config"]["hidden_size"],
+        }
+    )
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = ModelConfig.from_dict(config)
+    cfg.text_config = TextConfig.from_dict(config["text_config"])
+    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(seed + 1)
+    tower, projector = VisionModel(cfg.vision_config), Gemma3MultiModalProjector(cfg)
+    projector.mm_input_projection_weight = mx.random.normal(
+        projector.mm_input_projection_weight.shape
+    ) * (32**-0.5)
+    weights = {
+        **{f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())},
+        **{f"multi_modal_projector.{k}": v for k, v in tree_flatten(projector.parameters())},
+    }
+    mx.save_safetensors(str(dest / "vision.safetensors"), weights, metadata={"format": "mlx"})
+    processor = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_pan_and_scan": False,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 2,
+        "rescale_factor": 1 / 255,
+        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    }
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest

@@ -1,0 +1,178 @@
+"""A vision model (Gemma 3) sees images: its text model is mlx-lm's, its tower mlx-vlm's, and
+the answer to an image prompt is the one mlx-vlm's own forward gives on the same weights
+(docs/images.md). Real app and engine in this process, a tiny random-weight checkpoint
+(tests/support/vision_models.py), real PNGs made with Pillow."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.engine import Engine
+from mlx_kvserve.engine.loading import Loaded
+from tests.support.concurrently import concurrently
+from tests.support.images import b64, data_url, encoded
+
+pytest.importorskip("mlx_vlm")
+
+LOCAL = "http://localhost"
+RED = encoded("PNG", 64, 40, (200, 30, 30))
+GREEN = encoded("PNG", 48, 48, (20, 220, 40))
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.vision_models import gemma3_vision_dir
+
+    return gemma3_vision_dir(tmp_path_factory.mktemp("vision") / "gemma3")
+
+
+def vision_loader(model_dir: Path):  # noqa: ANN201
+    def load() -> Loaded:
+        from mlx_lm import load
+
+        from mlx_kvserve.vision.encoder import load_vision
+
+        model, tokenizer = load(str(model_dir))
+        return Loaded(
+            model, tokenizer, vision=load_vision(model_dir, tokenizer.convert_ids_to_tokens)
+        )
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: Path) -> Iterator[TestClient]:
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.models.pool import ModelPool
+
+    # The prompt cache keys image spans by pixel hash only once the cache does (images/spans.py):
+    # these tests compare answers across images, so no state is reused between requests.
+    engine = Engine(vision_loader(model_dir), cache_enabled=False)
+    pool = ModelPool.single(engine, "tiny-vision")
+    pool.slots[0].model_dir = model_dir
+    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+        yield c
+
+
+def chat(client: TestClient, image: bytes | None, text: str = "What is in the picture?") -> dict:
+    parts: list[dict] = [{"type": "text", "text": text}]
+    if image is not None:
+        parts.append({"type": "image_url", "image_url": {"url": data_url(image)}})
+    body = {
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answer(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def reference(model_dir: Path, messages: list[dict], image: bytes) -> str:
+    """mlx-vlm's own Gemma 3 forward on the same checkpoint: its processor's pixels, its
+    `get_input_embeddings` and language model, greedy over the tokenizer's ids."""
+    import io
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_vlm.utils import load_model
+    from PIL import Image as PILImage
+    from transformers import AutoImageProcessor
+
+    from mlx_kvserve.chat import ChatRequest, Message
+    from mlx_kvserve.chat.render import render_chat
+    from mlx_kvserve.images.pixels import ImageLimits, decode_image
+    from mlx_kvserve.vision.encoder import load_vision
+    from mlx_kvserve.vocabulary import vocabulary_size
+
+    _, tokenizer = load(str(model_dir))
+    vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens)
+    decoded = decode_image(image, ImageLimits(1 << 24, 1 << 24), "image")
+    chat_messages = [
+        Message.from_parts(m["role"], [m["text"], decoded])
+        if m.get("image")
+        else Message(m["role"], m["text"])
+        for m in messages
+    ]
+    prompt = render_chat(tokenizer, ChatRequest(chat_messages), vision=vision)
+    processor = AutoImageProcessor.from_pretrained(str(model_dir), use_fast=False)
+    pixels = processor(PILImage.open(io.BytesIO(image)).convert("RGB"), return_tensors="np")
+    model = load_model(model_dir)
+    ids = mx.array(prompt.tokens)[None]
+    embedded = model.get_input_embeddings(
+        ids, mx.array(pixels["pixel_values"]), mask=mx.ones_like(ids)
+    )
+    cache = model.language_model.make_cache()
+    logits = model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache).logits
+    size = vocabulary_size(tokenizer)
+    out: list[int] = []
+    for _ in range(TOKENS):
+        token = int(mx.argmax(logits[0, -1, :size]).item())
+        out.append(token)
+        logits = model.language_model(mx.array([[token]]), cache=cache).logits
+    return tokenizer.decode(out)
+
+
+def test_the_answer_to_an_image_is_mlx_vlms(client: TestClient, model_dir: Path) -> None:
+    text = "What is in the picture?"
+    got = chat(client, RED, text)
+    want = reference(model_dir, [{"role": "user", "text": text, "image": True}], RED)
+    assert answer(got).strip() == want.strip()  # (the answer's leading space is trimmed)
+    # the prompt holds the image's placeholders, not a note: 4 image tokens and their markup
+    assert got["usage"]["prompt_tokens"] == len(render_tokens(client, text, RED))
+
+
+def render_tokens(client: TestClient, text: str, image: bytes) -> list[int]:
+    r = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "tiny-vision",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": text},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": b64(image),
+                            },
+                        },
+                    ],
+                }
+            ],
+        },
+    )
+    assert r.status_code == 200, r.text
+    return [0] * r.json()["input_tokens"]
+
+
+def test_a_different_image_gives_a_different_answer(client: TestClient) -> None:
+    assert answer(chat(client, RED)) != answer(chat(client, GREEN))
+    assert answer(chat(client, RED)) == answer(chat(client, RED))
+
+
+def test_image_and_text_requests_batched_answer_as_alone(client: TestClient) -> None:
+    alone = [answer(chat(client, image)) for image in (RED, None, GREEN, None)]
+    together = concurrently(lambda image: answer(chat(client, image)), [RED, None, GREEN, None])
+    assert together == alone
+
+
+def test_the_model_lists_vision(client: TestClient) -> None:
+    models = client.get("/v1/models").json()["data"]
+    assert "vision" in models[0]["capabilities"]
+    shown = client.post("/api/show", json={"model": "tiny-vision"}).json()
+    assert "vision" in shown["capabilities"]
