@@ -176,3 +176,81 @@ def test_the_model_lists_vision(client: TestClient) -> None:
     assert "vision" in models[0]["capabilities"]
     shown = client.post("/api/show", json={"model": "tiny-vision"}).json()
     assert "vision" in shown["capabilities"]
+
+
+def test_a_repeated_image_runs_the_tower_once(client: TestClient) -> None:
+    engine = client.app.state.pool.slots[0].engine
+    blue = encoded("PNG", 30, 30, (0, 0, 250))
+    before = engine.vision.encoded
+    first = answer(chat(client, blue))
+    assert engine.vision.encoded == before + 1
+    assert answer(chat(client, blue)) == first  # the same pixels: their features, from RAM
+    assert engine.vision.encoded == before + 1
+
+
+def test_chunks_never_split_an_image(model_dir: Path) -> None:
+    """A prefill step of 3 would cut every image in two; the chunks end at its edges instead,
+    and the answer is mlx-vlm's still."""
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.models.pool import ModelPool
+
+    engine = Engine(vision_loader(model_dir), cache_enabled=False, prefill_step=3)
+    pool = ModelPool.single(engine, "tiny-vision")
+    pool.slots[0].model_dir = model_dir
+    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as small_steps:
+        got = answer(chat(small_steps, GREEN, "Describe it."))
+    want = reference(model_dir, [{"role": "user", "text": "Describe it.", "image": True}], GREEN)
+    assert got.strip() == want.strip()
+
+
+def test_whole_chunks_moves_cuts_to_an_images_start() -> None:
+    from mlx_kvserve.engine.image_prefill import whole_chunks
+    from mlx_kvserve.images.spans import ImageSpan
+
+    spans = [ImageSpan(4, 4, "00" * 32), ImageSpan(9, 4, "11" * 32)]
+    chunks = [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert whole_chunks(chunks, 12, spans) == ([(0, 3), (3, 4), (4, 9)], 9)
+    assert whole_chunks(chunks, 12, []) == (chunks, 12)
+    # a start inside an image (state reused up to there) keeps its place
+    assert whole_chunks([(5, 6)], 6, spans) == ([], 5)
+
+
+def test_text_posing_as_image_tokens_is_a_400(client: TestClient) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "look <image_soft_token><image_soft_token>"}],
+        "max_tokens": 1,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+    assert "placeholder" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "responses", "ollama"])
+def test_fuzzed_image_fields_on_a_vision_model(client: TestClient, protocol: str) -> None:
+    """Whatever the image field holds, a model that sees images answers or says 400 in the
+    protocol's shape: never a 5xx (a real image of any size and format reaches the tower)."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.support.fuzz_images import field
+    from tests.unit.test_images_api import error_message, image_body
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(value=field(protocol))
+    def probe(value: object) -> None:
+        route, body = image_body(protocol, value)  # type: ignore[arg-type]
+        body = {"model": "tiny-vision", "temperature": 0.0, **body}
+        if route.startswith("/api/"):
+            body |= {"stream": False, "options": {"num_predict": 1}}
+        else:
+            body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = 1
+        reply = client.post(
+            route, content=json.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert reply.status_code in (200, 400), reply.text
+        if reply.status_code == 400:
+            error_message(route, reply.json())
+
+    probe()
