@@ -16,8 +16,8 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
+from mlx_kvserve.engine.image_prefill import Image
 from mlx_kvserve.engine.namespaces import current_namespace
-from mlx_kvserve.images.image import Image
 from mlx_kvserve.images.spans import ImageSpan
 
 
@@ -149,6 +149,9 @@ class GenerationRequest:
     # (see chat.render)
     boundaries: dict[int, str] = field(default_factory=dict)
     constraint: TokenConstraint | None = None  # grammar-constrained decoding, if asked for
+    # Where images sit in the prompt: the prompt cache keys those positions by the pixels' hash
+    # (images/spans.py), while the model is fed `prompt_tokens` as they are.
+    image_spans: tuple[ImageSpan, ...] = ()
     token_bytes: Callable[[int], bytes] | None = None  # a token's bytes, for logprobs
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
@@ -164,9 +167,8 @@ class GenerationRequest:
     # is prefilled once. Only this request's output extends the prompt cache.
     forks: list[GenerationRequest] = field(default_factory=list)
     choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
-    # Where each image's placeholder tokens sit in `prompt_tokens` (images/spans.py)
-    image_spans: tuple[ImageSpan, ...] = ()
-    # The images themselves, one per span (a vision model's prefill embeds them: vision/)
+    # The images of `image_spans`, one per span: a vision model's prefill embeds them
+    # (engine/image_prefill.py)
     images: tuple[Image, ...] = ()
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
