@@ -159,3 +159,43 @@ def test_the_server_says_the_model_sees_images(served: ServerProcess, tmp_path: 
     models = client_for(served).models.list().data
     assert "vision" in models[0].model_extra["capabilities"]
     assert "vision tower loaded (gemma3)" in served.log()
+
+
+def test_a_client_that_leaves_an_image_stream_cancels_it(served: ServerProcess) -> None:
+    """The stream of an image request, left after its first chunk: the engine cancels the
+    request (its log line says so), and the next image request is answered."""
+    import json
+    import re
+
+    import httpx
+
+    def finishes() -> list[str]:
+        return re.findall(r"chat id=\S+ .*?finish=(\w+)", served.log())
+
+    before = len(finishes())
+    body = {
+        "model": "tiny-vision",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": TEXT},
+                    {"type": "image_url", "image_url": {"url": data_url(GREEN)}},
+                ],
+            }
+        ],
+        "max_tokens": 4000,  # minutes of decoding if the disconnect went unnoticed
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", served.base_url + "/v1/chat/completions", json=body, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and json.loads(line[5:])["choices"]:
+                break  # the first chunk came: leave
+    assert openai_chat(served, RED)  # answered after it
+    served.wait_for_log("finish=cancelled")
+    assert "cancelled" in finishes()[before:]
