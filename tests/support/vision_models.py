@@ -4,8 +4,9 @@
 padded vocabulary, tied output), plus a SigLIP tower and projector built from mlx-vlm's config
 classes in a second safetensors file under `vision_tower.` and `multi_modal_projector.`, a
 `vision_config`, Gemma 3's image token ids and chat template (tests/fixtures/templates), the
-image tokens added to the tokenizer as Gemma's are, and a `preprocessor_config.json`
-(transformers' Gemma3ImageProcessor at the tower's size).
+image tokens added to the tokenizer and named in its config as Gemma's are, a
+`preprocessor_config.json` (transformers' Gemma3ImageProcessor at the tower's size) and a
+`processor_config.json`: mlx-vlm's own processor loads from it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ IMAGE_TOKEN = "<image_soft_token>"
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 8, 4  # a 4 x 4 patch grid pooled to 2 x 2
 
 
-def _add_tokens(model_dir: Path, tokens: tuple[str, ...]) -> dict[str, int]:
-    """Add `tokens` as special tokens to the tokenizer files; {token: id}."""
+def _add_tokens(model_dir: Path, tokens: tuple[str, ...], extra: dict[str, str]) -> dict[str, int]:
+    """Add `tokens` as special tokens to the tokenizer files, `extra` the tokenizer's named
+    ones (Gemma 3's `boi_token`...); {token: id}."""
     from tokenizers import AddedToken, Tokenizer
 
     path = model_dir / "tokenizer.json"
@@ -32,7 +34,7 @@ def _add_tokens(model_dir: Path, tokens: tuple[str, ...]) -> dict[str, int]:
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config.pop("chat_template", None)
-    config["extra_special_tokens"] = {}
+    config["extra_special_tokens"] = extra
     config_path.write_text(json.dumps(config, indent=2))
     return {t: tokenizer.token_to_id(t) for t in tokens}
 
@@ -45,7 +47,12 @@ def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
     from mlx_vlm.models.gemma3.vision import VisionModel
 
     dest = make_model_dir(dest, "gemma3", seed=seed, mm_tokens_per_image=TOKENS_PER_IMAGE)
-    ids = _add_tokens(dest, (*GEMMA_TOKENS, IMAGE_TOKEN))
+    named = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": IMAGE_TOKEN,
+    }
+    ids = _add_tokens(dest, (*GEMMA_TOKENS, IMAGE_TOKEN), named)
     (dest / "chat_template.jinja").write_text((TEMPLATES / "gemma3.jinja").read_text())
     config = json.loads((dest / "config.json").read_text())
     config.update(
@@ -96,4 +103,6 @@ def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
         "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
     }
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    whole = {"processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE}
+    (dest / "processor_config.json").write_text(json.dumps(whole, indent=2))
     return dest
