@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlx_kvserve.images.image import Image
@@ -25,22 +26,10 @@ class Gemma3Vision:
     """Images to the rows of their `<image_soft_token>`s, and the markup that holds them."""
 
     def __init__(self, model_dir: Path, token_text: Callable[[int], str]) -> None:
-        from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
-        from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
-        from mlx_vlm.models.gemma3.vision import VisionModel
-
         config = json.loads((Path(model_dir) / "config.json").read_text())
         text = config["text_config"]
-        self.tokens_per_image = int(
-            config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))
-        )
-        cfg = ModelConfig.from_dict(config)
-        cfg.text_config = TextConfig.from_dict(
-            {**text, "mm_tokens_per_image": self.tokens_per_image}
-        )
-        cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
-        self.tower = VisionModel(cfg.vision_config)
-        self.projector = Gemma3MultiModalProjector(cfg)
+        self.tokens_per_image = tokens_per_image(config)
+        self.tower, self.projector = vision_modules(config)
         weights = vision_weights(model_dir, ("vision_tower.", "multi_modal_projector."))
         install(self.tower, under(weights, "vision_tower"), config, self.tower.sanitize)
         install(self.projector, under(weights, "multi_modal_projector"), config)
@@ -50,7 +39,7 @@ class Gemma3Vision:
         eoi = token_text(int(config.get("eoi_token_index", 256000)))
         soft = token_text(self._image_token)
         self._markup = f"\n\n{boi}{soft * self.tokens_per_image}{eoi}\n\n"
-        self.processor = _processor(Path(model_dir), cfg.vision_config.image_size)
+        self.processor = _processor(Path(model_dir), int(config["vision_config"]["image_size"]))
 
     @property
     def image_token(self) -> int:
@@ -78,15 +67,51 @@ class Gemma3Vision:
         return (self.projector(hidden) / self.scale)[0]
 
 
+def tokens_per_image(config: dict) -> int:
+    """`mm_tokens_per_image`: top-level in Gemma 3's configs, in `text_config` in some
+    conversions, 256 when neither says."""
+    text = config.get("text_config") or {}
+    return int(config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256)))
+
+
+def vision_modules(config: dict) -> tuple[nn.Module, nn.Module]:
+    """mlx-vlm's tower and projector for a Gemma 3 `config.json` (weights not loaded)."""
+    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
+    from mlx_vlm.models.gemma3.vision import VisionModel
+
+    cfg = ModelConfig.from_dict(config)
+    text = {**config["text_config"], "mm_tokens_per_image": tokens_per_image(config)}
+    cfg.text_config = TextConfig.from_dict(text)
+    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
+    return VisionModel(cfg.vision_config), Gemma3MultiModalProjector(cfg)
+
+
+def processor_config(size: int) -> dict[str, object]:
+    """Gemma 3's `preprocessor_config.json` at a tower of `size` pixels (its checkpoints'
+    values: 896, bilinear, [-1, 1], no pan-and-scan)."""
+    return {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_pan_and_scan": False,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 2,
+        "rescale_factor": 1 / 255,
+        "size": {"height": size, "width": size},
+    }
+
+
 def _processor(model_dir: Path, size: int):  # noqa: ANN202  (transformers' class)
-    """The checkpoint's processor (preprocessor_config.json), or Gemma 3's defaults at the
-    tower's size."""
+    """The checkpoint's processor (preprocessor_config.json), or Gemma 3's at the tower's
+    size."""
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     if (model_dir / "preprocessor_config.json").is_file():
         return Gemma3ImageProcessorPil.from_pretrained(str(model_dir))
-    return Gemma3ImageProcessorPil(
-        size={"height": size, "width": size},
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
+    settings = processor_config(size)
+    settings.pop("image_processor_type")
+    return Gemma3ImageProcessorPil(**settings)

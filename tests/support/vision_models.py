@@ -42,9 +42,8 @@ def _add_tokens(model_dir: Path, tokens: tuple[str, ...], extra: dict[str, str])
 def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
-    from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
-    from mlx_vlm.models.gemma3.vision import VisionModel
+
+    from mlx_kvserve.vision.gemma3 import processor_config, vision_modules
 
     dest = make_model_dir(dest, "gemma3", seed=seed, mm_tokens_per_image=TOKENS_PER_IMAGE)
     named = {
@@ -76,11 +75,8 @@ def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
         }
     )
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    cfg = ModelConfig.from_dict(config)
-    cfg.text_config = TextConfig.from_dict(config["text_config"])
-    cfg.vision_config = VisionConfig.from_dict(config["vision_config"])
     mx.random.seed(seed + 1)
-    tower, projector = VisionModel(cfg.vision_config), Gemma3MultiModalProjector(cfg)
+    tower, projector = vision_modules(config)
     projector.mm_input_projection_weight = mx.random.normal(
         projector.mm_input_projection_weight.shape
     ) * (32**-0.5)
@@ -89,19 +85,7 @@ def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
         **{f"multi_modal_projector.{k}": v for k, v in tree_flatten(projector.parameters())},
     }
     mx.save_safetensors(str(dest / "vision.safetensors"), weights, metadata={"format": "mlx"})
-    processor = {
-        "image_processor_type": "Gemma3ImageProcessor",
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_pan_and_scan": False,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "resample": 2,
-        "rescale_factor": 1 / 255,
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-    }
+    processor = processor_config(IMAGE_SIZE)
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     whole = {"processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE}
     (dest / "processor_config.json").write_text(json.dumps(whole, indent=2))

@@ -219,27 +219,6 @@ def test_text_posing_as_image_tokens_is_a_400(client: TestClient) -> None:
 def test_fuzzed_image_fields_on_a_vision_model(client: TestClient, protocol: str) -> None:
     """Whatever the image field holds, a model that sees images answers or says 400 in the
     protocol's shape: never a 5xx (a real image of any size and format reaches the tower)."""
-    import json
+    from tests.unit.test_images_api import fuzz_image_field
 
-    from hypothesis import HealthCheck, given, settings
-
-    from tests.support.fuzz_images import field
-    from tests.unit.test_images_api import error_message, image_body
-
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(value=field(protocol))
-    def probe(value: object) -> None:
-        route, body = image_body(protocol, value)  # type: ignore[arg-type]
-        body = {"model": "tiny-vision", "temperature": 0.0, **body}
-        if route.startswith("/api/"):
-            body |= {"stream": False, "options": {"num_predict": 1}}
-        else:
-            body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = 1
-        reply = client.post(
-            route, content=json.dumps(body), headers={"content-type": "application/json"}
-        )
-        assert reply.status_code in (200, 400), reply.text
-        if reply.status_code == 400:
-            error_message(route, reply.json())
-
-    probe()
+    fuzz_image_field(client, protocol, "tiny-vision", examples=25)

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""The turn after an image turn on a vision model (docs/images.md).
+
+    python scripts/bench_vision.py                  # 3 rounds, a 448px 12-layer tower
+    python scripts/bench_vision.py --image-size 896 --tower-layers 27   # Gemma 3's own tower
+
+No real Gemma 3 vision checkpoint is reachable here (no model hub), so the script builds a
+Gemma 3 shaped one: the embedded Gemma 3 270M text model (its real tokenizer and chat template,
+the embedding padded to 262,208 rows and `<image_soft_token>` added as id 262144, as Gemma 3 4B
+ships) and a random-weight SigLIP so400m tower (hidden 1152, patch 14, 256 tokens per image) of
+the given size and depth. Timings are real; answers are noise.
+
+Turn 1 is a system prompt and a user turn with a 1280x800 screenshot; turn 2 adds the answer
+and a question. Two servers, the prompt cache on and `--no-cache`; each round a fresh system
+prompt. The table: turn 1's and turn 2's median time to first token, turn 2's cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench_common import Server, machine, workdir  # noqa: E402
+from bench_images import image_turns, screenshot  # noqa: E402
+
+NAME = "vision-bench"
+ROWS = 262208  # Gemma 3 4B's embedding rows (its tokenizer's 262,145 ids, padded)
+
+
+@dataclass
+class VisionServer(Server):
+    @property
+    def model_name(self) -> str:
+        return NAME
+
+
+def text_model_dir() -> Path:
+    from mlx_kvserve import paths
+
+    found = sorted((paths.data_dir() / "models").glob("gemma3-270m*"))
+    if not found:
+        sys.exit("the embedded Gemma 3 270M is not here: run `mlx-kvserve pull gemma3-270m`")
+    return found[0]
+
+
+def build_checkpoint(dest: Path, image_size: int, layers: int) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tokenizers import AddedToken, Tokenizer
+
+    from mlx_kvserve.vision.gemma3 import processor_config, vision_modules
+
+    source = text_model_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(source / name, dest / name)
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<image_soft_token>", special=True)])
+    tokenizer.save(str(dest / "tokenizer.json"))
+    text = json.loads((source / "config.json").read_text())
+    text.update(model_type="gemma3_text", vocab_size=ROWS)
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "vocab_size": ROWS,
+        "eos_token_id": [1, 106],
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 16,
+            "patch_size": 14,
+            "image_size": image_size,
+        },
+        "mm_tokens_per_image": 256,
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "image_token_index": 262144,
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {
+        f"language_model.{k}": v for k, v in mx.load(str(source / "model.safetensors")).items()
+    }
+    table = weights["language_model.model.embed_tokens.weight"]
+    pad = mx.zeros((ROWS - table.shape[0], table.shape[1]), dtype=table.dtype)
+    weights["language_model.model.embed_tokens.weight"] = mx.concatenate([table, pad])
+    mx.random.seed(0)
+    tower, projector = vision_modules(config)
+    projector.mm_input_projection_weight = mx.random.normal((1152, text["hidden_size"])) * 0.03
+    weights.update({f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())})
+    weights.update(
+        {f"multi_modal_projector.{k}": v for k, v in tree_flatten(projector.parameters())}
+    )
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    processor = processor_config(image_size)
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest
+
+
+def turns(rounds: int, root: Path, model: Path) -> None:
+    url = "data:image/png;base64," + base64.b64encode(screenshot(1280, 800, "PNG")).decode()
+    flags = ["--model", str(model), "--served-model-name", NAME]
+    servers: dict[str, Server] = {
+        "cache": VisionServer("kvserve", root, cache_dir=root / "cache", extra=flags),
+        "no-cache": VisionServer(
+            "kvserve", root, cache_dir=root / "unused", no_cache=True, extra=flags
+        ),
+    }
+    results = image_turns(servers, url, rounds)
+    print("\n| server | turn 1 TTFT | turn 2 TTFT | turn 2 cached / prompt tokens |")
+    print("|---|---:|---:|---:|")
+    for name, rows in results.items():
+        one = statistics.median(row.first.ttft for row in rows) * 1000
+        two = statistics.median(row.second.ttft for row in rows) * 1000
+        last = rows[-1].second
+        print(
+            f"| {name} | {one:.0f} ms | {two:.0f} ms | "
+            f"{last.cached_tokens} / {last.prompt_tokens} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=448, help="the tower's square (896)")
+    parser.add_argument("--tower-layers", type=int, default=12, help="Gemma 3's: 27")
+    args = parser.parse_args()
+    print(machine())
+    print(f"tower: {args.image_size}px, {args.tower_layers} layers, 256 tokens per image")
+    with workdir() as root:
+        model = build_checkpoint(root / NAME, args.image_size, args.tower_layers)
+        turns(args.rounds, root, model)
+
+
+if __name__ == "__main__":
+    main()
