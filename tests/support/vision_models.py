@@ -39,8 +39,11 @@ def _add_tokens(model_dir: Path, tokens: tuple[str, ...], extra: dict[str, str])
     return {t: tokenizer.token_to_id(t) for t in tokens}
 
 
-def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
+def gemma3_vision_dir(dest: Path, seed: int = 0, *, quantized: bool = False) -> Path:
+    """`quantized`: the tower's linear layers stored 4-bit (group 32), as mlx-vlm's
+    conversions quantize them, the text model left in float32."""
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     from mlx_kvserve.vision.gemma3 import processor_config, vision_modules
@@ -80,6 +83,12 @@ def gemma3_vision_dir(dest: Path, seed: int = 0) -> Path:
     projector.mm_input_projection_weight = mx.random.normal(
         projector.mm_input_projection_weight.shape
     ) * (32**-0.5)
+    if quantized:
+        config["quantization"] = {"group_size": 32, "bits": 4}
+        (dest / "config.json").write_text(json.dumps(config, indent=2))
+        nn.quantize(
+            tower, group_size=32, bits=4, class_predicate=lambda _p, m: isinstance(m, nn.Linear)
+        )
     weights = {
         **{f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())},
         **{f"multi_modal_projector.{k}": v for k, v in tree_flatten(projector.parameters())},

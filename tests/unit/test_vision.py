@@ -222,3 +222,19 @@ def test_fuzzed_image_fields_on_a_vision_model(client: TestClient, protocol: str
     from tests.unit.test_images_api import fuzz_image_field
 
     fuzz_image_field(client, protocol, "tiny-vision", examples=25)
+
+
+def test_a_quantized_tower_answers_as_mlx_vlm(tmp_path: Path) -> None:
+    """A checkpoint whose tower is stored 4-bit: its layers are quantized as stored (the text
+    model stays as it is), and the answer is mlx-vlm's on the same files."""
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.models.pool import ModelPool
+    from tests.support.vision_models import gemma3_vision_dir
+
+    quantized = gemma3_vision_dir(tmp_path / "q", quantized=True)
+    engine = Engine(vision_loader(quantized), cache_enabled=False)
+    pool = ModelPool.single(engine, "tiny-vision")
+    pool.slots[0].model_dir = quantized
+    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+        got = answer(chat(c, RED, "Describe it."))
+    assert got.strip() == reference(quantized, "Describe it.", RED).strip()
