@@ -80,11 +80,13 @@ class Slot:
 
     @property
     def sees_images(self) -> bool:
-        """Whether the model takes images: a vision checkpoint whose tower runs here (read from
-        its files, so it is known before a load), or a loaded engine with a tower. Any other
-        model is shown a note in an image's place (images/note.py)."""
-        if self.engine is not None and getattr(self.engine, "vision", None) is not None:
-            return True
+        """Whether the model takes images: once loaded, whether its engine has a vision tower;
+        before, whether its files are a vision checkpoint whose tower runs here (so the API
+        knows before a load). Any other model is shown a note in an image's place
+        (images/note.py)."""
+        engine = self.engine
+        if engine is not None and engine.ready.is_set():
+            return getattr(engine, "vision", None) is not None
         return vision_family(self.model_dir) is not None
 
     def busy(self) -> bool:

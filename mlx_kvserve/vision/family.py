@@ -3,6 +3,7 @@ tower this server runs (read from the files, so the API knows before the model l
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,16 +16,22 @@ def vision_family(model_dir: Path | None) -> str | None:
     here, or mlx-vlm not installed (then the model is served as text, images as notes)."""
     if model_dir is None:
         return None
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    config = _config(str(model_dir))
     if not isinstance(config, dict) or not config.get("vision_config"):
         return None
     family = FAMILIES.get(str(config.get("model_type")))
     if family is None or vision_library() is not None:
         return None
     return family
+
+
+@functools.lru_cache(maxsize=64)
+def _config(model_dir: str) -> dict | None:
+    """`config.json`, read once per directory (asked on every request with an image)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def vision_library() -> str | None:
