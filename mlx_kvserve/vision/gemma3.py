@@ -1,10 +1,12 @@
 """Gemma 3's vision: SigLIP tower and projector from mlx-vlm's classes, the image processor
 of transformers (`Gemma3ImageProcessorPil`: Pillow and numpy, no torch), and its markup.
 
-mlx-vlm (as transformers) runs Gemma 3's language model causally over image tokens too, and
-with 1D positions: the text model of mlx-lm, fed the features as input embeddings, computes
-the very same thing. The features are divided by sqrt(hidden size) because the text model
-multiplies every input embedding by it (its text embeddings are stored unscaled).
+mlx-vlm runs Gemma 3's language model causally over image tokens too, with 1D positions: the
+text model of mlx-lm, fed the features as input embeddings, computes the very same thing.
+(transformers lets an image's tokens see each other both ways in the prefill; no chunk splits
+an image, so a mask could do that here too.) The features are divided by sqrt(hidden size)
+because the text model multiplies every input embedding by it (its text embeddings are stored
+unscaled).
 """
 
 from __future__ import annotations
