@@ -272,6 +272,13 @@ def _submit(
     params = _sampling(sampling, len(prompt.tokens), engine.context_length, kind)
     if params.seed is None and request.app.state.settings.seed >= 0:  # --seed: the default
         params = dataclasses.replace(params, seed=request.app.state.settings.seed)
+    if prompt.images and engine.cluster is not None:  # the request's wire carries no pixels
+        raise APIError(
+            400,
+            "Images are not supported when the server runs as a cluster job.",
+            param="messages",
+            code="images_not_supported",
+        )
     if len(parsers) > 1 and engine.cluster is not None:
         raise APIError(
             400,

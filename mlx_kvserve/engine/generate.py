@@ -36,18 +36,10 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.state import is_sliceable
-from mlx_kvserve.engine import faults
+from mlx_kvserve.engine import faults, image_prefill
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
-from mlx_kvserve.engine.image_prefill import (
-    ImageRows,
-    VisionRows,
-    forward,
-    inside_image,
-    request_rows,
-    whole_chunks,
-)
 from mlx_kvserve.engine.live import Live, Timings
 from mlx_kvserve.engine.namespaces import States
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
@@ -134,7 +126,7 @@ def prefill_steps(
     step: int,
     checkpoints: Checkpoints,
     check: Callable[[], None],
-    images: ImageRows | None = None,
+    images: image_prefill.ImageRows | None = None,
 ) -> Iterator[int]:
     """Feed prompt[len(live.tokens):] into the caches, a chunk per resumption.
 
@@ -149,12 +141,12 @@ def prefill_steps(
     checkpoints = checkpoints.for_prompt(start, end, foldable)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
     if images is not None:
-        chunks, last_from = whole_chunks(chunks, last_from, images.spans)
+        chunks, last_from = image_prefill.whole_chunks(chunks, last_from, images.spans)
     for lo, hi in chunks:
         yield end - lo
         check()
         faults.maybe_fail("prefill_chunk")
-        out = forward(model, prompt, lo, hi, live.caches, images)
+        out = image_prefill.forward(model, prompt, lo, hi, live.caches, images)
         reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
         mx.eval([c.state for c in live.caches] + ([last] if reason else []))
@@ -165,12 +157,12 @@ def prefill_steps(
     check()
     faults.maybe_fail("prefill_chunk")
     faults.maybe_fail("prefill")
-    out = forward(model, prompt, last_from, end, live.caches, images)
+    out = image_prefill.forward(model, prompt, last_from, end, live.caches, images)
     mx.eval(out)
     live.tokens.extend(prompt[last_from:end])
     for position in range(last_from + 1, end):  # checkpoints folded into the last pass
         reason = checkpoints.reason_at(position)
-        if reason and not inside_image(position, images):
+        if reason and not image_prefill.inside_image(position, images):
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]
@@ -242,7 +234,7 @@ class Generator:
         before_done: Callable[[GenerationRequest, Timings | None], None] = _nothing,
         between_steps: Callable[[], None] = _nothing,
         speculation: str = "off",
-        vision: VisionRows | None = None,
+        vision: image_prefill.VisionRows | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -370,9 +362,9 @@ class Generator:
         seq.forks = [self._fork(fork, live, logits, states) for fork in req.forks]
         return seq
 
-    def images(self, req: GenerationRequest) -> ImageRows | None:
+    def images(self, req: GenerationRequest) -> image_prefill.ImageRows | None:
         """What prefills `req`'s images, if it has any and the model sees them."""
-        return request_rows(self.vision, self.model, req.image_spans, req.images)
+        return image_prefill.request_rows(self.vision, self.model, req.image_spans, req.images)
 
     def _fork(
         self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates

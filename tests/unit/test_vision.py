@@ -238,3 +238,24 @@ def test_a_quantized_tower_answers_as_mlx_vlm(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
         got = answer(chat(c, RED, "Describe it."))
     assert got.strip() == reference(quantized, "Describe it.", RED).strip()
+
+
+def test_an_image_in_a_cluster_job_is_a_400(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's other ranks get the request over a wire that carries no pixels: an image there
+    is refused, and a text request is still answered."""
+    monkeypatch.setattr(Engine, "cluster", property(lambda _self: {"ranks": 2}))
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}],
+            }
+        ],
+        "max_tokens": 1,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "images_not_supported"
+    assert chat(client, None)["choices"]
