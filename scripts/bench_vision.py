@@ -154,6 +154,7 @@ def tower_time(model: Path, rounds: int) -> None:
             times.append(time.perf_counter() - start)
     ms = [statistics.median(t) * 1000 for t in (first, again)]
     print(f"\ntower, a 1280x800 screenshot: {ms[0]:.0f} ms the first time, {ms[1]:.2f} ms again")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -162,7 +163,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=448, help="the tower's square (896)")
     parser.add_argument("--tower-layers", type=int, default=12, help="Gemma 3's: 27")
     args = parser.parse_args()
-    print(machine())
+    from mlx_kvserve.blas import preload_optimised_blas  # before MLX, as the server does
+
+    print(machine(), f"(this process's BLAS: {preload_optimised_blas() or 'reference'})")
     print(f"tower: {args.image_size}px, {args.tower_layers} layers, 256 tokens per image")
     with workdir() as root:
         model = build_checkpoint(root / NAME, args.image_size, args.tower_layers)
