@@ -259,3 +259,41 @@ def test_an_image_in_a_cluster_job_is_a_400(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "images_not_supported"
     assert chat(client, None)["choices"]
+
+
+def _reply_text(route: str, body: dict) -> str:
+    if route == "/v1/chat/completions":
+        return body["choices"][0]["message"]["content"]
+    if route == "/v1/messages":
+        return "".join(b.get("text", "") for b in body["content"])
+    if route == "/v1/responses":
+        return "".join(
+            c.get("text", "") for item in body["output"] for c in item.get("content", [])
+        )
+    if route == "/api/chat":
+        return body["message"]["content"]
+    return body["response"]
+
+
+@pytest.mark.parametrize(
+    "protocol", ["openai", "anthropic", "responses", "ollama", "ollama-generate"]
+)
+def test_each_protocols_image_is_seen(client: TestClient, protocol: str) -> None:
+    """Every protocol's image field, Ollama's /api/generate `images` included: the same image
+    the same greedy answer, another image another one."""
+    from tests.unit.test_images_api import good_image, image_body
+
+    def ask(image: bytes) -> str:
+        route, body = image_body(protocol, good_image(protocol, image))
+        body = {"model": "tiny-vision", "temperature": 0.0, **body}
+        if route.startswith("/api/"):
+            body |= {"stream": False, "options": {"num_predict": TOKENS, "temperature": 0}}
+        else:
+            body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = TOKENS
+        reply = client.post(route, json=body)
+        assert reply.status_code == 200, reply.text
+        return _reply_text(route, reply.json())
+
+    red = ask(RED)
+    assert red and ask(RED) == red
+    assert ask(GREEN) != red
