@@ -16,7 +16,7 @@ from tests.support.servers import ServerProcess, client_for, serve_model
 pytest.importorskip("mlx_vlm")
 
 RED = encoded("PNG", 64, 40, (200, 30, 30))
-GREEN = encoded("PNG", 48, 48, (20, 220, 40))
+GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
 TEXT = "What is in the picture?"
 TOKENS = 8
 

@@ -21,7 +21,7 @@ pytest.importorskip("mlx_vlm")
 
 LOCAL = "http://localhost"
 RED = encoded("PNG", 64, 40, (200, 30, 30))
-GREEN = encoded("PNG", 48, 48, (20, 220, 40))
+GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
 TOKENS = 8
 
 
