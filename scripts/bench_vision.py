@@ -11,7 +11,8 @@ ships) and a random-weight SigLIP so400m tower (hidden 1152, patch 14, 256 token
 the given size and depth. Timings are real; answers are noise.
 
 Turn 1 is a system prompt and a user turn with a 1280x800 screenshot; turn 2 adds the answer
-and a question. Two servers, the prompt cache on and `--no-cache`; each round a fresh system
+and a question. Three servers, one at a time: this one with the prompt cache on and with
+`--no-cache`, and mlx-vlm's own (`python -m mlx_vlm.server`); each round a fresh system
 prompt. The table: turn 1's and turn 2's median time to first token, turn 2's cached tokens.
 The same screenshot every round: the tower runs on a server's first round only (its features
 are kept by their pixel hash), so the tower's own time is measured first, in this process.
@@ -46,6 +47,27 @@ class VisionServer(Server):
         return NAME
 
 
+@dataclass
+class VlmServer(Server):
+    """mlx-vlm's own server on the same checkpoint (`python -m mlx_vlm.server`)."""
+
+    model: Path | None = None
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model)
+
+    def command(self) -> list[str]:
+        argv = ["mlx_vlm.server", "--model", str(self.model), "--port", str(self.port)]
+        launcher = (
+            "from mlx_kvserve.blas import preload_optimised_blas; "
+            "print('BLAS:', preload_optimised_blas() or 'reference', flush=True); "
+            f"import runpy, sys; sys.argv = {argv!r}; "
+            "runpy.run_module('mlx_vlm.server', run_name='__main__', alter_sys=True)"
+        )
+        return [sys.executable, "-c", launcher]
+
+
 def text_model_dir() -> Path:
     from mlx_kvserve import paths
 
@@ -64,8 +86,13 @@ def build_checkpoint(dest: Path, image_size: int, layers: int) -> Path:
 
     source = text_model_dir()
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copyfile(source / name, dest / name)
+    shutil.copyfile(source / "chat_template.jinja", dest / "chat_template.jinja")
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["extra_special_tokens"] = {**named, "image_token": "<image_soft_token>"}
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    whole = {"processor_class": "Gemma3Processor", "image_seq_length": 256}  # mlx-vlm's loader
+    (dest / "processor_config.json").write_text(json.dumps(whole, indent=2))
     tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken("<image_soft_token>", special=True)])
     tokenizer.save(str(dest / "tokenizer.json"))
@@ -121,6 +148,7 @@ def turns(rounds: int, root: Path, model: Path) -> None:
         "no-cache": VisionServer(
             "kvserve", root, cache_dir=root / "unused", no_cache=True, extra=flags
         ),
+        "mlx-vlm server": VlmServer("mlx_vlm", root, model=model),
     }
     results = {}  # one server at a time: two servers and a tower do not fit beside other jobs
     for name, server in servers.items():
