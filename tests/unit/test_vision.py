@@ -297,3 +297,41 @@ def test_each_protocols_image_is_seen(client: TestClient, protocol: str) -> None
     red = ask(RED)
     assert red and ask(RED) == red
     assert ask(GREEN) != red
+
+
+def test_the_prompt_and_pixels_are_mlx_vlms(model_dir: Path) -> None:
+    """A one-turn image prompt renders to the very tokens mlx-vlm's chat template and
+    processor make, and the image to the very pixels."""
+    import io
+    import json
+
+    import numpy as np
+    from mlx_lm import load
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load_processor
+    from PIL import Image as PILImage
+
+    from mlx_kvserve.chat import ChatRequest, Message
+    from mlx_kvserve.chat.render import render_chat
+    from mlx_kvserve.images.pixels import ImageLimits, decode_image
+    from mlx_kvserve.vision.encoder import load_vision
+
+    text = "What is in the picture?"
+    processor = load_processor(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    prompt = apply_chat_template(processor, config, text, num_images=1)
+    picture = PILImage.open(io.BytesIO(RED)).convert("RGB")
+    theirs = processor(text=[prompt], images=[picture], add_special_tokens=False)
+
+    _, tokenizer = load(str(model_dir))
+    vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens)
+    image = decode_image(RED, ImageLimits(1 << 24, 1 << 24), "image")
+    ours = render_chat(
+        tokenizer, ChatRequest([Message.from_parts("user", [text, image])]), vision=vision
+    )
+    assert ours.tokens == [int(t) for t in theirs["input_ids"][0]]
+    assert np.array_equal(vision.family.pixels(image), np.asarray(theirs["pixel_values"]))
+    (span,) = ours.image_spans
+    assert ours.tokens[span.start : span.end] == [config["image_token_index"]] * span.length
+    assert ours.tokens[span.start - 1] == config["boi_token_index"]
+    assert ours.tokens[span.end] == config["eoi_token_index"]
