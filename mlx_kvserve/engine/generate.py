@@ -36,7 +36,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.state import is_sliceable
-from mlx_kvserve.engine import faults
+from mlx_kvserve.engine import faults, image_prefill
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
@@ -149,23 +149,27 @@ def prefill_steps(
     step: int,
     checkpoints: Checkpoints,
     check: Callable[[], None],
+    images: image_prefill.ImageRows | None = None,
 ) -> Iterator[int]:
     """Feed prompt[len(live.tokens):] into the caches, a chunk per resumption.
 
     Before each chunk it yields the number of prompt tokens still to prefill, so the engine can
     run other work (decode steps, another request's chunk) in between; it returns the last
     position's logits (`logits = yield from prefill_steps(...)`). `check()` runs after every
-    resumption: it raises to abandon the prefill (a cancelled request).
+    resumption: it raises to abandon the prefill (a cancelled request). `images`: the
+    prompt's images, fed as embeddings; no chunk ends inside one (engine/image_prefill.py).
     """
     start, end = len(live.tokens), len(prompt)
     foldable = checkpoints.sliceable and is_sliceable(live.caches)
     checkpoints = checkpoints.for_prompt(start, end, foldable)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
+    if images is not None:
+        chunks, last_from = image_prefill.whole_chunks(chunks, last_from, images.spans)
     for lo, hi in chunks:
         yield end - lo
         check()
         faults.maybe_fail("prefill_chunk")
-        out = model(mx.array(prompt[lo:hi])[None], cache=live.caches)
+        out = image_prefill.forward(model, prompt, lo, hi, live.caches, images)
         reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
         mx.eval([c.state for c in live.caches] + ([last] if reason else []))
@@ -176,12 +180,12 @@ def prefill_steps(
     check()
     faults.maybe_fail("prefill_chunk")
     faults.maybe_fail("prefill")
-    out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
+    out = image_prefill.forward(model, prompt, last_from, end, live.caches, images)
     mx.eval(out)
     live.tokens.extend(prompt[last_from:end])
     for position in range(last_from + 1, end):  # checkpoints folded into the last pass
         reason = checkpoints.reason_at(position)
-        if reason:
+        if reason and not image_prefill.inside_image(position, images):
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]
@@ -253,6 +257,7 @@ class Generator:
         before_done: Callable[[GenerationRequest, Timings | None], None] = _nothing,
         between_steps: Callable[[], None] = _nothing,
         speculation: str = "off",
+        vision: image_prefill.VisionRows | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -265,6 +270,7 @@ class Generator:
         self.before_done = before_done
         self.between_steps = between_steps
         self.speculation = speculation  # for `run`'s batch (the engine makes its own)
+        self.vision = vision  # a vision model's tower: prompts' images as embeddings
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req` alone (scripts, tests): prefill it, decode it in a batch of one."""
@@ -372,7 +378,7 @@ class Generator:
         if start.usable:
             faults.maybe_fail("prefill_after_restore")
         logits = yield from prefill_steps(
-            self.model, live, prompt, self.prefill_step, checkpoints, check
+            self.model, live, prompt, self.prefill_step, checkpoints, check, self.images(req)
         )
         check_logits(logits)
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
@@ -380,6 +386,10 @@ class Generator:
         seq = Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
         seq.forks = [self._fork(fork, live, logits, states) for fork in req.forks]
         return seq
+
+    def images(self, req: GenerationRequest) -> image_prefill.ImageRows | None:
+        """What prefills `req`'s images, if it has any and the model sees them."""
+        return image_prefill.request_rows(self.vision, self.model, req.image_spans, req.images)
 
     def _fork(
         self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_kvserve.cache.entry import EntryInfo
 from mlx_kvserve.engine.job_states import JobStates, Votes
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
-from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
 from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 
@@ -106,6 +106,11 @@ class States(Protocol):
     @property
     def resident_bytes(self) -> int: ...
 
+    @property
+    def features(self) -> ImageFeatures | None:
+        """Where a vision model's image features outlive the process (None: RAM only)."""
+        ...
+
     def reusable(
         self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()
     ) -> Start | None: ...
@@ -154,6 +159,12 @@ class NamespacedStates:
     @property
     def resident_bytes(self) -> int:
         return self._active.resident_bytes
+
+    @property
+    def features(self) -> ImageFeatures | None:
+        """None: with a cache per key, which key's directory would hold an image seen by two
+        keys? Features stay in the vision model's RAM (vision/encoder.py)."""
+        return None
 
     def reusable(
         self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()

@@ -16,6 +16,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
+from mlx_kvserve.engine.image_prefill import Image
 from mlx_kvserve.engine.namespaces import current_namespace
 from mlx_kvserve.images.spans import ImageSpan, check_spans
 
@@ -166,6 +167,9 @@ class GenerationRequest:
     # is prefilled once. Only this request's output extends the prompt cache.
     forks: list[GenerationRequest] = field(default_factory=list)
     choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
+    # The images of `image_spans`, one per span: a vision model's prefill embeds them
+    # (engine/image_prefill.py)
+    images: tuple[Image, ...] = ()
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
 

@@ -28,6 +28,7 @@ from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.generate import Checkpoints, Live, PrefillTask, Timings, prefill_steps
+from mlx_kvserve.engine.image_prefill import ImageRows, VisionRows, request_rows
 from mlx_kvserve.engine.ledger import KVCost, LayerLike, Ledger
 from mlx_kvserve.engine.namespaces import Caches, States, caches_of
 from mlx_kvserve.engine.prompt_state import Start
@@ -190,9 +191,15 @@ class Room:
         return min(self.paused, key=lambda p: p[1])[0] if self.paused else None
 
     def next_resume(
-        self, model: nn.Module, prefill_step: int, busy: bool, decide: Decide = _own
+        self,
+        model: nn.Module,
+        prefill_step: int,
+        busy: bool,
+        decide: Decide = _own,
+        vision: VisionRows | None = None,
     ) -> PrefillTask | None:
-        """The oldest paused sequence's resumption, if it fits now (or nothing else runs)."""
+        """The oldest paused sequence's resumption, if it fits now (or nothing else runs);
+        `vision`: a vision model's tower, which embeds the prompt's images again."""
         if not self.paused:
             return None
         self.paused.sort(key=lambda p: p[1])
@@ -210,7 +217,8 @@ class Room:
         self.paused.pop(0)
         self.ledger.admit(seq.req.request_id, len(seq.live.tokens), left, order=order)
         self.resumes += 1
-        return PrefillTask(seq.req, _resume(model, seq, prefill_step))
+        images = request_rows(vision, model, seq.req.image_spans, seq.req.images)
+        return PrefillTask(seq.req, _resume(model, seq, prefill_step, images))
 
     def cancel_paused(self) -> list[Sequence]:
         """Paused sequences whose client went away: they leave now (the caller ends them)."""
@@ -262,7 +270,7 @@ class Room:
 
 
 def _resume(
-    model: nn.Module, seq: Sequence, step: int
+    model: nn.Module, seq: Sequence, step: int, images: ImageRows | None = None
 ) -> Generator_[int, None, tuple[Timings, Sequence]]:
     """Rebuild the caches of a paused sequence (its checkpoint, else cold) for exactly its
     `live.tokens`; the logits of that prefill are only checked (the sequence kept its next
@@ -279,8 +287,9 @@ def _resume(
 
         try:
             if len(live.tokens) < len(tokens):
+                checkpoints = Checkpoints({}, 0, _no_store, spans=spans)
                 logits = yield from prefill_steps(
-                    model, live, tokens, step, Checkpoints({}, 0, _no_store, spans=spans), check
+                    model, live, tokens, step, checkpoints, check, images
                 )
                 check_logits(logits)
         except Cancelled:

@@ -43,6 +43,7 @@ from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.failures import Failures
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
+from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
 from mlx_kvserve.engine.ledger import RESERVE_TOKENS
 from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_ready
@@ -137,6 +138,7 @@ class Engine(Intake, Stopping, Failures):
         self.load_error: str | None = None
         self.model: nn.Module | None = None
         self.tokenizer: TokenizerWrapper | None = None
+        self.vision: VisionRows | None = None  # a vision model's tower, once loaded
         self.context_length: int | None = context_length
         self.memory = MemoryPolicy(mlx_cache_limit, prefill_step)
         self._calls = CallQueue()
@@ -219,6 +221,7 @@ class Engine(Intake, Stopping, Failures):
         of the model can do)."""
         loaded = Loaded(*self._loader())
         model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
+        self.vision = loaded.vision
         if prompt_cache is not None:
             self.prompt_cache = prompt_cache
         self.model, self.tokenizer = model, tokenizer
@@ -233,6 +236,8 @@ class Engine(Intake, Stopping, Failures):
         states = make_states(
             model, checkpoints_to, enabled=self.cache_enabled, live_budget=self.live_budget, job=job
         )
+        if self.vision is not None:
+            self.vision.keep_in(states.features)
         # Across machines every rank would have to run the check's passes in step: a job
         # trusts the layout alone (engine/merge_check.py).
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
@@ -249,6 +254,7 @@ class Engine(Intake, Stopping, Failures):
             sliceable=self.lockstep.all_true(self.layout.sliceable, "slicing"),
             after_prefill=self.memory.after_prefill,
             before_done=self._observe,
+            vision=self.vision,
         )
         self.memory.start(model)
         if self.kv_budget is None:
@@ -353,7 +359,9 @@ class Engine(Intake, Stopping, Failures):
             return
         self._touched.append(oldest.req)
         faults.maybe_fail("resume")
-        task = self.room.next_resume(self.model, self.prefill_step, self._busy(), turn.decide)
+        task = self.room.next_resume(
+            self.model, self.prefill_step, self._busy(), turn.decide, self.vision
+        )
         if task is not None:
             self.schedule.add(task)
 

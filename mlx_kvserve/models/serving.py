@@ -212,6 +212,7 @@ def make_engine(
         resolve_kv_dtype,
         served_dtype,
     )
+    from mlx_kvserve.vision.encoder import load_vision
 
     if kind_of(model_dir).pooling == ENCODER:  # a model that only embeds (embed/encoder.py)
         pooling = pooling_config(model_dir)
@@ -225,6 +226,7 @@ def make_engine(
 
     def load_model() -> Loaded:
         model, tokenizer = Loaded(*mlx_load(str(model_dir)))[:2]
+        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens)
         add_end_tokens(tokenizer)  # its format's own (gpt-oss's <|call|>) end a generation
         log.info("%s", tool_format_notice(tokenizer))
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")
@@ -236,11 +238,11 @@ def make_engine(
             log.info("drafting with the checkpoint's %d MTP layer(s) too", mtp.depth)
         used = served_dtype(settings.kv_dtype, kv_dtype, cast)
         if used == kv_dtype or prompt_cache is None:
-            return Loaded(model, tokenizer, mtp=mtp)
+            return Loaded(model, tokenizer, mtp=mtp, vision=vision)
         # "auto" left the model in its own dtype: its cache is the one named for that dtype
         prompt_cache.close()
         other = open_prompt_cache(settings, model_dir, model_id, used)
-        return Loaded(model, tokenizer, other, mtp)
+        return Loaded(model, tokenizer, other, mtp, vision)
 
     def load_draft() -> tuple[nn.Module, TokenizerWrapper]:
         assert draft_dir is not None
