@@ -23,12 +23,13 @@ import io
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench_common import Server, chat, http_client, machine, workdir  # noqa: E402
+from _bench_common import Reply, Server, chat, http_client, machine, workdir  # noqa: E402
 
 SIZES = [(1280, 800), (2560, 1600), (3840, 2160)]
 
@@ -73,12 +74,30 @@ def decode_table(rounds: int) -> None:
 def turn_two(rounds: int, root: Path) -> None:
     shot = screenshot(2560, 1600, "PNG")
     url = "data:image/png;base64," + base64.b64encode(shot).decode()
-    client = http_client()
-    results: dict[str, list[tuple[float, int, int]]] = {"cache": [], "no-cache": []}
     servers = {
         "cache": Server("kvserve", root, cache_dir=root / "cache"),
         "no-cache": Server("kvserve", root, cache_dir=root / "unused", no_cache=True),
     }
+    results = image_turns(servers, url, rounds)
+    print("\n| server | turn 2 TTFT (median) | cached / prompt tokens |")
+    print("|---|---:|---:|")
+    for name, rows in results.items():
+        ttft = statistics.median(row.second.ttft for row in rows) * 1000
+        last = rows[-1].second
+        print(f"| {name} | {ttft:.0f} ms | {last.cached_tokens} / {last.prompt_tokens} |")
+
+
+@dataclass
+class Turns:
+    first: Reply  # a long system prompt and a user turn with the image
+    second: Reply  # then its answer and a question
+
+
+def image_turns(servers: dict[str, Server], url: str, rounds: int) -> dict[str, list[Turns]]:
+    """Each round, on each server (started and stopped here): turn 1 with the image at `url`,
+    then turn 2; a fresh system prompt each round, so no round finds another's prefix."""
+    client = http_client()
+    results: dict[str, list[Turns]] = {name: [] for name in servers}
     for server in servers.values():
         server.start()
     for r in range(rounds):
@@ -100,16 +119,10 @@ def turn_two(rounds: int, root: Path) -> None:
                 {"role": "assistant", "content": one.text},
                 {"role": "user", "content": "And how do I fix it?"},
             ]
-            two = chat(client, server, second, max_tokens=4)
-            results[name].append((two.ttft, two.cached_tokens, two.prompt_tokens))
+            results[name].append(Turns(one, chat(client, server, second, max_tokens=4)))
     for server in servers.values():
         server.stop()
-    print("\n| server | turn 2 TTFT (median) | cached / prompt tokens |")
-    print("|---|---:|---:|")
-    for name, rows in results.items():
-        ttft = statistics.median(row[0] for row in rows) * 1000
-        cached, prompt = rows[-1][1], rows[-1][2]
-        print(f"| {name} | {ttft:.0f} ms | {cached} / {prompt} |")
+    return results
 
 
 def main() -> None:

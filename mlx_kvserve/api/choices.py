@@ -43,6 +43,8 @@ def fork_of(
         started=req.started,
         namespace=req.namespace,
         choice=i,
+        image_spans=req.image_spans,
+        images=req.images,
     )
 
 

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from mlx_kvserve.engine import GenerationRequest
+from mlx_kvserve.engine.image_prefill import Markup
 from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.json_value import JSON
@@ -78,6 +79,9 @@ class EngineView(Protocol):
 
     @property
     def tokenizer(self) -> TokenizerWrapper | None: ...
+
+    @property
+    def vision(self) -> Markup | None: ...  # a vision model's prompt markup (chat/image_markup.py)
 
     @property
     def context_length(self) -> int | None: ...

@@ -123,7 +123,7 @@ async def start_chat(
 
     def build() -> tuple[Prompt, list[TokenConstraint | None]]:
         defaults = settings.template_defaults()
-        prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name)
+        prompt = render_chat(engine.tokenizer, chat, defaults, sampled, slot.name, engine.vision)
         prompt = continuing(prompt, context or [])
         fmt = _format(prompt)
         budget = chat.thinking.budget or settings.thinking_budget or None
@@ -223,7 +223,9 @@ async def count_chat_tokens(request: Request, chat: ChatRequest, model: str | No
     kept = sampled_turns(request)
     try:
         return await _off_loop(
-            lambda: len(render_chat(engine.tokenizer, chat, defaults, kept, slot.name).tokens)
+            lambda: len(
+                render_chat(engine.tokenizer, chat, defaults, kept, slot.name, engine.vision).tokens
+            )
         )
     finally:
         pool.release(slot)
@@ -270,6 +272,13 @@ def _submit(
     params = _sampling(sampling, len(prompt.tokens), engine.context_length, kind)
     if params.seed is None and request.app.state.settings.seed >= 0:  # --seed: the default
         params = dataclasses.replace(params, seed=request.app.state.settings.seed)
+    if prompt.images and engine.cluster is not None:  # the request's wire carries no pixels
+        raise APIError(
+            400,
+            "Images are not supported when the server runs as a cluster job.",
+            param="messages",
+            code="images_not_supported",
+        )
     if len(parsers) > 1 and engine.cluster is not None:
         raise APIError(
             400,
@@ -284,6 +293,8 @@ def _submit(
         boundaries=prompt.boundaries,
         constraint=constraints[0],
         token_bytes=token_bytes(engine) if want_bytes else None,
+        image_spans=prompt.image_spans,
+        images=prompt.images,
     )
     req.forks = [fork_of(req, i, constraint) for i, constraint in enumerate(constraints) if i]
     loop = asyncio.get_running_loop()

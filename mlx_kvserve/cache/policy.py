@@ -74,6 +74,9 @@ class Policy:
         self.drain = drain
         self.disk_budget = 0  # in force now (see `space.SpaceWatch`)
         self.disk_limit = 0  # as configured: the bound of `fits`
+        # bytes other files of the directory hold (the encoder outputs, cache/features.py):
+        # the entries leave them that much of the budget
+        self.beside: Callable[[], int] = lambda: 0
         # in a job across machines: rank 0 records what its disk budget evicts, and the other
         # ranks (`follower`) evict only that (PromptCache.drop_alike)
         self.follower = False
@@ -93,7 +96,11 @@ class Policy:
     def fits_disk_now(self, nbytes: int, parent: Entry | None) -> bool:
         """Does a new entry's chain fit the disk budget in force (lowered while the disk is
         short of space)? If not, the entry is kept in RAM only."""
-        return self._chain_bytes(nbytes, parent) <= self.disk_budget
+        return self._chain_bytes(nbytes, parent) <= self.entries_budget()
+
+    def entries_budget(self) -> int:
+        """The disk budget in force less what the files beside the entries hold."""
+        return max(0, self.disk_budget - self.beside())
 
     def fits(self, nbytes: int, parent: Entry | None, n: int) -> bool:
         """Refuse an entry whose chain alone would exceed the configured budget (warns once)."""
@@ -154,7 +161,8 @@ class Policy:
             return
         protected = cat.protected(protect)
         lowered = self.disk_budget < self.disk_limit
-        while cat.disk_bytes > self.disk_budget:
+        budget = self.entries_budget()
+        while cat.disk_bytes > budget:
             victim = self.pick_leaf(lambda e: e.disk != DISK_NONE, protected)
             if victim is None:
                 break

@@ -56,6 +56,7 @@ from mlx_kvserve.cache.entry import (
     entry_key,
 )
 from mlx_kvserve.cache.exceptions import CacheError, EntryFormatError
+from mlx_kvserve.cache.features import FEATURE_SHARE, FeatureCache
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.lookup import find_match
 from mlx_kvserve.cache.persistence import apply_writer_results
@@ -95,10 +96,21 @@ class PromptCache:
         self.rebuild_seconds = 0.0
         self.disk: DiskTier | None = None
         self._space: SpaceWatch | None = None
-        if directory is None:
+        on_disk = directory is not None and not read_only
+        if directory is not None:
+            self.disk = DiskTier(Path(directory), self.fingerprint, self.log, read_only=read_only)
+            self._catalog.disk = self.disk
+        # the vision encoder's outputs by image digest, beside the entries (cache/features.py)
+        self.features = FeatureCache(
+            self.disk.dir if on_disk and self.disk is not None else None,
+            self.fingerprint,
+            ram_budget=ram_budget // FEATURE_SHARE,
+            disk_budget=lambda: self._policy.disk_budget,
+            logger=self.log,
+        )
+        self._policy.beside = self.features.disk_bytes
+        if self.disk is None:
             return
-        self.disk = DiskTier(Path(directory), self.fingerprint, self.log, read_only=read_only)
-        self._catalog.disk = self.disk
         self._space = SpaceWatch(self._catalog, self._policy, disk_budget)
         try:
             recovered = open_directory(
@@ -152,6 +164,7 @@ class PromptCache:
         """Shrink the RAM tier to `share` of its configured budget (1.0 restores it) when the
         system is short of memory; copies beyond it leave at once (the disk keeps them, or,
         without a disk tier, they are evicted). The new budget in bytes."""
+        self.features.limit_ram(share)
         with self._lock:
             self._drain()
             budget = int(self._full_ram_budget * max(0.0, min(1.0, share)))
@@ -288,20 +301,25 @@ class PromptCache:
     def stats(self) -> dict[str, JSON]:
         with self._lock:
             self._drain()
-            return stats_report(
+            report = stats_report(
                 self._catalog,
                 self._policy,
                 self._space,
                 unclean_start=self.unclean_start,
                 rebuild_seconds=self.rebuild_seconds,
             )
+        return {**report, **self.features.stats()}
 
     def memory(self) -> dict[str, int]:
         """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
         the disk that are not in it. Any thread (for the engine's memory ledger)."""
+        features, queued = self.features.memory()  # the image features count with the tier
         with self._lock:
             cat = self._catalog
-            return {"ram_tier": cat.ram.nbytes, "pending_writes": cat.pending_only_bytes()}
+            return {
+                "ram_tier": cat.ram.nbytes + features,
+                "pending_writes": cat.pending_only_bytes() + queued,
+            }
 
     def release_ram(self, nbytes: int) -> int:
         """Drop at least `nbytes` of the RAM tier if it can (least recently used first; copies
@@ -316,7 +334,8 @@ class PromptCache:
                 self._policy.enforce_ram_budget(set())
             finally:
                 ram.budget = budget
-            return before - ram.nbytes
+            freed = before - ram.nbytes
+        return freed + self.features.release_ram(max(0, int(nbytes)) - freed)
 
     def disk_state(self) -> dict[str, JSON] | None:
         """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
@@ -336,7 +355,8 @@ class PromptCache:
         """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
         results (engine-thread work), so a metrics scrape may call it from any thread."""
         with self._lock:
-            return counters_report(self._catalog, disk_budget=self.disk_budget)
+            report = counters_report(self._catalog, disk_budget=self.disk_budget)
+        return {**report, **self.features.stats()}
 
     def entries(self) -> list[EntryInfo]:
         with self._lock:
@@ -391,12 +411,14 @@ class PromptCache:
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
             self.log.info("prompt-cache cleared %d entries", removed)
-            return removed
+        self.features.clear()
+        return removed
 
     def flush(self) -> None:
-        """Wait for pending writes to land on disk."""
+        """Wait for pending writes to land on disk (the image features' too)."""
         if self._writer is not None:
             self._writer.flush()
+        self.features.flush()
         with self._lock:
             self._drain()
 
@@ -409,6 +431,7 @@ class PromptCache:
         if self._writer is not None:
             self._writer.flush()
             self._writer.stop()
+        self.features.close()
         with self._lock:
             self._drain()
             if self.disk is not None and not self.read_only:

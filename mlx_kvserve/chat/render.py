@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from mlx_kvserve.chat.formats import tool_format_for
 from mlx_kvserve.chat.formats.tool_format import ToolFormat
+from mlx_kvserve.chat.image_markup import Placement
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.chat.reasoning.sampled_turns import (
     SampledTurn,
@@ -45,6 +46,9 @@ from mlx_kvserve.chat.reasoning.thinking import (
 )
 from mlx_kvserve.chat.request import ChatRequest, Message, ToolCall
 from mlx_kvserve.chat.tokenizer import Tokenizer
+from mlx_kvserve.engine.image_prefill import Markup
+from mlx_kvserve.images.image import Image
+from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.vocabulary import unknown_token_id
 
@@ -60,6 +64,8 @@ class Prompt:
     markers: ThinkMarkers | None = None
     reasoning: bool = False
     text: tuple[int, bytes] = (0, b"")  # the length and SHA-256 of the rendered text
+    images: tuple[Image, ...] = ()  # a vision model's images, in prompt order
+    image_spans: tuple[ImageSpan, ...] = ()  # ... and where each one's placeholders are
 
 
 def check_history(messages: list[Message]) -> list[list[dict[str, JSON]]]:
@@ -110,11 +116,16 @@ def render_chat(
     defaults: dict[str, JSON] | None = None,
     sampled: SampledTurns | None = None,
     model: str = "",
+    vision: Markup | None = None,
 ) -> Prompt:
     """Prompt tokens for a chat request, through the model's template (or the Hermes fallback).
 
     `defaults` are the server's `--chat-template-kwargs`, under the request's own. Turns of the
-    history that `sampled` kept for `model` are encoded as the tokens the model sampled."""
+    history that `sampled` kept for `model` are encoded as the tokens the model sampled.
+    `vision`: a vision model's markup, which its images get in the prompt (chat/image_markup.py)."""
+    placement = Placement(vision) if vision is not None else None
+    if placement is not None:
+        req = dataclasses.replace(req, messages=placement.place(req.messages))
     arguments = check_history(req.messages)
     check_template_kwargs(req.template_kwargs, "chat_template_kwargs")
     kept = _kept_turns(req.messages, sampled, model)
@@ -132,15 +143,23 @@ def render_chat(
         raise InvalidRequest(
             f"The chat template rejected the messages: {exc}", param="messages"
         ) from None
-    encode = _splicer(tokenizer, req.messages, messages, kwargs, kept)
+    encode = _splicer(tokenizer, req.messages, messages, kwargs, kept, placement)
     prompt = encode(text)
     boundaries = _boundaries(tokenizer, messages, kwargs, prompt, encode)
     markers = markers_for(tokenizer)
     opened = opens_reasoning(markers, prompt)
     if opened is not None and len(prompt) - opened <= THINKING_TAIL and opened > 0:
         boundaries.setdefault(opened, "prompt")
+    images, spans = placement.spans(text, prompt) if placement is not None else ((), ())
     return Prompt(
-        prompt, boundaries, fmt, markers, opened is not None, (len(text), text_hash(text))
+        prompt,
+        boundaries,
+        fmt,
+        markers,
+        opened is not None,
+        (len(text), text_hash(text)),
+        images,
+        spans,
     )
 
 
@@ -189,6 +208,9 @@ def continuing(prompt: Prompt, context: list[int]) -> Prompt:
         prompt,
         tokens=[*context, *prompt.tokens],
         boundaries={shift: "message", **{shift + k: v for k, v in prompt.boundaries.items()}},
+        image_spans=tuple(
+            dataclasses.replace(span, start=span.start + shift) for span in prompt.image_spans
+        ),
         text=(0, b""),  # not the rendered text alone: no sampled turn is kept by it
     )
 
@@ -212,11 +234,15 @@ def _splicer(
     messages: list[dict[str, JSON]],
     kwargs: dict[str, JSON],
     kept: dict[int, SampledTurn],
+    placement: Placement | None = None,
 ) -> Callable[[str], list[int]]:
     """The text-to-tokens step of this conversation: the tokenizer's, with the kept turns'
-    sampled tokens spliced in (chat.reasoning.sampled_turns)."""
+    sampled tokens spliced in (chat.reasoning.sampled_turns) and the images' markup in place
+    of their sentinels (chat/image_markup.py)."""
 
     def encode(text: str) -> list[int]:
+        if placement is not None:
+            text = placement.expand(text)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     if not kept:

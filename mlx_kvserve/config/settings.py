@@ -179,6 +179,25 @@ class Settings:
             "way) or off. Off in a job across machines."
         },
     )
+    mtp: str = field(
+        default="auto",
+        metadata={
+            "help": "Drafting from the checkpoint's own MTP heads (Qwen3.5/3.6, Qwen3-Next, "
+            "DeepSeek-V3, GLM-4.5/4.6) "
+            "under --speculation auto: auto (where the checkpoint carries them), on (required: "
+            "a checkpoint without them, or --speculation off, is refused at start) or off."
+        },
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "A small model with the same tokenizer (a directory, an org/name repo or an "
+            "embedded model's name) that drafts for --speculation auto, batched, beside the "
+            "lookup sources. Server-wide only with one model; with several, set it per model "
+            "([[models]] settings). Refused at start if its vocabulary differs; not loaded "
+            "with --speculation off."
+        },
+    )
     mlx_cache_limit: str = field(
         default="512MiB",
         metadata={

@@ -63,6 +63,7 @@ _POSITIVE |= {"image_url_timeout", "max_image_bytes", "max_image_pixels"}
 IMAGE_MODES = ("note", "reject")
 SHARD_MODES = ("auto", "tensor", "pipeline")
 SPECULATION_MODES = ("auto", "off")
+MTP_MODES = ("auto", "on", "off")
 _NON_NEGATIVE = {"checkpoint_interval", "blas_threads", "shutdown_grace", "thinking_budget"}
 
 
@@ -100,6 +101,8 @@ def check_value(name: str, value: SettingValue) -> SettingValue:
         raise ValueError(f"{value!r} is not one of {', '.join(SHARD_MODES)}")
     if name == "speculation" and value not in SPECULATION_MODES:
         raise ValueError(f"{value!r} is not one of {', '.join(SPECULATION_MODES)}")
+    if name == "mtp" and value not in MTP_MODES:
+        raise ValueError(f"{value!r} is not one of {', '.join(MTP_MODES)}")
     if name == "images" and value not in IMAGE_MODES:
         raise ValueError(f"{value!r} is not one of {', '.join(IMAGE_MODES)}")
     if name == "kv_dtype" and value not in KV_DTYPES:

@@ -1,10 +1,11 @@
 """A generation request as rank 0 of a job sends it to the other ranks, and as they rebuild it.
 
 Everything that decides what the engine computes travels: the prompt's ids, the sampling
-settings, the checkpoint boundaries, the grammar's text (each rank compiles its own matcher
-against its own copy of the tokenizer) and the request's id (by which later cancellations name
-it). A request that samples without a seed gets one on rank 0 before it is sent: MLX's random
-state is each process's own, and a seed gives every rank the same draws from the same logits
+settings, the checkpoint boundaries, where the prompt's images sit (every rank keys its cache
+by them alike), the grammar's text (each rank compiles its own matcher against its own copy of
+the tokenizer) and the request's id (by which later cancellations name it). A request that
+samples without a seed gets one on rank 0 before it is sent: MLX's random state is each
+process's own, and a seed gives every rank the same draws from the same logits
 (engine/sampling.py draws a seeded row from its seed and token index). Nothing here becomes
 code: it is JSON, read as data (distributed/collective.py).
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.requests import CancelLatch, GenerationRequest, SamplingParams
+from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 
 
@@ -44,6 +46,7 @@ class RequestWire:
             "params": {**dataclasses.asdict(params), "stop": list(params.stop)},
             "kind": req.kind,
             "boundaries": [[position, reason] for position, reason in req.boundaries.items()],
+            "images": [[s.start, s.length, s.digest] for s in req.image_spans],
             "grammar": grammar,
             "lazy": bool(getattr(constraint, "lazy", False)),
             "logprobs": req.token_bytes is not None,
@@ -59,6 +62,9 @@ class RequestWire:
             params=params,
             kind=str(wire["kind"]),
             boundaries={int(p): str(r) for p, r in wire["boundaries"]},
+            image_spans=tuple(
+                ImageSpan(int(s), int(n), str(d)) for s, n, d in wire.get("images", [])
+            ),
             constraint=(
                 compiler.constraint_from(wire["grammar"], lazy=wire["lazy"])
                 if wire["grammar"] is not None

@@ -84,6 +84,7 @@ class EncoderEngine:
     """A model that only embeds, on its own thread (the pool loads and unloads it as any)."""
 
     generates = False
+    vision = None  # (an encoder sees no images)
     unloadable = True
     cluster: dict[str, JSON] | None = None
     prompt_cache = None

@@ -43,7 +43,10 @@ from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
+from mlx_kvserve.engine.speculation.draft_model import DraftModel
+from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.speculation.step import Speculator
+from mlx_kvserve.models.mtp_heads import MTPHeads
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -70,10 +73,14 @@ class DecodeBatch:
         mergeable: bool = True,
         speculation: str = "off",
         continuations: Continuations | None = None,
+        mtp: MTPHeads | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
         """`speculation` "auto": rows draft and verify when it pays (engine/speculation/step.py),
-        from their own tokens and `continuations` (finished requests' tokens); "off": never."""
-        self.model = model
+        from their own tokens, `continuations` (finished requests' tokens), the model's
+        `mtp` heads (passes then go through their `Tap`, which keeps the hidden states) and a
+        `draft_model`; "off": never."""
+        self.model: nn.Module | Tap = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
         self.seqs: list[Sequence] = []
@@ -81,7 +88,13 @@ class DecodeBatch:
         self._merged: list[LayerCache] | None = None  # merged mode's caches, row i = seqs[i]
         self.steps = 0  # decode steps run
         self.readbacks = 0  # device-to-host reads of sampled tokens (one per step, mostly)
-        self.speculator = Speculator(continuations=continuations) if speculation == "auto" else None
+        self.speculator = None
+        if speculation == "auto":
+            self.speculator = Speculator(
+                continuations=continuations, mtp=mtp, draft_model=draft_model
+            )
+            if mtp is not None and not isinstance(model, Tap):
+                self.model = Tap(model, mtp)
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self.waiting)
@@ -99,6 +112,8 @@ class DecodeBatch:
 
     def add(self, seq: Sequence) -> None:
         """Join between steps; the sequence's caches hold exactly its `live.tokens`."""
+        if self.speculator is not None:
+            self.speculator.joined(seq, self.model)  # its prefill's hidden states, for MTP
         if not self.seqs:
             self.seqs.append(seq)
             return
@@ -136,6 +151,8 @@ class DecodeBatch:
         self._read([(seq, seq.first_read()) for seq in self.seqs])  # newcomers, redraws
         self._leave()
         if not self.seqs:
+            if self.speculator is not None:  # the rows that left drop their draft state (KV)
+                self.speculator.forget([])
             return
         self.steps += 1
         for seq in self.seqs:
@@ -174,6 +191,8 @@ class DecodeBatch:
         else:
             tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
             logits = self.model(tokens, cache=self._merged)[:, -1, :]
+        if self.speculator is not None:
+            self.speculator.passed(self.seqs, self.model)  # MTP heads' hidden states
         rows = [i for i, seq in enumerate(self.seqs) if seq.wants_sample()]
         for i, seq in enumerate(self.seqs):
             seq.last_logits = logits if len(self.seqs) == 1 else logits[i : i + 1]

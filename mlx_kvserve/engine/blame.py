@@ -35,7 +35,7 @@ alike, and what is blamed is a link at the same positions on each rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Generator as Generator_
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -48,6 +48,7 @@ from mlx_kvserve.cache.state import StateError
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.prompt_state import Start
+from mlx_kvserve.images.spans import ImageSpan
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -65,7 +66,9 @@ class StateFailed(Exception):
 class States(Protocol):
     """What recovery asks of `PromptStates` (or a job's `JobStates`)."""
 
-    def acquire(self, prompt: list[int], *, at_most: int | None = None) -> Start: ...
+    def acquire(
+        self, prompt: list[int], *, at_most: int | None = None, spans: Sequence[ImageSpan] = ()
+    ) -> Start: ...
     def newest_link(self, start: Start) -> tuple[str, int] | None: ...
     def evict_link(self, key: str, why: str) -> None: ...
     def free_memory(self) -> None: ...
@@ -97,9 +100,12 @@ class Blamed:
 class Recovery:
     """One request's tries at a prefill: where each starts, what each failure blames."""
 
-    def __init__(self, states: States, prompt: list[int], who: str) -> None:
+    def __init__(
+        self, states: States, prompt: list[int], who: str, spans: Sequence[ImageSpan] = ()
+    ) -> None:
         self.states = states
         self.prompt = prompt
+        self.spans = spans  # where the prompt's images sit (the cache keys them by content)
         self.who = who  # "request <id>", for the log
         self.at_most: int | None = None  # the next try starts at most here (0: cold)
         self.blamed: list[Blamed] = []  # newest first; evicted once a try succeeds
@@ -108,7 +114,7 @@ class Recovery:
         self.failed_source: str | None = None  # where the first failed try started from
 
     def start(self) -> Start:
-        return self.states.acquire(self.prompt, at_most=self.at_most)
+        return self.states.acquire(self.prompt, at_most=self.at_most, spans=self.spans)
 
     def failed(self, start: Start | None, exc: Exception) -> None:
         """Decide the next try after `exc` ended the one from `start` (None: it failed
@@ -162,10 +168,11 @@ def recover(
     who: str,
     attempt: Callable[[Start], Generator_[int, None, T]],
     timings: Timings | None = None,
+    spans: Sequence[ImageSpan] = (),
 ) -> Generator_[int, None, T]:
     """Run `attempt(start)` (a prefill, resumed chunk by chunk) until one succeeds, each time
     from the start `Recovery` chooses; `timings` notes that it was retried, and from where."""
-    recovery = Recovery(states, prompt, who)
+    recovery = Recovery(states, prompt, who, spans)
     while True:
         start = None
         try:

@@ -36,7 +36,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.state import is_sliceable
-from mlx_kvserve.engine import faults
+from mlx_kvserve.engine import faults, image_prefill
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
@@ -45,6 +45,7 @@ from mlx_kvserve.engine.namespaces import States
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.images.spans import ImageSpan, whole_spans
 from mlx_kvserve.vocabulary import vocabulary_size
 
 Result = tuple[Timings, "Sequence | None"]  # a prefill's end: its timings, the sequence or None
@@ -61,15 +62,35 @@ class Checkpoints:
     # False when some rank of a job holds caches that cannot be cut: every rank then plans its
     # chunks alike, as if its own could not (the ranks' passes must match one for one)
     sliceable: bool = True
+    # The prompt's images: no chunk and no checkpoint ends inside one (each moves to its start)
+    spans: tuple[ImageSpan, ...] = ()
 
     def for_prompt(self, start: int, end: int, foldable: bool) -> Checkpoints:
         """These checkpoints with the "prompt" point one token before `end` added where the
-        caches cannot be cut back (`keep_end`) and the chat layer placed none."""
+        caches cannot be cut back (`keep_end`) and the chat layer placed none; every point
+        inside an image moved to the image's start."""
+        planned = self._with_end(start, end, foldable)
+        return planned._outside_images(end) if self.spans else planned
+
+    def _with_end(self, start: int, end: int, foldable: bool) -> Checkpoints:
         if not self.keep_end or foldable or "prompt" in self.boundaries.values():
             return self
         if not start < end - 1 or end - 1 in self.boundaries:
             return self
         return replace(self, boundaries={**self.boundaries, end - 1: "prompt"}, keep_end=False)
+
+    def _outside_images(self, end: int) -> Checkpoints:
+        """Every checkpoint position (interval ones spelled out) that falls inside an image
+        moved to its start; where several land on one position, the earliest's reason wins."""
+        points = dict(self.boundaries)
+        if self.interval:
+            for position in range(self.interval, end, self.interval):
+                points.setdefault(position, "interval")
+        moved: dict[int, str] = {}
+        for position, reason in sorted(points.items()):
+            moved.setdefault(whole_spans(position, self.spans), reason)
+        moved.pop(0, None)
+        return replace(self, boundaries=moved, interval=0)
 
     def reason_at(self, position: int) -> str | None:
         if position in self.boundaries:
@@ -89,6 +110,8 @@ class Checkpoints:
         if self.interval:
             first = (start // self.interval + 1) * self.interval
             points |= set(range(first, end, self.interval))
+        if self.spans:  # a chunk never ends inside an image: its end moves to the image's start
+            points = {whole_spans(p, self.spans) for p in points} - set(range(start + 1))
         return sorted(points)
 
 
@@ -126,23 +149,27 @@ def prefill_steps(
     step: int,
     checkpoints: Checkpoints,
     check: Callable[[], None],
+    images: image_prefill.ImageRows | None = None,
 ) -> Iterator[int]:
     """Feed prompt[len(live.tokens):] into the caches, a chunk per resumption.
 
     Before each chunk it yields the number of prompt tokens still to prefill, so the engine can
     run other work (decode steps, another request's chunk) in between; it returns the last
     position's logits (`logits = yield from prefill_steps(...)`). `check()` runs after every
-    resumption: it raises to abandon the prefill (a cancelled request).
+    resumption: it raises to abandon the prefill (a cancelled request). `images`: the
+    prompt's images, fed as embeddings; no chunk ends inside one (engine/image_prefill.py).
     """
     start, end = len(live.tokens), len(prompt)
     foldable = checkpoints.sliceable and is_sliceable(live.caches)
     checkpoints = checkpoints.for_prompt(start, end, foldable)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
+    if images is not None:
+        chunks, last_from = image_prefill.whole_chunks(chunks, last_from, images.spans)
     for lo, hi in chunks:
         yield end - lo
         check()
         faults.maybe_fail("prefill_chunk")
-        out = model(mx.array(prompt[lo:hi])[None], cache=live.caches)
+        out = image_prefill.forward(model, prompt, lo, hi, live.caches, images)
         reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
         mx.eval([c.state for c in live.caches] + ([last] if reason else []))
@@ -153,12 +180,12 @@ def prefill_steps(
     check()
     faults.maybe_fail("prefill_chunk")
     faults.maybe_fail("prefill")
-    out = model(mx.array(prompt[last_from:end])[None], cache=live.caches)
+    out = image_prefill.forward(model, prompt, last_from, end, live.caches, images)
     mx.eval(out)
     live.tokens.extend(prompt[last_from:end])
     for position in range(last_from + 1, end):  # checkpoints folded into the last pass
         reason = checkpoints.reason_at(position)
-        if reason:
+        if reason and not image_prefill.inside_image(position, images):
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]
@@ -230,6 +257,7 @@ class Generator:
         before_done: Callable[[GenerationRequest, Timings | None], None] = _nothing,
         between_steps: Callable[[], None] = _nothing,
         speculation: str = "off",
+        vision: image_prefill.VisionRows | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -242,6 +270,7 @@ class Generator:
         self.before_done = before_done
         self.between_steps = between_steps
         self.speculation = speculation  # for `run`'s batch (the engine makes its own)
+        self.vision = vision  # a vision model's tower: prompts' images as embeddings
 
     def run(self, req: GenerationRequest) -> Timings:
         """Generate for `req` alone (scripts, tests): prefill it, decode it in a batch of one."""
@@ -288,6 +317,7 @@ class Generator:
                 f"request {req.request_id}",
                 lambda start: self._attempt(req, timings, states, start),
                 timings,
+                req.image_spans,
             )
             return timings, seq
         except Cancelled:
@@ -325,7 +355,7 @@ class Generator:
     ) -> Generator_[int, None, Sequence]:
         """One try at the prefill from `start`; returns the sequence, first token sampled."""
         prompt = req.prompt_tokens
-        live = Live(start.caches, list(start.tokens))
+        live = Live(start.caches, list(start.tokens), req.image_spans)
         timings.cached_tokens, timings.cache_source = start.usable, start.source
         timings.restore_seconds = start.restore_seconds
 
@@ -343,11 +373,12 @@ class Generator:
             store,
             keep_end=req.kind == "chat",
             sliceable=self.sliceable,
+            spans=req.image_spans,
         )
         if start.usable:
             faults.maybe_fail("prefill_after_restore")
         logits = yield from prefill_steps(
-            self.model, live, prompt, self.prefill_step, checkpoints, check
+            self.model, live, prompt, self.prefill_step, checkpoints, check, self.images(req)
         )
         check_logits(logits)
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
@@ -355,6 +386,10 @@ class Generator:
         seq = Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
         seq.forks = [self._fork(fork, live, logits, states) for fork in req.forks]
         return seq
+
+    def images(self, req: GenerationRequest) -> image_prefill.ImageRows | None:
+        """What prefills `req`'s images, if it has any and the model sees them."""
+        return image_prefill.request_rows(self.vision, self.model, req.image_spans, req.images)
 
     def _fork(
         self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates
@@ -365,7 +400,7 @@ class Generator:
         caches = copy.deepcopy(live.caches)
         timings = Timings(cache_source="fork")
         req.emit(Prefilled(len(req.prompt_tokens), len(req.prompt_tokens)))
-        forked = Live(caches, list(live.tokens))
+        forked = Live(caches, list(live.tokens), live.spans)
         return Sequence(req, self.tokenizer, forked, logits, timings, states, self.vocab)
 
     def _save(
@@ -377,12 +412,13 @@ class Generator:
         reason: str,
         length: int | None = None,
     ) -> None:
-        """Checkpoint the first `length` (default: all) live tokens if the cache is on; after a
-        generation or a disconnect, keep the live caches as a resident session."""
+        """Checkpoint the first `length` (default: all) live tokens if the cache is on, under
+        their key (`Live.key`); after a generation or a disconnect, keep the live caches as a
+        resident session."""
         cache = states.cache
-        tokens = live.tokens if length is None else live.tokens[:length]
+        tokens = live.key(length)
         if cache is not None and tokens:
             anchor = reason == "anchor"
             cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
-        if reason in {"generation", "partial"}:
-            states.keep(live.tokens, live.caches)
+        if reason in {"generation", "partial"} and (held := live.key()) is not None:
+            states.keep(held, live.caches)

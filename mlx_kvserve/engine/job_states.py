@@ -25,14 +25,16 @@ below it (`at_most`), is agreed here again.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import mlx.nn as nn
 
 from mlx_kvserve.cache import CacheRestoreError, Match
 from mlx_kvserve.cache.exceptions import out_of_memory
-from mlx_kvserve.engine.prompt_state import PromptStates, Start
+from mlx_kvserve.engine.prompt_state import Prompt, PromptStates, Start
 from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 
 LOOKUP_ROUNDS = 3  # lookups before a cold start, each after evicting what some rank lacked
@@ -60,12 +62,19 @@ class JobStates(PromptStates):
         super().__init__(model, cache, enabled=enabled, live_budget=live_budget)
         self.job = job
 
-    def acquire(self, prompt: list[int], *, at_most: int | None = None) -> Start:
+    def acquire(
+        self,
+        prompt: list[int],
+        *,
+        at_most: int | None = None,
+        spans: Sequence[ImageSpan] = (),
+    ) -> Start:
         if not self.enabled or at_most == 0:
             return self.cold()
+        p = Prompt(prompt, tuple(spans))
         for _ in range(LOOKUP_ROUNDS):
-            match = self._lookup(prompt, at_most)
-            best, live_usable = self._best_live(prompt, match, at_most)
+            match = self._lookup(p, at_most)
+            best, live_usable = self._best_live(p, match, at_most)
             mine = {
                 "live": live_usable if best is not None else None,
                 "disk": [match.usable, bool(match.suspect)] if match.hit else None,
@@ -80,7 +89,7 @@ class JobStates(PromptStates):
             ):
                 return self._take_resident(best, live_usable, prompt)
             if disk_agreed:
-                return self._restore_together(prompt, match)
+                return self._restore_together(p, match)
             if all(s["disk"] == seen[0]["disk"] for s in seen):
                 return self.cold()  # no rank holds more than the others: nothing to evict
             shortest = min(s["disk"][0] if s["disk"] else 0 for s in seen)
@@ -89,7 +98,7 @@ class JobStates(PromptStates):
             # and look again: the ranks may agree on a shorter entry (a shared system prompt)
         return self.cold()
 
-    def _restore_together(self, prompt: list[int], match: Match) -> Start:
+    def _restore_together(self, prompt: Prompt, match: Match) -> Start:
         assert self.cache is not None
         target = match.for_probe() if match.suspect else match
         caches = self.fresh()
@@ -97,7 +106,7 @@ class JobStates(PromptStates):
         outcome: list[JSON] = ["restored"]
         error: Exception | None = None
         try:
-            self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
+            self.cache.restore(target, caches, tokens=prompt.key, dtype=self.kv_dtype)
         except CacheRestoreError as err:
             links = dict(self.cache.links(match.key, target.usable))
             self.cache.evict(err.key, err.problem)
@@ -118,10 +127,10 @@ class JobStates(PromptStates):
             raise error
         if any(s[0] == "memory" for s in seen):
             raise MemoryError("another rank of the job ran out of memory restoring its slice")
-        start = Start(caches, prompt[: target.usable], match.source or "disk", match)
+        start = Start(caches, prompt.tokens[: target.usable], match.source or "disk", match)
         start.restore_seconds = time.perf_counter() - started
         if match.suspect:
-            behaves = self._behaves(prompt, start, target)  # a pass on every rank together
+            behaves = self._behaves(prompt.tokens, start, target)  # a pass on every rank together
             if not self.job.all_true(behaves, "a behaviour check"):
                 self.cache.evict(
                     match.key,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.engine.requests import GenerationRequest
+from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Timings:
             + (f" retried={self.failed_source}" if self.retried else "")
             + (
                 f" drafted={self.drafted} accepted={self.accepted} passes={self.verify_passes}"
+                + " by_source="
+                + ",".join(f"{s}:{d}/{a}/{n}" for s, (d, a, n) in sorted(self.by_source.items()))
                 if self.drafted
                 else ""
             )
@@ -60,7 +63,19 @@ class Timings:
 
 @dataclass
 class Live:
-    """The KV caches being filled and the exact tokens they hold."""
+    """The KV caches being filled and the exact tokens they hold (the ids the model was fed);
+    `spans`: where the request's images sit among them, which the cache keys by content."""
 
     caches: list[LayerCache]
     tokens: list[int] = field(default_factory=list)
+    spans: tuple[ImageSpan, ...] = ()
+
+    def key(self, length: int | None = None) -> list[int] | None:
+        """The first `length` (default: all) tokens as the prompt cache keys them, or None
+        where that would end inside an image (no state of half an image is ever stored)."""
+        tokens = self.tokens if length is None else self.tokens[:length]
+        if not self.spans:
+            return tokens
+        if whole_spans(len(tokens), self.spans) != len(tokens):
+            return None
+        return key_tokens(tokens, [s for s in self.spans if s.start < len(tokens)])

@@ -15,9 +15,11 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_kvserve.cache.kinds import KVLayout, describe_model
+from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.ledger import KVCost
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.models.context import context_from_model
+from mlx_kvserve.models.mtp_heads import MTPHeads
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -25,11 +27,14 @@ log = logging.getLogger("mlx_kvserve.engine")
 class Loaded(NamedTuple):
     """What an engine's loader returns: the model and its tokenizer, as `mlx_lm.load` does,
     and the prompt cache to use instead of the one the engine was made with when the dtype
-    the model is served in names another (`--kv-dtype auto`; the loader closed the other)."""
+    the model is served in names another (`--kv-dtype auto`; the loader closed the other), and
+    a vision model's tower."""
 
     model: nn.Module
     tokenizer: TokenizerWrapper
     prompt_cache: Caches = None
+    mtp: MTPHeads | None = None  # the checkpoint's MTP heads, a draft source (--speculation)
+    vision: VisionRows | None = None  # a vision model's tower (vision/encoder.py)
 
 
 # Runs on the engine thread: `Loaded`, or mlx_lm.load's (model, tokenizer) pair.

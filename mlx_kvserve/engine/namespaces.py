@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeAlias
 
 import mlx.nn as nn
@@ -25,7 +25,8 @@ import mlx.nn as nn
 from mlx_kvserve.cache.entry import EntryInfo
 from mlx_kvserve.engine.job_states import JobStates, Votes
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
-from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
+from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.json_value import JSON
 
 current_namespace: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -105,7 +106,14 @@ class States(Protocol):
     @property
     def resident_bytes(self) -> int: ...
 
-    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None: ...
+    @property
+    def features(self) -> ImageFeatures | None:
+        """Where a vision model's image features outlive the process (None: RAM only)."""
+        ...
+
+    def reusable(
+        self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()
+    ) -> Start | None: ...
 
     def drop_residents(self, keep: Start | None = None) -> int: ...
 
@@ -152,11 +160,19 @@ class NamespacedStates:
     def resident_bytes(self) -> int:
         return self._active.resident_bytes
 
-    def reusable(self, prompt: list[int], namespace: str | None) -> Start | None:
+    @property
+    def features(self) -> ImageFeatures | None:
+        """None: with a cache per key, which key's directory would hold an image seen by two
+        keys? Features stay in the vision model's RAM (vision/encoder.py)."""
+        return None
+
+    def reusable(
+        self, prompt: list[int], namespace: str | None, spans: Sequence[ImageSpan] = ()
+    ) -> Start | None:
         """Only the selected namespace has residents (selecting another drops them)."""
         if namespace != self._active_namespace or self._active is self._none:
             return None
-        return self._active.reusable(prompt)
+        return self._active.reusable(prompt, spans=spans)
 
     def drop_residents(self, keep: Start | None = None) -> int:
         return self._active.drop_residents(keep)

@@ -20,12 +20,17 @@ probe (the same prompt sent again, which restores all but its last token) cannot
 the cache's lookup offers only the longest link of the entry's chain that it can check, e.g. the
 conversation up to its newest message, and the rest is prefilled: an unverified state is never
 used.
+
+A prompt with images is looked up, restored and kept under its key (`Prompt.key`: each image's
+span keyed by its pixels' hash, images/spans.py) while its real ids are what the model is fed
+and what a `Start` holds; a reused length never ends inside an image (`whole_spans`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +39,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
 from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
 from mlx_kvserve.engine import faults
-from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
+from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
 
 
 @dataclass
@@ -56,7 +62,24 @@ class Start:
         return _nbytes(self.caches)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's ids as the model is fed them (`tokens`) and as the cache keys them (`key`)."""
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...] = ()
+    key: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        key = key_tokens(self.tokens, self.spans) if self.spans else self.tokens
+        object.__setattr__(self, "key", key)
+
+    def whole(self, length: int) -> int:
+        """`length` cut back to the start of an image it would split."""
+        return whole_spans(length, self.spans)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -84,6 +107,12 @@ class PromptStates:
         self._residents: list[Start] = []  # newest first
 
     @property
+    def features(self) -> ImageFeatures | None:
+        """The vision encoder's outputs by image digest, kept beside this cache (None with the
+        cache off): a vision model looks an image up here before it runs its tower."""
+        return self.cache.features if self.cache is not None else None
+
+    @property
     def residents(self) -> int:
         return len(self._residents)
 
@@ -93,22 +122,31 @@ class PromptStates:
     def cold(self) -> Start:
         return Start(self.fresh(), [], "cold")
 
-    def acquire(self, prompt: list[int], *, at_most: int | None = None) -> Start:
-        """Best starting state for `prompt`, holding at most `at_most` tokens if given (a try
-        again below a link that failed; 0: cold). The caller owns the returned caches."""
+    def acquire(
+        self,
+        prompt: list[int],
+        *,
+        at_most: int | None = None,
+        spans: Sequence[ImageSpan] = (),
+    ) -> Start:
+        """Best starting state for `prompt` (whose images sit at `spans`), holding at most
+        `at_most` tokens if given (a try again below a link that failed; 0: cold). The caller
+        owns the returned caches."""
         if not self.enabled or at_most == 0:
             return self.cold()
-        match = self._lookup(prompt, at_most)
-        live = self._take_live(prompt, match, at_most)
+        p = Prompt(prompt, tuple(spans))
+        match = self._lookup(p, at_most)
+        live = self._take_live(p, match, at_most)
         if live is not None and live.usable >= match.usable:
             return live
         if not match.hit:
             return self.cold()
-        return self._restore(prompt, match, at_most)
+        return self._restore(p, match, at_most)
 
     def keep(self, tokens: list[int], caches: list[LayerCache]) -> None:
-        """Make `caches` (holding exactly `tokens`) the newest resident session; the oldest
-        ones leave while the others exceed the live budget (their KV is in the prompt cache)."""
+        """Make `caches` (holding exactly `tokens`, as the cache keys them: `Live.key`) the
+        newest resident session; the oldest ones leave while the others exceed the live budget
+        (their KV is in the prompt cache)."""
         if not (self.enabled and tokens):
             return
         self._residents.insert(0, Start(caches, list(tokens), "live"))
@@ -124,13 +162,16 @@ class PromptStates:
         """The states a request in `namespace` uses: these (one shared cache)."""
         return self
 
-    def reusable(self, prompt: list[int], namespace: str | None = None) -> Start | None:
+    def reusable(
+        self, prompt: list[int], namespace: str | None = None, spans: Sequence[ImageSpan] = ()
+    ) -> Start | None:
         """The resident session `acquire(prompt)` would take now, if any: under contention
         admission counts it once (it becomes the request's own KV) and does not shed it."""
         if not self.enabled or not self._residents:
             return None
-        match = self.cache.lookup(prompt) if self.cache is not None else MISS
-        return self._best_live(prompt, match)[0]
+        p = Prompt(prompt, tuple(spans))
+        match = self.cache.lookup(p.key) if self.cache is not None else MISS
+        return self._best_live(p, match)[0]
 
     def drop_residents(self, keep: Start | None = None) -> int:
         """Drop the resident sessions but `keep` (their KV is in the prompt cache, which serves
@@ -180,25 +221,38 @@ class PromptStates:
         mx.clear_cache()
 
     # ----------------------------------------------------------------------------------------
-    def _lookup(self, prompt: list[int], at_most: int | None) -> Match:
+    def _lookup(self, prompt: Prompt, at_most: int | None) -> Match:
         faults.maybe_fail("lookup")
-        return self.cache.lookup(prompt, at_most=at_most) if self.cache is not None else MISS
+        return self._find(prompt, at_most)
 
-    def _take_live(self, prompt: list[int], match: Match, at_most: int | None) -> Start | None:
+    def _find(self, prompt: Prompt, at_most: int | None) -> Match:
+        """The cache's best prefix of `prompt`'s key, cut back to the start of an image it
+        would split (looked up again below it: a shorter entry may serve what a longer one
+        cannot)."""
+        if self.cache is None:
+            return MISS
+        match = self.cache.lookup(prompt.key, at_most=at_most)
+        whole = prompt.whole(match.usable)
+        if match.hit and whole < match.usable:
+            match = self.cache.lookup(prompt.key, at_most=whole) if whole else MISS
+        return match
+
+    def _take_live(self, prompt: Prompt, match: Match, at_most: int | None) -> Start | None:
         """The resident that covers most of `prompt`, taken out of the residents (the caller
         owns it)."""
         best, best_usable = self._best_live(prompt, match, at_most)
-        return None if best is None else self._take_resident(best, best_usable, prompt)
+        return None if best is None else self._take_resident(best, best_usable, prompt.tokens)
 
     def _take_resident(self, resident: Start, usable: int, prompt: list[int]) -> Start:
-        """`resident` out of the residents, cut back to the first `usable` tokens of `prompt`."""
+        """`resident` out of the residents, cut back to the first `usable` tokens of `prompt`
+        (its real ids: a resident's own `tokens` are its key)."""
         self._residents = [r for r in self._residents if r is not resident]
         if usable < resident.usable:
             trim_prompt_cache(resident.caches, resident.usable - usable)
         return Start(resident.caches, prompt[:usable], "live")
 
     def _best_live(
-        self, prompt: list[int], match: Match, at_most: int | None = None
+        self, prompt: Prompt, match: Match, at_most: int | None = None
     ) -> tuple[Start | None, int]:
         """The resident `_take_live` takes and the prompt tokens it covers. A resident cut back
         to less than half of itself is most likely another conversation that shares a prefix (a
@@ -206,9 +260,10 @@ class PromptStates:
         stays for its own conversation and the cache's copy serves this prompt. A retry or an
         edited last message keeps most of its resident."""
         best, best_usable = None, 0
-        most = len(prompt) - 1 if at_most is None else min(len(prompt) - 1, at_most)
+        n = len(prompt.tokens)
+        most = n - 1 if at_most is None else min(n - 1, at_most)
         for resident in self._residents:
-            usable = min(common_prefix(resident.tokens, prompt), most)
+            usable = prompt.whole(min(common_prefix(resident.tokens, prompt.key), most))
             if usable < resident.usable and not can_cut_back(resident.caches, usable):
                 continue  # a full window, an SSM state: only an exact prefix is reusable
             if 2 * usable < resident.usable and usable <= match.usable:
@@ -218,7 +273,7 @@ class PromptStates:
         return best, best_usable
 
     def _restore(
-        self, prompt: list[int], match: Match, at_most: int | None, *, again: bool = True
+        self, prompt: Prompt, match: Match, at_most: int | None, *, again: bool = True
     ) -> Start:
         assert self.cache is not None and match.key is not None
         suspect = match.suspect
@@ -226,15 +281,15 @@ class PromptStates:
         caches = self.fresh()
         started = time.perf_counter()
         try:
-            self.cache.restore(target, caches, tokens=prompt, dtype=self.kv_dtype)
+            self.cache.restore(target, caches, tokens=prompt.key, dtype=self.kv_dtype)
         except CacheRestoreError as err:
             self.cache.evict(err.key, err.problem)
             return self._after_eviction(prompt, at_most, again)
         source = match.source or "disk"
-        start = Start(caches, prompt[: target.usable], source, match)
+        start = Start(caches, prompt.tokens[: target.usable], source, match)
         start.restore_seconds = time.perf_counter() - started
         if suspect:
-            if not self._behaves(prompt, start, target):
+            if not self._behaves(prompt.tokens, start, target):
                 self.cache.evict(
                     match.key,
                     "behaviour check failed after an unclean shutdown",
@@ -244,12 +299,12 @@ class PromptStates:
             self.cache.mark_verified(match.key)
         return start
 
-    def _after_eviction(self, prompt: list[int], at_most: int | None, again: bool) -> Start:
+    def _after_eviction(self, prompt: Prompt, at_most: int | None, again: bool) -> Start:
         """The longest prefix the cache still has once the failed part is gone (one more try:
         e.g. the shared system prompt before a damaged conversation), else a cold start."""
         assert self.cache is not None
         if again:
-            match = self.cache.lookup(prompt, at_most=at_most)
+            match = self._find(prompt, at_most)
             if match.hit:
                 return self._restore(prompt, match, at_most, again=False)
         return self.cold()

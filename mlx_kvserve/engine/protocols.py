@@ -21,8 +21,19 @@ from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.json_value import JSON
 
 
+class ImageFeatures(Protocol):
+    """The vision encoder's outputs by image digest, per model (cache/features.py:
+    `FeatureCache`): what a vision model looks up before it runs its tower on an image."""
+
+    def get(self, digest: str) -> mx.array | None: ...
+
+    def put(self, digest: str, features: mx.array) -> None: ...
+
+
 class PromptCacheView(Protocol):
     """One model's prompt cache as the engine uses it (cache/store.py: `PromptCache`)."""
+
+    features: ImageFeatures
 
     def lookup(self, tokens: Sequence[int]) -> Match: ...
 
@@ -79,4 +90,4 @@ class PromptCacheView(Protocol):
     def drop_alike(self, contents: list[str]) -> int: ...
 
 
-__all__ = ["LayerCache", "PromptCacheView"]
+__all__ = ["ImageFeatures", "LayerCache", "PromptCacheView"]

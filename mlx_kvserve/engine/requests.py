@@ -16,7 +16,9 @@ from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
+from mlx_kvserve.engine.image_prefill import Image
 from mlx_kvserve.engine.namespaces import current_namespace
+from mlx_kvserve.images.spans import ImageSpan, check_spans
 
 
 class CancelLatch:
@@ -147,6 +149,9 @@ class GenerationRequest:
     # (see chat.render)
     boundaries: dict[int, str] = field(default_factory=dict)
     constraint: TokenConstraint | None = None  # grammar-constrained decoding, if asked for
+    # Where images sit in the prompt: the prompt cache keys those positions by the pixels' hash
+    # (images/spans.py), while the model is fed `prompt_tokens` as they are.
+    image_spans: tuple[ImageSpan, ...] = ()
     token_bytes: Callable[[int], bytes] | None = None  # a token's bytes, for logprobs
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
@@ -162,8 +167,15 @@ class GenerationRequest:
     # is prefilled once. Only this request's output extends the prompt cache.
     forks: list[GenerationRequest] = field(default_factory=list)
     choice: int = 0  # which choice of its `n` request this is (0: the one that prefills)
+    # The images of `image_spans`, one per span: a vision model's prefill embeds them
+    # (engine/image_prefill.py)
+    images: tuple[Image, ...] = ()
     _loop: asyncio.AbstractEventLoop | None = None
     _events: asyncio.Queue[Event] | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_spans:
+            check_spans(len(self.prompt_tokens), self.image_spans)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Attach the event loop that will consume this request's events."""

@@ -28,6 +28,7 @@ from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.generate import Checkpoints, Live, PrefillTask, Timings, prefill_steps
+from mlx_kvserve.engine.image_prefill import ImageRows, VisionRows, request_rows
 from mlx_kvserve.engine.ledger import KVCost, LayerLike, Ledger
 from mlx_kvserve.engine.namespaces import Caches, States, caches_of
 from mlx_kvserve.engine.prompt_state import Start
@@ -87,7 +88,7 @@ class Room:
             return False  # they resume first (even when nothing runs: see `next_resume`)
         shortfall = self._shortfall(req)
         if shortfall and busy:
-            reused = self.states.reusable(req.prompt_tokens, req.namespace)
+            reused = self.states.reusable(req.prompt_tokens, req.namespace, req.image_spans)
             if reused is not None:  # it moves into the request: counted once, as its prompt
                 shortfall = self._shortfall(req, reused)
             if shortfall and self._shed(shortfall, keep=reused):
@@ -171,8 +172,9 @@ class Room:
         faults.maybe_fail("pause")
         batch.take(seq)
         cache = seq.states.cache
-        if cache is not None and seq.live.tokens and not seq.req.choice:  # a fork: see finish
-            cache.checkpoint(seq.live.tokens, seq.live.caches, "pause", probe=seq.last_logits)
+        held = seq.live.key()  # the tokens as the cache keys them (images by their content)
+        if cache is not None and held and not seq.req.choice:  # a fork: see finish
+            cache.checkpoint(held, seq.live.caches, "pause", probe=seq.last_logits)
         seq.live.caches = []
         self.paused.append((seq, order))
         self.pauses += 1
@@ -189,9 +191,15 @@ class Room:
         return min(self.paused, key=lambda p: p[1])[0] if self.paused else None
 
     def next_resume(
-        self, model: nn.Module, prefill_step: int, busy: bool, decide: Decide = _own
+        self,
+        model: nn.Module,
+        prefill_step: int,
+        busy: bool,
+        decide: Decide = _own,
+        vision: VisionRows | None = None,
     ) -> PrefillTask | None:
-        """The oldest paused sequence's resumption, if it fits now (or nothing else runs)."""
+        """The oldest paused sequence's resumption, if it fits now (or nothing else runs);
+        `vision`: a vision model's tower, which embeds the prompt's images again."""
         if not self.paused:
             return None
         self.paused.sort(key=lambda p: p[1])
@@ -209,7 +217,8 @@ class Room:
         self.paused.pop(0)
         self.ledger.admit(seq.req.request_id, len(seq.live.tokens), left, order=order)
         self.resumes += 1
-        return PrefillTask(seq.req, _resume(model, seq, prefill_step))
+        images = request_rows(vision, model, seq.req.image_spans, seq.req.images)
+        return PrefillTask(seq.req, _resume(model, seq, prefill_step, images))
 
     def cancel_paused(self) -> list[Sequence]:
         """Paused sequences whose client went away: they leave now (the caller ends them)."""
@@ -261,16 +270,16 @@ class Room:
 
 
 def _resume(
-    model: nn.Module, seq: Sequence, step: int
+    model: nn.Module, seq: Sequence, step: int, images: ImageRows | None = None
 ) -> Generator_[int, None, tuple[Timings, Sequence]]:
     """Rebuild the caches of a paused sequence (its checkpoint, else cold) for exactly its
     `live.tokens`; the logits of that prefill are only checked (the sequence kept its next
     token). A failure is blamed and tried again as a request's prefill is (engine/blame.py)."""
-    states, tokens = seq.states, list(seq.live.tokens)
+    states, tokens, spans = seq.states, list(seq.live.tokens), seq.live.spans
     timings = Timings(prompt_tokens=len(tokens))  # the resumption's own: not the request's
 
     def attempt(start: Start) -> Generator_[int, None, Live]:
-        live = Live(start.caches, list(start.tokens))
+        live = Live(start.caches, list(start.tokens), spans)
 
         def check() -> None:
             if seq.req.cancelled.is_set():
@@ -278,8 +287,9 @@ def _resume(
 
         try:
             if len(live.tokens) < len(tokens):
+                checkpoints = Checkpoints({}, 0, _no_store, spans=spans)
                 logits = yield from prefill_steps(
-                    model, live, tokens, step, Checkpoints({}, 0, _no_store), check
+                    model, live, tokens, step, checkpoints, check, images
                 )
                 check_logits(logits)
         except Cancelled:
@@ -287,10 +297,10 @@ def _resume(
         return live
 
     if not tokens:
-        seq.live = Live(states.fresh(), [])
+        seq.live = Live(states.fresh(), [], spans)
         return timings, seq
     who = f"request {seq.req.request_id} (resuming)"
-    seq.live = yield from recover(states, tokens, who, attempt, timings)
+    seq.live = yield from recover(states, tokens, who, attempt, timings, spans)
     return timings, seq
 
 

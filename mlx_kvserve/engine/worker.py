@@ -37,12 +37,13 @@ from typing import TypeVar
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_kvserve.cache.kinds import KVLayout
+from mlx_kvserve.cache.kinds import KVLayout, describe_model
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch, can_batch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.failures import Failures
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
+from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
 from mlx_kvserve.engine.ledger import RESERVE_TOKENS
 from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_ready
@@ -56,6 +57,8 @@ from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
+from mlx_kvserve.engine.speculation.draft_model import DraftLoader, load_draft
+from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -87,6 +90,7 @@ class Engine(Intake, Stopping, Failures):
         live_budget: int = 1 << 30,
         kv_reserve: int = RESERVE_TOKENS,
         speculation: str = "off",
+        draft_loader: DraftLoader | None = None,
         context_length: int | None = None,
         job: MakeAgreement | None = None,
     ) -> None:
@@ -98,8 +102,10 @@ class Engine(Intake, Stopping, Failures):
         also disables reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
         `speculation` "auto" lets the decode batch draft and verify (engine/speculation/); it
-        stays off in a job across machines. `context_length` is the window the model's config
-        states (models/context.py); None falls back to the model object's args. `job` makes the
+        stays off in a job across machines; `draft_loader` (run on the engine thread after
+        the model's loader) gives it a draft model of the same tokenizer. `context_length` is
+        the window the model's config states (models/context.py); None falls back to the model
+        object's args. `job` makes the
         agreement of the job this engine steps with across machines (engine/lockstep.py); None:
         this process alone (`Solo`).
         """
@@ -116,6 +122,7 @@ class Engine(Intake, Stopping, Failures):
         self.live_budget = live_budget
         self.kv_reserve = kv_reserve
         self.speculation = speculation
+        self._draft_loader = draft_loader
         self.room: Room | None = None  # the KV ledger, once the model is loaded
         self.layout: KVLayout | None = None
         self.batch: DecodeBatch | None = None
@@ -131,6 +138,7 @@ class Engine(Intake, Stopping, Failures):
         self.load_error: str | None = None
         self.model: nn.Module | None = None
         self.tokenizer: TokenizerWrapper | None = None
+        self.vision: VisionRows | None = None  # a vision model's tower, once loaded
         self.context_length: int | None = context_length
         self.memory = MemoryPolicy(mlx_cache_limit, prefill_step)
         self._calls = CallQueue()
@@ -211,7 +219,9 @@ class Engine(Intake, Stopping, Failures):
         """Load the model and make what serves it: its prompt states, generator, KV ledger and
         decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
         of the model can do)."""
-        model, tokenizer, prompt_cache = Loaded(*self._loader())
+        loaded = Loaded(*self._loader())
+        model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
+        self.vision = loaded.vision
         if prompt_cache is not None:
             self.prompt_cache = prompt_cache
         self.model, self.tokenizer = model, tokenizer
@@ -226,12 +236,17 @@ class Engine(Intake, Stopping, Failures):
         states = make_states(
             model, checkpoints_to, enabled=self.cache_enabled, live_budget=self.live_budget, job=job
         )
+        if self.vision is not None:
+            self.vision.keep_in(states.features)
         # Across machines every rank would have to run the check's passes in step: a job
         # trusts the layout alone (engine/merge_check.py).
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
         self._can_batch = self.lockstep.all_true(merges, "batching")
+        speculation = self.speculation if job is None else "off"
+        mtp = loaded.mtp if speculation == "auto" else None
+        tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
         self.generator = Generator(
-            model,
+            tap or model,
             tokenizer,
             states,
             prefill_step=self.prefill_step,
@@ -239,19 +254,21 @@ class Engine(Intake, Stopping, Failures):
             sliceable=self.lockstep.all_true(self.layout.sliceable, "slicing"),
             after_prefill=self.memory.after_prefill,
             before_done=self._observe,
+            vision=self.vision,
         )
         self.memory.start(model)
         if self.kv_budget is None:
             self.kv_budget = self.memory.default_kv_budget(model)
+        drafts = load_draft(self._draft_loader, model, tokenizer, self.prefill_step, speculation)
+        layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
         self.room = Room(
-            self.layout.layers,
+            layers,  # a draft model's KV is counted per row beside the model's
             self.kv_budget,
             states,
             checkpoints_to,
             self.kv_reserve,
             batched=self._can_batch,
         )
-        speculation = self.speculation if job is None else "off"
         if speculation == "auto":  # a draft source: what finished requests' tokens went on with
             # 3 tokens at least: a 2-token match among many documents is common in prose and
             # seldom right (docs/speculation.md, the benchmark's prose cell)
@@ -260,11 +277,13 @@ class Engine(Intake, Stopping, Failures):
                 for tokens in cache.token_streams(self.continuations.max_tokens):
                     self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
-            model,
+            tap or model,
             self._ended,
             mergeable=self._can_batch,
             speculation=speculation,
             continuations=self.continuations,
+            mtp=mtp,
+            draft_model=drafts,
         )
 
     def _loop(self) -> None:
@@ -342,7 +361,9 @@ class Engine(Intake, Stopping, Failures):
             return
         self._touched.append(oldest.req)
         faults.maybe_fail("resume")
-        task = self.room.next_resume(self.model, self.prefill_step, self._busy(), turn.decide)
+        task = self.room.next_resume(
+            self.model, self.prefill_step, self._busy(), turn.decide, self.vision
+        )
         if task is not None:
             self.schedule.add(task)
 
@@ -426,12 +447,13 @@ class Engine(Intake, Stopping, Failures):
         assert self.generator is not None
         log.info(seq.timings.log_line(seq.req))
         self._release(seq.req)
-        tokens = seq.live.tokens + seq.feed
+        held = seq.live.key()  # its images keyed by content: the index leaves them out
+        tokens = None if held is None else held + seq.feed
         try:
             self.generator.finish(seq)
         except Exception:  # after its Done: only the checkpoint is lost
             log.exception("request %s: saving its KV failed", seq.req.request_id)
-        if self.continuations is not None:  # after its Done: a draft source for later requests
+        if self.continuations is not None and tokens is not None:  # a draft source from now on
             self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:

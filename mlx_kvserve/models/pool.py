@@ -32,6 +32,7 @@ from pathlib import Path
 from mlx_kvserve.engine import Engine
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.specs import DEFAULT_KEEP_ALIVE, ModelSpec
+from mlx_kvserve.vision.family import vision_family
 
 log = logging.getLogger("mlx_kvserve.models")
 
@@ -79,9 +80,14 @@ class Slot:
 
     @property
     def sees_images(self) -> bool:
-        """Whether the model takes images: the one seam a vision backend plugs into. No backend
-        serves images yet, so every model is shown a note in an image's place (images/note.py)."""
-        return False
+        """Whether the model takes images: once loaded, whether its engine has a vision tower;
+        before, whether its files are a vision checkpoint whose tower runs here (so the API
+        knows before a load). Any other model is shown a note in an image's place
+        (images/note.py)."""
+        engine = self.engine
+        if engine is not None and engine.ready.is_set():
+            return getattr(engine, "vision", None) is not None
+        return vision_family(self.model_dir) is not None
 
     def busy(self) -> bool:
         engine = self.engine

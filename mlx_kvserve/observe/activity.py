@@ -63,6 +63,7 @@ class Activity:
             "verify_passes": 0,
         }
         self._prefill_rate = 0.0  # recent seconds per prefilled token (for seconds saved)
+        self._by_source: dict[str, list[int]] = {}  # draft source -> [drafted, kept, passes]
 
     def record(self, model: str, req: GenerationRequest, timings: Timings | None) -> None:
         """An engine observer (`Engine.add_observer`) once `model` is bound: the served name of
@@ -108,6 +109,10 @@ class Activity:
             totals["drafted_tokens"] += t.drafted
             totals["accepted_tokens"] += t.accepted
             totals["verify_passes"] += t.verify_passes
+            for source, counts in t.by_source.items():
+                mine = self._by_source.setdefault(source, [0, 0, 0])
+                for i, n in enumerate(counts):
+                    mine[i] += n
             second = self._second(now)
             second[1] += t.completion_tokens
             if t.completion_tokens > 0 and t.ttft_seconds > 0:
@@ -140,6 +145,15 @@ class Activity:
                 "speculation": {  # None until something was drafted
                     "acceptance_rate": accepted / drafted if drafted else None,
                     "tokens_per_pass": (accepted + passes) / passes if passes else None,
+                    "by_source": {  # drafts.py's, continuations.py's, draft_model.py's
+                        source: {
+                            "drafted": d,
+                            "accepted": a,
+                            "passes": n,
+                            "acceptance_rate": a / d if d else None,
+                        }
+                        for source, (d, a, n) in self._by_source.items()
+                    },
                 },
                 "series": {
                     "time": [s[0] for s in seconds],

@@ -30,8 +30,9 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PREFILL_TPS_BUCKETS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800)
 DECODE_TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 # Where speculative decoding's drafts come from (engine/speculation/: drafts.py, the row's own
-# tokens; continuations.py, finished requests' tokens in the prompt cache's namespace).
-DRAFT_SOURCES = ("prompt_lookup", "prompt_cache")
+# tokens; continuations.py, finished requests' tokens in the prompt cache's namespace; mtp.py, the
+# checkpoint's own MTP heads; draft_model.py, a small model of the same tokenizer).
+DRAFT_SOURCES = ("prompt_lookup", "prompt_cache", "mtp", "draft_model")
 RESTORE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -334,3 +335,26 @@ class CacheCollector(Collector):
         yield gauge("cache_ram_bytes", "Bytes of checkpoints held in RAM.", get("ram_bytes"))
         yield gauge("cache_ram_budget_bytes", "The RAM tier's byte budget.", get("ram_budget"))
         yield gauge("cache_entries", "Checkpoints in the prompt cache.", get("entries"))
+        lookups = CounterMetricFamily(
+            f"{PREFIX}_cache_image_features_lookups",
+            "Vision-encoder outputs looked up by image digest: hit (RAM or disk) or miss.",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], get("features_hits"))
+        lookups.add_metric(["miss"], get("features_misses"))
+        yield lookups
+        yield counter(
+            "cache_image_features_discarded",
+            "Vision-encoder output files deleted unserved: torn, garbled or another model's.",
+            get("features_discarded"),
+        )
+        yield gauge(
+            "cache_image_features_disk_bytes",
+            "Bytes of vision-encoder output files beside the checkpoints (within the budget).",
+            get("features_disk_bytes"),
+        )
+        yield gauge(
+            "cache_image_features_ram_bytes",
+            "Bytes of vision-encoder outputs held in RAM.",
+            get("features_ram_bytes"),
+        )

@@ -17,7 +17,7 @@ from mlx_kvserve.cache import PromptCache
 MiB = 1 << 20
 
 
-def tiny_llama(sliding: bool, vocab: int = 97):
+def tiny_llama(sliding: bool, vocab: int = 97, tied: bool = True):
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=32,
@@ -29,6 +29,7 @@ def tiny_llama(sliding: bool, vocab: int = 97):
         vocab_size=vocab,
         layer_types=["sliding_attention", "full_attention"] if sliding else None,
         sliding_window=8 if sliding else None,
+        tie_word_embeddings=tied,
     )
     return llama.Model(args)
 

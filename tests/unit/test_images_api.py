@@ -371,15 +371,21 @@ def test_the_agents_image_shapes_answer(
 def test_fuzzed_image_fields_are_answered_or_a_400(client: TestClient, protocol: str) -> None:
     """Whatever the image field holds: a 200, or a 400 in the protocol's shape; never a 5xx,
     and nothing fetched (URLs are off)."""
+    fuzz_image_field(client, protocol, "tiny", examples=50)
+
+
+def fuzz_image_field(client: TestClient, protocol: str, model: str, examples: int) -> None:
+    """Hypothesis's values in `protocol`'s image field, each answered 200 or a 400 in the
+    protocol's error shape (tests/unit/test_vision.py runs it on a vision model too)."""
     from hypothesis import HealthCheck, given, settings
 
     from tests.support.fuzz_images import field
 
-    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(value=field(protocol))
     def probe(value: object) -> None:
         route, body = image_body(protocol, value)  # type: ignore[arg-type]
-        body = {"model": "tiny", "temperature": 0.0, **body}
+        body = {"model": model, "temperature": 0.0, **body}
         if route.startswith("/api/"):
             body |= {"stream": False, "options": {"num_predict": 1}}
         else:

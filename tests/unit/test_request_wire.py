@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_kvserve.chat.grammar import GrammarCompiler
 from mlx_kvserve.distributed.request_wire import RequestWire
 from mlx_kvserve.engine.requests import CancelLatch, GenerationRequest, SamplingParams
+from mlx_kvserve.images.spans import ImageSpan
 from tests.support.tiny_models import default_tokenizer_dir
 
 REASONS = st.sampled_from(["anchor", "message", "prompt", "interval"])
@@ -57,16 +58,29 @@ def travel(wire: RequestWire, req: GenerationRequest) -> GenerationRequest:
     boundaries=st.dictionaries(st.integers(1, 10_000), REASONS, max_size=6),
     kind=st.sampled_from(["chat", "text"]),
     cancelled=st.booleans(),
+    images=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(1, 80), st.binary(min_size=32, max_size=32)),
+        max_size=3,
+    ),
 )
-def test_a_request_arrives_as_it_left(prompt, params, boundaries, kind, cancelled):
+def test_a_request_arrives_as_it_left(prompt, params, boundaries, kind, cancelled, images):
     wire = RequestWire(lambda: pytest.fail("no grammar and no logprobs: no compiler"))
-    sent = GenerationRequest(prompt, params, kind=kind, boundaries=boundaries)
+    spans, end = [], 0
+    for gap, length, raw in images:  # placed in order within the prompt, as a renderer does
+        if end + gap + length > len(prompt):
+            break
+        spans.append(ImageSpan(end + gap, length, raw.hex()))
+        end += gap + length
+    sent = GenerationRequest(
+        prompt, params, kind=kind, boundaries=boundaries, image_spans=tuple(spans)
+    )
     sent.cancelled = CancelLatch()
     if cancelled:
         sent.cancel()
     got = travel(wire, sent)
     assert got.prompt_tokens == prompt and got.boundaries == boundaries and got.kind == kind
     assert got.request_id == sent.request_id
+    assert got.image_spans == sent.image_spans  # every rank keys its cache by the same images
     assert got.params == sent.params  # rank 0 keeps the seed it gave
     if params.temperature > 0:
         assert got.params.seed is not None

@@ -72,7 +72,7 @@ def test_metrics_and_status_count_what_speculation_did(model_dir, prior_cost) ->
     with serve(model_dir, "auto") as client:
         assert counters(client) == dict.fromkeys(COUNTERS, 0.0)  # the series exist at 0
         status = client.get("/v1/status").json()["speculation"]
-        assert status == {"acceptance_rate": None, "tokens_per_pass": None}
+        assert status == {"acceptance_rate": None, "tokens_per_pass": None, "by_source": {}}
         engine = client.app.state.pool.default.engine
         engine.add_observer(lambda req, timings: seen.append(timings))
         answers = [complete(client)["choices"][0]["text"] for _ in range(2)]
@@ -90,6 +90,10 @@ def test_metrics_and_status_count_what_speculation_did(model_dir, prior_cost) ->
         counts = [t.by_source.get(source, [0, 0, 0]) for t in seen]
         assert list(by_source[source].values()) == [sum(c[i] for c in counts) for i in range(3)]
         assert by_source[source]["accepted_tokens"] > 0
+        shown = status["speculation"]["by_source"][source]  # the status page, by source too
+        assert [shown["drafted"], shown["accepted"], shown["passes"]] == list(
+            by_source[source].values()
+        )
     assert drafted >= accepted > 0 and passes > 0
     assert status["totals"]["drafted_tokens"] == drafted
     assert status["totals"]["accepted_tokens"] == accepted

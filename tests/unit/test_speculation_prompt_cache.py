@@ -113,3 +113,31 @@ def test_after_a_restart_the_stored_entries_tokens_are_drafted_from(
     assert tokens_of(first.text) == tokens_of(again.text) == tokens_of(other.text) == answer
     assert fresh[SOURCE][1] >= 30  # drafted from what the first server stored, and kept
     assert SOURCE not in foreign
+
+
+def test_an_image_prompt_is_remembered_without_its_image(model, prior_cost, monkeypatch) -> None:
+    """A request whose prompt holds an image: the index gets its tokens as the cache keys them
+    and leaves the image out, so no draft ever holds an image's key ids; the text after the
+    image and the answer are drafted from as any request's."""
+    from mlx_kvserve.engine.speculation.continuations import Continuations
+    from mlx_kvserve.images.spans import ImageSpan, is_image_key
+
+    prompt, answer = question(model)
+    span = ImageSpan(4, 8, "ab" * 32)
+    indexes = []
+    remember = Continuations.remember
+
+    def remembering(self, namespace, tokens, cached=0) -> None:
+        assert all(is_image_key(t) for t in tokens[4:12])  # keyed: the index can leave it out
+        remember(self, namespace, tokens, cached)
+        indexes.append(self.index(namespace))
+
+    monkeypatch.setattr(Continuations, "remember", remembering)
+    reqs = [request(prompt, max_tokens=40) for _ in range(2)]
+    for req in reqs:
+        req.image_spans = (span,)
+    first, second = serve(model, reqs, cache_enabled=False)
+    for req in reqs:
+        assert tokens_of(req.text) == answer
+    assert second[SOURCE][1] >= 30
+    assert indexes and not [t for t in indexes[-1].tokens if is_image_key(t) and t < 1 << 40]

@@ -4,6 +4,8 @@
   first source: the tokens that followed the longest earlier match of the row's last n tokens.
 - `continuations`: the second source, the prompt cache's continuations: what finished requests'
   tokens (per model and cache namespace, bounded) went on with after the row's last n tokens.
+- `mtp`: the third, a checkpoint's own MTP heads (models/mtp_heads.py), fed the target's hidden
+  states of every pass.
 - `verify`: exact acceptance of a batch of drafts from one forward pass (greedy, and sampled
   rows through their own sampler and seed), pure functions over mx arrays.
 - `depth`: how many tokens each row drafts, from measured acceptance and measured verify cost

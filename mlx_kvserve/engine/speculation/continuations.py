@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mlx_kvserve.engine.speculation.drafts import Draft, ngram_hashes, suffix_hashes
+from mlx_kvserve.images.spans import IMAGE_KEY_BASE
 
 SOURCE = "prompt_cache"
 _SEPARATOR = 1 << 40  # no token id: ends a document's continuations, matches no row's n-gram
@@ -51,8 +52,19 @@ class TokenIndex:
         return len(self.tokens)
 
     def add(self, tokens: Sequence[int]) -> None:
-        """A finished request's tokens (or a stored entry's): at most the last `max_tokens`."""
+        """A finished request's tokens (or a stored entry's): at most the last `max_tokens`.
+        An image's key ids are no tokens a model could be fed: the text between images goes
+        in as documents of its own, so no n-gram matches across an image and no draft holds
+        one."""
         doc = [int(t) for t in tokens[-self.max_tokens :]]
+        images = np.flatnonzero(np.asarray(doc, dtype=np.int64) >= IMAGE_KEY_BASE).tolist()
+        if images:
+            for lo, hi in zip([-1, *images], [*images, len(doc)], strict=True):
+                self._add(doc[lo + 1 : hi])
+            return
+        self._add(doc)
+
+    def _add(self, doc: list[int]) -> None:
         if len(doc) <= self.n_min:
             return
         start = self.base + len(self.tokens)

@@ -46,6 +46,10 @@ class VerifyCost:
         old = widths.get(width)
         widths[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    def plain(self, batch: int) -> float | None:
+        """The smoothed seconds of a plain pass at `batch` rows, if one was timed."""
+        return self._seconds.get(batch, {}).get(1)
+
     def cost(self, batch: int, width: int) -> float:
         """Relative cost of a width-`width` pass; 1.0 for width 1."""
         if width <= 1:

@@ -15,7 +15,7 @@ harmless: a hit is checked against the tokens before it is used.
 Sources see only committed tokens (the prompt, then accepted output), so none needs rolling
 back. The prompt cache's continuations (continuations.py: what finished requests' tokens went
 on with, SuffixDecoding-style) implement the same `DraftSource` protocol and join a row's
-`Drafter` beside it, as later sources (a model's MTP heads, a draft model) will.
+`Drafter` beside it, as a checkpoint's MTP heads do (mtp.py) and a draft model will.
 """
 
 from __future__ import annotations
@@ -157,9 +157,23 @@ class Drafter:
         for source in self.sources:
             source.extend(tokens)
 
+    def would_propose(self) -> bool:
+        """Whether some source has a draft now: a source that costs a forward (`ready`) says
+        so without running it, the others propose one token."""
+        for source in self.sources:
+            ready = getattr(source, "ready", None)
+            if ready() if ready is not None else source.propose(1):
+                return True
+        return False
+
     def propose(self, limit: int) -> Draft | None:
+        """A source whose every proposal carries the same `evidence` (a model's heads, which
+        cost a forward) is not asked once an earlier one has proposed as much."""
         best: Draft | None = None
         for source in self.sources:
+            fixed = getattr(source, "evidence", None)
+            if best is not None and fixed is not None and best.evidence >= fixed:
+                continue
             draft = source.propose(limit)
             if draft and draft.tokens and (best is None or draft.evidence > best.evidence):
                 best = draft

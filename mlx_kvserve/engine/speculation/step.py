@@ -1,4 +1,4 @@
-"""A decode step that drafts and verifies: prompt lookup and the prompt cache's continuations.
+"""A decode step that drafts and verifies: prompt lookup, the prompt cache's continuations, MTP.
 
 `DecodeBatch.step` (engine/batch.py) asks `Speculator.step` first; it runs a speculative step
 only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
@@ -18,9 +18,10 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
    match for its tokens so far, every row's pending token is read (speculating rows give up the
    pipelining overlap: the drafter needs that token);
 2. each row's draft (its `Drafter`: `PromptLookup` and, given `continuations`, the prompt
-   cache's continuations of its namespace, synced with its tokens; a grammar row's checked token
-   by token, a refused token ending it, forced tokens following each drafted one), cut to the
-   batch's width;
+   cache's continuations of its namespace, and, given `mtp`, the checkpoint's MTP heads fed
+   the target's hidden states of every pass (mtp.py), synced with its tokens; a grammar row's
+   checked token by token, a refused token ending it, forced tokens following each drafted
+   one), cut to the batch's width;
 3. one pass of W tokens per row (its pending tokens, its draft, padding), logits at each row's
    sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
@@ -42,8 +43,11 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
+from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
+from mlx_kvserve.engine.speculation.mtp import MTPDraft, Tap
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
 from mlx_kvserve.engine.speculation.snapshot import (
     Snapshot,
@@ -53,6 +57,7 @@ from mlx_kvserve.engine.speculation.snapshot import (
     restorable,
 )
 from mlx_kvserve.engine.speculation.verify import verify
+from mlx_kvserve.models.mtp_heads import MTPHeads
 
 
 @dataclass
@@ -62,15 +67,27 @@ class RowState:
 
     drafter: Drafter
     depth: DepthController = field(default_factory=DepthController)
+    model_row: DraftModelRow | None = None  # its row of the draft model's batch, if any
+    mtp: MTPDraft | None = None  # its MTP source, fed the target's hidden states
 
 
 class Speculator:
     """Speculative steps for one decode batch, and what they drafted and kept."""
 
-    def __init__(self, max_depth: int = 8, continuations: Continuations | None = None) -> None:
-        """`continuations`: finished requests' tokens by namespace, a second draft source."""
+    def __init__(
+        self,
+        max_depth: int = 8,
+        continuations: Continuations | None = None,
+        mtp: MTPHeads | None = None,
+        draft_model: DraftModel | None = None,
+    ) -> None:
+        """`continuations`: finished requests' tokens by namespace, a second draft source;
+        `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
+        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py)."""
         self.max_depth = max_depth
         self.continuations = continuations
+        self.mtp = mtp
+        self.draft_model = draft_model
         self.cost = VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
@@ -85,6 +102,8 @@ class Speculator:
         return seq.decoder.rewindable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
+        if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
+            seconds -= self.draft_model.take_seconds()
         self.cost.observe(batch, width, seconds)
 
     def forget(self, seqs: list[Sequence]) -> None:
@@ -92,12 +111,14 @@ class Speculator:
         live = {id(s) for s in seqs}
         for key in [k for k in self.rows if k not in live]:
             del self.rows[key]
+        if self.draft_model is not None:
+            self.draft_model.forget([s.model_row for s in self.rows.values() if s.model_row])
 
     def step(
         self,
         seqs: list[Sequence],
         merged: list | None,
-        model: nn.Module,
+        model: nn.Module | Tap,
         read: Callable[[list], None],
         leave: Callable[[], None],
     ) -> int:
@@ -117,9 +138,14 @@ class Speculator:
         def cost(width: int) -> float:
             return self.cost.cost(batch, width)
 
+        # rows whose draft would be the draft model's: its passes are part of their cost
+        uses = self._uses_draft_model(seqs, states)
+        drafting = cost if self.draft_model is None else self.draft_model.cost(self.cost, batch)
         depths = [
-            state.depth.depth(cost, self.max_depth) if seq.req.params.speculative else 0
-            for seq, state in zip(seqs, states, strict=True)
+            state.depth.depth(drafting if use else cost, self.max_depth)
+            if seq.req.params.speculative
+            else 0
+            for seq, state, use in zip(seqs, states, uses, strict=True)
         ]  # a row that opted out feeds one token in the verify pass, as in a plain step
         if not any(depths):
             return 0
@@ -127,9 +153,10 @@ class Speculator:
             sync(seq, state.drafter)
         # A pipelined row's pending token is still on the device: reading it gives up the
         # overlap, so that is done only if some row that wants a draft would have had one a
-        # token ago (prose seldom does; a file being copied does).
+        # token ago (prose seldom does; a file being copied does; the draft model always has).
         if any(seq.step is not None for seq in seqs) and not any(
-            depth and state.drafter.propose(1) for state, depth in zip(states, depths, strict=True)
+            depth and (use or state.drafter.would_propose())
+            for state, depth, use in zip(states, depths, uses, strict=True)
         ):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
@@ -137,6 +164,15 @@ class Speculator:
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
         vocab = min(s.decoder.vocab or s.last_logits.shape[-1] for s in seqs)
+        if self.draft_model is not None:  # every row that wants a draft, in one batch
+            for seq, state in zip(seqs, states, strict=True):
+                sync(seq, state.drafter)
+            wanted = [
+                (s.model_row, d if use else 0)
+                for s, d, use in zip(states, depths, uses, strict=True)
+                if s.model_row
+            ]
+            self.draft_model.draft(wanted, vocab)
         plans: list[Plan] = []
         sources: list[str] = []  # where each row's draft came from
         for seq, state, depth in zip(seqs, states, depths, strict=True):
@@ -157,7 +193,7 @@ class Speculator:
         if not any(plan.drafts for plan in plans):
             return -1
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
-        planned = plan_width(curves, cost, margin=0.0)
+        planned = plan_width(curves, cost, margin=0.0)  # drafts made are paid for: verify only
         if planned == 1:
             return -1
         plans = [plan.cut(planned) for plan in plans]
@@ -174,6 +210,8 @@ class Speculator:
                 counts[0] += len(plan.drafts)
                 counts[1] += kept
                 counts[2] += 1
+                if source == DRAFT_MODEL and self.draft_model is not None:
+                    self.draft_model.record(len(plan.drafts), kept)
             self.drafted += len(plan.drafts)
             self.accepted += kept
         self.passes += 1
@@ -185,20 +223,62 @@ class Speculator:
             self.replays = replay_agrees(model)
         return self.replays
 
+    def _uses_draft_model(self, seqs: list[Sequence], states: list[RowState]) -> list[bool]:
+        """Per row: would its draft come from the draft model (no free source's guess as good)?"""
+        if self.draft_model is None:
+            return [False] * len(seqs)
+        out = []
+        for seq, state in zip(seqs, states, strict=True):
+            sync(seq, state.drafter)
+            out.append(state.model_row is not None and self.draft_model.wanted(state.drafter))
+        return out
+
     def _state(self, seq: Sequence) -> RowState:
         state = self.rows.get(id(seq))
         if state is None:
             sources: list[DraftSource] = [PromptLookup()]
             if self.continuations is not None:
                 sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
-            state = self.rows[id(seq)] = RowState(Drafter(sources))
+            mtp = None if self.mtp is None else MTPDraft(self.mtp)
+            row = self.draft_model.row() if self.draft_model is not None else None
+            own = [s for s in (mtp, row) if s is not None]
+            state = RowState(Drafter(sources + own), mtp=mtp, model_row=row)
+            self.rows[id(seq)] = state
         return state
+
+    def joined(self, seq: Sequence, model: object) -> None:
+        """A row joins: its MTP source takes the hidden states of its prefill's last pass, if
+        that pass ran on its own caches (the prompt's tail, positions before its end)."""
+        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+            return
+        if model.cache is not seq.live.caches or not seq.req.params.speculative:
+            return  # another row's pass (a prompt the cache served whole, a fork, a resume)
+        state = self._state(seq)
+        assert state.mtp is not None
+        sync(seq, state.drafter)
+        width = model.hidden.shape[1]
+        state.mtp.record(len(seq.live.tokens) - width, model.hidden[0])
+
+    def passed(self, seqs: list[Sequence], model: object) -> None:
+        """After a plain pass: each row's MTP source takes the hidden states of what it fed
+        (the positions before its cache's end; a pipelined row's fed token is still unread)."""
+        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+            return
+        width = model.hidden.shape[1]
+        for i, seq in enumerate(seqs):
+            if not seq.req.params.speculative:
+                continue  # it drafts nothing: its MTP source would only cost
+            state = self._state(seq)
+            assert state.mtp is not None
+            sync(seq, state.drafter)  # its pairs need their next tokens, steps it drafts or not
+            end = len(seq.live.tokens) + (seq.unread is not None)
+            state.mtp.record(end - width, model.hidden[i])
 
     def _verify(
         self,
         seqs: list[Sequence],
         merged: list | None,
-        model: nn.Module,
+        model: nn.Module | Tap,
         plans: list[Plan],
         vocab: int,
     ) -> tuple[list[int], int]:
@@ -212,6 +292,7 @@ class Speculator:
         caches = merged if merged is not None else seqs[0].live.caches
         snapshot = Snapshot(caches) if needs_snapshot(caches) else None
         logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
+        hidden = model.hidden if isinstance(model, Tap) else None
         slots = max(len(plan.drafts) for plan in plans) + 1
         logits = slot_logits(logits, plans, slots)
         masks = row_masks(seqs, plans, vocab, slots)
@@ -222,8 +303,12 @@ class Speculator:
         for i, (seq, plan, out) in enumerate(zip(seqs, plans, emitted, strict=True)):
             if seq.decoder.seeded:  # slot j was drawn as its token number draws + j
                 seq.decoder.draws += len(out)
+            start = len(seq.live.tokens) - len(plan.feed)  # the pass's first position
             kept = seq.take_run(out, logits[i], verified.logprobs[i], fed=len(plan.feed))
             rejected.append(width - kept)
+            mtp = self.rows[id(seq)].mtp
+            if hidden is not None and mtp is not None and seq.req.params.speculative:
+                mtp.record(start, hidden[i, :kept])  # only what stays: never a rejected one
         if snapshot is not None and any(rejected):  # back to before the pass, then replay
             snapshot.restore()
             replay(model, caches, [row[: width - r] for row, r in zip(rows, rejected, strict=True)])

@@ -1,0 +1,127 @@
+"""The checkpoint's own MTP heads as a draft source (models/mtp_heads.py loads them).
+
+An MTP step takes the target's hidden state h_p at a position and the token t_{p+1} after it,
+and predicts t_{p+2}; its output is the hidden state of the next step, so k drafts cost k small
+steps (one decoder layer each, and the target's output head) and no target pass.
+
+Where the hidden states come from: `Tap` stands in for the model in the prefill and the decode
+batch and returns its logits as before (the same computation, `MTPHeads.forward`), keeping the
+hidden states they came from. A row joining the batch takes those of its prefill's last pass
+(the tail of its prompt, when that pass ran on its own caches); after each pass the batch
+(plain steps, engine/batch.py) or the speculator (verify passes, step.py) hands each row's
+`MTPDraft` the hidden states of the positions that stay in its caches: a verify pass's kept
+prefix only, so the MTP never sees a rejected position.
+
+Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
+whose both halves are committed: pairs are fed when their next token is known, and the steps
+that draft (fed the MTP's own outputs) are trimmed off again as soon as the draft is read, so
+no rollback is ever owed after a verify pass. Its cache starts at the prefill's last pass (the
+prompt's tail; a prompt the cache served whole, or a resumed row, starts at its first decode
+pass): earlier positions it never sees, a source of lost acceptance, not of wrong tokens
+(verify.py decides what is kept, and the MTP only guesses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_kvserve.engine.speculation.drafts import Draft
+from mlx_kvserve.models.mtp_heads import MTPHeads
+
+SOURCE = "mtp"
+_PENDING = 64  # hidden states kept unfed at most: then fed in one step (a row lookup serves)
+MAX_DRAFT = 8  # steps a proposal runs at most (a grammar row asks for more, forced tokens too)
+
+
+class Tap:
+    """The target as the decode batch and the prefill call it: its logits, with `hidden` kept
+    from the last pass (and the caches it ran on); anything else is the model's."""
+
+    def __init__(self, model: nn.Module, heads: MTPHeads) -> None:
+        self.model, self.heads = model, heads
+        self.hidden: mx.array | None = None  # (B, L, H) of the last pass
+        self.cache: list | None = None  # the caches that pass ran on
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        self.hidden, logits = self.heads.forward(inputs, cache)
+        self.cache = cache
+        return logits
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)  # make_cache, layers, args...
+
+
+class MTPDraft:
+    """One row's MTP drafts: a `DraftSource` fed the target's hidden states as well."""
+
+    name = SOURCE
+    # A 2-token lookup match loses to it, a longer one wins (and it is then not run: drafts.py)
+    evidence = 3
+
+    def __init__(self, heads: MTPHeads) -> None:
+        self.heads = heads
+        self.cache = heads.make_cache()
+        self.tokens: list[int] = []
+        self.hidden: dict[int, mx.array] = {}  # position -> the target's (H,) there, unfed
+        self.fed = -1  # the last position whose pair is in `cache`
+        self.out: mx.array | None = None  # the block's (1, 1, H) at `fed`: predicts fed + 2
+        self._memo: tuple[int, list[int]] = (-1, [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def record(self, start: int, hidden: mx.array) -> None:
+        """The target's hidden states (L, H) at positions start..start+L-1, which stay in the
+        row's caches."""
+        for j in range(hidden.shape[0]):
+            self.hidden[start + j] = hidden[j]
+        if len(self.hidden) > _PENDING:
+            self._catch_up()
+
+    def ready(self) -> bool:
+        """Whether it can draft now (the target's hidden state before the last token is
+        known), without running the block."""
+        end = len(self.tokens)
+        return (self.out is not None and self.fed == end - 2) or end - 2 in self.hidden
+
+    def propose(self, limit: int) -> Draft | None:
+        """`limit` tokens after the row's last one: the block from the target's hidden state
+        before it, then from its own outputs; None while that hidden state is unknown."""
+        end, limit = len(self.tokens), min(limit, MAX_DRAFT)
+        if limit <= 0:
+            return None
+        if self._memo[0] == end and len(self._memo[1]) >= limit:
+            return Draft(tuple(self._memo[1][:limit]), SOURCE, self.evidence)
+        self._catch_up()
+        if self.out is None or self.fed != end - 2:
+            return None
+        out, drafts = self.out, []
+        while True:
+            token = mx.argmax(self.heads.head(out)[:, -1], axis=-1)
+            drafts.append(token)
+            if len(drafts) == limit:
+                break
+            out = self.heads.step(token[None], out, self.cache)
+        tokens = mx.concatenate(drafts).tolist()
+        for c in self.cache:  # the drafting steps: the next pairs come from the target
+            c.trim(limit - 1)
+        self._memo = (end, tokens)
+        return Draft(tuple(tokens), SOURCE, self.evidence)
+
+    def _catch_up(self) -> None:
+        """Feed the block every recorded pair (h_p, t_{p+1}) whose next token is committed."""
+        ready = sorted(p for p in self.hidden if self.fed < p and p + 1 < len(self.tokens))
+        if not ready:
+            return
+        tokens = mx.array([[self.tokens[p + 1] for p in ready]], dtype=mx.uint32)
+        hidden = mx.stack([self.hidden.pop(p) for p in ready])[None]
+        self.out = self.heads.step(tokens, hidden, self.cache)[:, -1:]
+        self.fed = ready[-1]
+        for p in [p for p in self.hidden if p <= self.fed]:
+            del self.hidden[p]

@@ -1,0 +1,104 @@
+"""MTP heads through the real server: a tiny Qwen3.5 checkpoint carrying `mtp.*` tensors
+(tests/support/mtp_models.py, heads that guess right only sometimes) served with
+`--speculation auto` loads its heads (the log says so) and answers as with `off` and with
+`--mtp off` (no heads loaded), over the OpenAI SDK's completions, chat and JSON-schema chat (a
+grammar), streamed and not; `/metrics` has the `source="mtp"` series. `--mtp on` refuses at
+start a checkpoint without heads, naming why.
+How much it drafts depends on the verify cost the server measures on this shared machine, so
+drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.mtp_models import mtp_model_dir
+from tests.support.servers import ServerProcess, client_for
+from tests.support.tiny_models import make_model_dir
+
+LOADED = "drafting with the checkpoint's 1 MTP layer(s) too"
+SCHEMA = {
+    "type": "object",
+    "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["numbers"],
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    model = mtp_model_dir(
+        tmp_path_factory.mktemp("mtp") / "qwen35-mtp", predictable=True, leak=0.05
+    )
+    flags = {"off": ["--speculation", "off"], "auto": ["--speculation", "auto"]}
+    flags["mtp_off"] = ["--speculation", "auto", "--mtp", "off"]
+    procs = {
+        mode: ServerProcess(model.parent, "--model", str(model), *args)
+        for mode, args in flags.items()
+    }
+    try:
+        yield {mode: proc.wait_ready() for mode, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def answer(server: ServerProcess, kind: str, stream: bool) -> str:
+    client = client_for(server)
+    body = {"model": "default", "max_tokens": 48, "temperature": 0}
+    if kind == "text":
+        body["prompt"] = "The numbers go one, two, three,"
+        if stream:
+            return "".join(
+                c.choices[0].text for c in client.completions.create(**body, stream=True)
+            )
+        return client.completions.create(**body).choices[0].text
+    body["messages"] = [{"role": "user", "content": "Count from one to ten."}]
+    if kind == "json":  # a grammar row: MTP drafts walked through its matcher
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "count", "schema": SCHEMA},
+        }
+    if stream:
+        chunks = client.chat.completions.create(**body, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return client.chat.completions.create(**body).choices[0].message.content or ""
+
+
+def test_the_auto_server_loads_the_heads_and_the_off_servers_do_not(servers):
+    assert LOADED in servers["auto"].log()
+    assert "MTP" not in servers["off"].log()
+    assert "MTP" not in servers["mtp_off"].log()
+    metrics = httpx.get(servers["auto"].base_url + "/metrics").text
+    assert 'mlx_kvserve_speculation_drafted_tokens_total{source="mtp"}' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", ["text", "chat", "json"])
+def test_answers_are_the_same_with_mtp_drafting(servers, kind, stream):
+    got = answer(servers["auto"], kind, stream)
+    assert got and got == answer(servers["off"], kind, stream)
+    assert got == answer(servers["mtp_off"], kind, stream)
+
+
+@pytest.mark.parametrize(
+    ("flags", "cause"),
+    [
+        (["--speculation", "auto"], "its config.json states no MTP layers"),
+        (["--speculation", "off"], "speculation is off"),
+    ],
+    ids=["no_heads", "speculation_off"],
+)
+def test_mtp_on_refuses_at_start_what_cannot_draft(tmp_path, flags, cause):
+    """`--mtp on` asks for the heads: a checkpoint without them (or no speculation to draft
+    for) is refused before the server listens, naming the cause."""
+    model = make_model_dir(tmp_path / "plain", "qwen3_5")
+    proc = ServerProcess(tmp_path, "--model", str(model), "--mtp", "on", *flags)
+    try:
+        code = proc.proc.wait(timeout=120)
+    finally:
+        proc.stop()
+    assert code != 0
+    assert "--mtp on: cannot draft for" in proc.log() and cause in proc.log()
+    assert "Traceback" not in proc.log()

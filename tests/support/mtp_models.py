@@ -1,0 +1,222 @@
+"""Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
+the model's safetensors, `mtp_num_hidden_layers` in its `text_config`); Qwen3.5-MoE and
+Qwen3-Next too, and DeepSeek-V3 and GLM-4 MoE (their nextn layer
+`model.layers.{num_hidden_layers}`).
+
+`mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
+layer: random heads guess badly, so they show exactness (every guess checked) but not
+acceptance. `predictable=True` makes heads that guess right: the target's decoder layers add
+nothing to the residual stream (their output projections zeroed), so its next token depends on
+the current token alone, h_p = norm(embedding of t_p); the MTP block's `fc` passes the next
+token's normed embedding through and its layer adds nothing either, so its output is the
+target's hidden state one position on, and through the target's head it predicts exactly what
+the target will. `leak` keeps that fraction of the target's layers (its answers then depend on
+context, and the heads guess right only sometimes: drafts kept and rejected).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.support.tiny_models import make_model_dir
+
+# the projections whose output joins the residual stream
+_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+# Qwen3.5-MoE is Qwen3.5's classes with experts (mlx-lm's qwen3_5_moe differs in `sanitize`)
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+
+
+def mtp_model_dir(
+    dest: Path,
+    *,
+    family: str = "qwen3_5",
+    layers: int = 1,
+    predictable: bool = False,
+    leak: float = 0.0,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """A tiny `family` (qwen3_5, qwen3_5_moe, qwen3_next) directory whose safetensors also
+    hold `layers` MTP layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from mlx_kvserve.models.mtp_heads import _block
+
+    moe = family == "qwen3_5_moe"
+    base = "qwen3_5" if moe else family
+    extra: dict[str, Any] = dict(MOE) if moe else {}
+    nextn = family in ("deepseek_v3", "glm4_moe")
+    extra["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = layers
+    if family == "glm4_moe":
+        _glm_dir(dest, seed, {**extra, **overrides})
+    else:
+        make_model_dir(dest, base, seed=seed, **extra, **overrides)
+    config = json.loads((dest / "config.json").read_text())
+    config["model_type"] = family
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    target, _ = load_model(dest)
+    mx.random.seed(seed + 1)
+    block = _block(config, target, layers)
+    heads = {f"mtp.{k}": v for k, v in tree_flatten(block.parameters())}
+    path = dest / "model.safetensors"
+    weights = dict(mx.load(str(path)))
+    if predictable:
+        hidden = config.get("text_config", config)["hidden_size"]
+        for key in weights:
+            if key.endswith(_OUTPUTS):
+                weights[key] = weights[key] * leak
+        for key in heads:
+            if key.endswith(_OUTPUTS):
+                heads[key] = mx.zeros_like(heads[key])
+        eye = mx.eye(hidden, dtype=heads["mtp.fc.weight"].dtype)
+        heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    if nextn:  # DeepSeek's names, with the copies of the embedding and head it ships
+        heads = _as_nextn(heads, config["num_hidden_layers"], weights)
+    weights.update(heads)
+    mx.eval(weights)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    return dest
+
+
+# GLM-4.5's shape, shrunk (tiny_models.py has no GLM family; the rest as its models are built)
+GLM = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "use_qk_norm": True,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+}
+
+
+def _glm_dir(dest: Path, seed: int, overrides: dict) -> None:
+    """A tiny random GLM-4 MoE directory, as `make_model_dir` writes its families."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import glm4_moe
+
+    from tests.support.tiny_models import EOS_IDS, ROWS, TOKENIZER_FILES, default_tokenizer_dir
+
+    config = {"model_type": "glm4_moe", **GLM, "vocab_size": ROWS, **overrides}
+    config["eos_token_id"] = EOS_IDS
+    mx.random.seed(seed)
+    model = glm4_moe.Model(glm4_moe.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (default_tokenizer_dir() / name).is_file():
+            shutil.copyfile(default_tokenizer_dir() / name, dest / name)
+
+
+def _as_nextn(heads: dict, index: int, weights: dict) -> dict:
+    """The block's tensors as DeepSeek-V3 ships its nextn layer: `model.layers.{index}.*`."""
+    from mlx_kvserve.models.mtp_heads import _NEXTN
+
+    theirs = {ours: name for name, ours in _NEXTN.items()}
+    out = {}
+    for key, value in heads.items():
+        key = key.removeprefix("mtp.")
+        for ours, name in theirs.items():
+            if key.startswith(ours):
+                key = name + key[len(ours) :]
+                break
+        else:
+            key = key.removeprefix("layers.0.")
+        out[f"model.layers.{index}.{key}"] = value
+    out[f"model.layers.{index}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    out[f"model.layers.{index}.shared_head.head.weight"] = weights["lm_head.weight"]
+    return out
+
+
+def predictable_llama_heads(model: Any, leak: float = 0.0) -> Any:
+    """`MTPHeads` for an in-memory mlx-lm llama (every layer plain KV, so rows verify merged):
+    one llama block as the MTP layer, made predictable as above (`model` changed in place)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import TransformerBlock
+
+    from mlx_kvserve.models.mtp_heads import MTPBlock, MTPHeads
+
+    args = model.args
+    scaled = [(k, v * leak) for k, v in tree_flatten(model.parameters()) if k.endswith(_OUTPUTS)]
+    model.load_weights(scaled, strict=False)
+    block = MTPBlock([TransformerBlock(args)], args.hidden_size, args.rms_norm_eps)
+    zeroed = [(k, mx.zeros_like(v)) for k, v in tree_flatten(block.parameters())]
+    eye = mx.eye(args.hidden_size)
+    fc = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    block.load_weights(
+        [(k, v) for k, v in zeroed if k.endswith(_OUTPUTS)] + [("fc.weight", fc)], strict=False
+    )
+    mx.eval(model.parameters(), block.parameters())
+    return MTPHeads(model, block)
+
+
+# zero-centred RMSNorm weights: Hugging Face's Qwen3.5 stores w - 1 (mlx-lm adds the 1 back)
+_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "norm.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+)
+
+
+def as_hugging_face(mlx_dir: Path, dest: Path) -> Path:
+    """The Qwen3.5 checkpoint in `mlx_dir` in the layout Qwen ships it on the Hub: names under
+    `model.language_model.`, convolutions (C, 1, K), zero-centred norms stored as w - 1 (the
+    MTP block's too), as mlx-lm's `sanitize` expects to undo."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(mlx_dir, dest)
+    weights = dict(mx.load(str(dest / "model.safetensors")))
+    out = {}
+    for key, value in weights.items():
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model.") :]
+        elif key.startswith("language_model."):
+            key = key[len("language_model.") :]
+        if "conv1d.weight" in key:
+            value = value.moveaxis(1, 2)
+        if value.ndim == 1 and key.endswith(_CENTRED) and "linear_attn" not in key:
+            value = value - 1.0
+        out[key] = value
+    mx.eval(out)
+    mx.save_safetensors(str(dest / "model.safetensors"), out)
+    return dest
