@@ -15,14 +15,11 @@ one, so the budget holds either way.
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from mlx_kvserve.chat.grammar import Constraint
 from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
-
-HISTORY = 1024  # consuming calls a rollback may reach back over (a draft takes a few dozen)
+from mlx_kvserve.chat.rewind import CallHistory
 
 
 class ReasoningGate:
@@ -45,7 +42,7 @@ class ReasoningGate:
         self._recent: list[int] = []  # the last tokens, to spot a multi-token marker
         # per consuming call, newest last: (tokens it took, the state before, the inner
         # grammar's share), so speculation can take a draft back (`rollback`)
-        self._history: deque[tuple[int, tuple, int]] = deque(maxlen=HISTORY)
+        self._history: CallHistory[tuple] = CallHistory()
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
         """None: no mask. While closing, only the next end-of-thinking token."""
@@ -59,7 +56,7 @@ class ReasoningGate:
 
     def advance(self, token: int) -> None:
         before = self._state()
-        self._history.append((1, before, int(self._advance(token))))
+        self._history.record(1, before, int(self._advance(token)))
 
     def _advance(self, token: int) -> bool:
         """Follow `token`; whether the answer's grammar took it."""
@@ -84,24 +81,19 @@ class ReasoningGate:
                 out.append(self.closing.pop(0))  # popped first: the budget check sees it gone
                 self._take(out[-1])
             if out:
-                self._history.append((len(out), before, 0))
+                self._history.record(len(out), before, 0)
             return out
         if self.reasoning or self.inner is None:
             return []
         out = self.inner.forced(limit)
         if out:
-            self._history.append((len(out), before, len(out)))
+            self._history.record(len(out), before, len(out))
         return out
 
     def rollback(self, n: int) -> None:
         """Take back the last `n` tokens consumed (whole calls of `advance` or `forced`), the
         answer's grammar its share: speculation walks drafts through the gate."""
-        inner, state = 0, None
-        while n > 0:
-            tokens, state, share = self._history.pop()
-            assert tokens <= n, "a rollback splits a forced run"
-            n -= tokens
-            inner += share
+        state, inner = self._history.unwind(n)
         if state is not None:
             self.reasoning, self.spent, closing, recent = state
             self.closing, self._recent = list(closing), list(recent)

@@ -13,17 +13,15 @@ the gate keeps its state before each consuming call, as chat.reasoning.reasoning
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
 from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.grammar import Constraint
+from mlx_kvserve.chat.rewind import CallHistory
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.vocabulary import token_ids
-
-HISTORY = 1024  # consuming calls a rollback may reach back over (a draft takes a few dozen)
 
 
 class HarmonyGate:
@@ -52,7 +50,7 @@ class HarmonyGate:
         self._analysis = False
         # per consuming call, newest last: (tokens it took, the state before, the answer
         # grammar's share), so speculation can take a draft back (`rollback`)
-        self._history: deque[tuple[int, tuple, int]] = deque(maxlen=HISTORY)
+        self._history: CallHistory[tuple] = CallHistory()
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
         if self.closing:
@@ -62,7 +60,7 @@ class HarmonyGate:
         return None if self.inner is None else self.inner.allowed(n_logits)
 
     def advance(self, token: int) -> None:
-        self._history.append((1, self._state(), int(self.inner is not None)))
+        self._history.record(1, self._state(), int(self.inner is not None))
         if self.inner is not None:
             self.inner.advance(token)
         self._take(token)
@@ -73,24 +71,19 @@ class HarmonyGate:
             if self.inner is not None:
                 self.inner.advance(self.end)
             self._take(self.end)
-            self._history.append((1, before, int(self.inner is not None)))
+            self._history.record(1, before, int(self.inner is not None))
             return [self.end]
         tokens = [] if self.inner is None else self.inner.forced(limit)
         for token in tokens:  # the grammar's forced tokens: a header's, often
             self._take(token)
         if tokens:
-            self._history.append((len(tokens), before, len(tokens)))
+            self._history.record(len(tokens), before, len(tokens))
         return tokens
 
     def rollback(self, n: int) -> None:
         """Take back the last `n` tokens consumed (whole calls of `advance` or `forced`), the
         answer's grammar its share."""
-        inner, state = 0, None
-        while n > 0:
-            tokens, state, share = self._history.pop()
-            assert tokens <= n, "a rollback splits a forced run"
-            n -= tokens
-            inner += share
+        state, inner = self._history.unwind(n)
         if state is not None:
             self.spent, self.closing, header, self._analysis = state
             self._header = None if header is None else list(header)
