@@ -12,6 +12,7 @@ cut can leave an empty file under the final name, which is how a key file comes 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 from pathlib import Path
@@ -39,6 +40,16 @@ def fsync_path(path: Path) -> None:
         fsync_fd(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of `data` to `fd` (os.write may write less than it is given)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.write(fd, view)
+        if written <= 0:  # pragma: no cover - os.write raises instead
+            raise OSError(errno.EIO, "short write")
+        view = view[written:]
 
 
 def _written_temp(path: Path, data: bytes, mode: int) -> Path:

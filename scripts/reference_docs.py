@@ -63,7 +63,8 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def configuration() -> str:
-    from mlx_kvserve.config.settings import ENV_PREFIX, Settings, is_list_setting
+    from mlx_kvserve.config.setting_types import is_list_setting
+    from mlx_kvserve.config.settings import ENV_PREFIX, Settings
     from mlx_kvserve.models.serving import PER_MODEL
 
     lines = _header("Configuration reference", "`Settings` in `mlx_kvserve/config/settings.py`") + [

@@ -11,7 +11,8 @@ Crash safety (DESIGN invariant 6):
 * `RUNNING` is the run marker: created at open, removed at clean close. Finding it at open means
   the last run died; its entries are flagged suspect (in their slots, fsync'd) before the new
   marker replaces it.
-* `lock` carries an exclusive, non-blocking `flock`: one writer process per directory.
+* `lock` carries an exclusive, non-blocking `flock`: one writer process per directory. Both are
+  the directory's guards (cache/dirs.py).
 
 A failing disk never escapes as an error of a request: a failed write raises to the writer
 thread, which loses only that checkpoint; a failed read raises to the restore, which evicts the
@@ -23,16 +24,12 @@ The points where tests make the disk fail are `disk_fault`'s (see engine.faults)
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import itertools
-import json
 import logging
 import os
 import shutil
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -40,30 +37,17 @@ from typing import BinaryIO, Protocol
 from mlx_kvserve import macos
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import HostArray, Slot
-from mlx_kvserve.cache.dirs import private_subdir
-from mlx_kvserve.cache.exceptions import CacheLockedError, EntryFormatError
+from mlx_kvserve.cache.dirs import FILE_MODE, TMP_PREFIX, DirectoryGuards, private_subdir
+from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.header import VettedHeaders
 from mlx_kvserve.cache.pipeline import Check, read_verified
-from mlx_kvserve.durable import fsync_fd, fsync_path
+from mlx_kvserve.durable import fsync_fd, fsync_path, write_all
 from mlx_kvserve.json_value import JSON
 
 SUFFIX = ".kvc"
-TMP_PREFIX = ".tmp."
-LOCK_NAME = "lock"
-MARKER_NAME = "RUNNING"
 NAMESPACES_DIR = "keys"  # per-API-key caches (--isolate-cache): keys/<namespace>/<fingerprint>
-FILE_MODE = 0o600
 RADVISORY = "qi4x"  # macOS's struct radvisory {off_t ra_offset; int ra_count;}, padded to 16
 RA_COUNT_MAX = 2**31 - 1
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        written = os.write(fd, view)
-        if written <= 0:  # pragma: no cover - os.write raises instead
-            raise OSError(errno.EIO, "short write")
-        view = view[written:]
 
 
 def read_header_body(f: BinaryIO, header_len: int) -> bytes:
@@ -105,7 +89,7 @@ class Cancellable(Protocol):
     cancelled: bool
 
 
-class DiskTier:
+class DiskTier(DirectoryGuards):
     """Files of one model fingerprint under `root/<fingerprint>/`."""
 
     def __init__(
@@ -127,67 +111,6 @@ class DiskTier:
             return
         private_subdir(self.root, fingerprint)  # the root the user named is never chmod'ed
         self._acquire_lock()
-
-    # -- process-level guards ------------------------------------------------------------------
-    def _acquire_lock(self) -> None:
-        path = self.dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = ""
-            with contextlib.suppress(OSError):
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = f" (pid {holder})" if holder else ""
-                raise CacheLockedError(
-                    f"prompt cache directory {self.dir} is in use by another process{who}; "
-                    "stop it or give this server its own --cache-dir"
-                ) from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def release_lock(self) -> None:
-        if self._lock_fd is not None:
-            fd, self._lock_fd = self._lock_fd, None
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-    def read_marker(self) -> dict[str, JSON] | None:
-        """The previous run's marker if it did not end cleanly, else None."""
-        path = self.dir / MARKER_NAME
-        if not path.exists():
-            return None
-        try:
-            data = json.loads(path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def write_marker(self, run_id: str) -> None:
-        body = json.dumps({"run_id": run_id, "pid": os.getpid(), "started": time.time()})
-        self._atomic_small_write(self.dir / MARKER_NAME, body.encode())
-
-    def remove_marker(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.dir / MARKER_NAME).unlink()
-        with contextlib.suppress(OSError):
-            fsync_path(self.dir)
-
-    def _atomic_small_write(self, path: Path, data: bytes) -> None:
-        tmp = self.dir / f"{TMP_PREFIX}{path.name}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            _write_all(fd, data)
-            fsync_fd(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_path(self.dir)
 
     # -- files ------------------------------------------------------------------------------
     def entry_files(self) -> Iterator[Path]:
@@ -305,13 +228,13 @@ class DiskTier:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             try:
-                _write_all(fd, head)
+                write_all(fd, head)
                 disk_fault("write")
                 for i, arr in enumerate(arrays):
                     if i == len(arrays) // 2:
                         fault_point("disk_write_kill")  # a crash with half the payload written
                     if arr.nbytes:
-                        _write_all(fd, codec.byte_view(arr.data))
+                        write_all(fd, codec.byte_view(arr.data))
                 disk_fault("fsync")
                 fsync_fd(fd)
                 size = os.fstat(fd).st_size

@@ -18,15 +18,8 @@ import numpy as np
 
 from mlx_kvserve.cache import codec
 from mlx_kvserve.cache.codec import Slot
-from mlx_kvserve.cache.disk import (
-    MARKER_NAME,
-    NAMESPACES_DIR,
-    SUFFIX,
-    TMP_PREFIX,
-    DiskTier,
-    disk_fault,
-    read_header_body,
-)
+from mlx_kvserve.cache.dirs import MARKER_NAME, TMP_PREFIX
+from mlx_kvserve.cache.disk import NAMESPACES_DIR, SUFFIX, DiskTier, disk_fault, read_header_body
 from mlx_kvserve.cache.entry import KEY_RE
 from mlx_kvserve.cache.exceptions import EntryFormatError
 from mlx_kvserve.cache.header import validate_header

@@ -1,19 +1,30 @@
-"""The `stats()` report, and the entries listing of a `PromptCache`.
+"""What a `PromptCache` reports: the `stats()` report, the counters, its memory and disk state,
+the entries listing and the tokens of its chain ends (`Reports`, a mixin of `PromptCache`).
 
 The counters are plain integers bumped by the policies as they act; the reports here only read
-them and the catalog, so they can be built under the cache's lock without side effects.
+them and the catalog, so they can be built under the cache's lock without side effects. Kept
+apart from the facade (cache/store.py) because reading the cache is a different job from
+changing it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
 from mlx_kvserve.cache.catalog import Catalog
 from mlx_kvserve.cache.counters import new_counters
+from mlx_kvserve.cache.disk import DiskTier
 from mlx_kvserve.cache.entry import EntryInfo
+from mlx_kvserve.cache.features import FeatureCache
 from mlx_kvserve.cache.policy import Policy
 from mlx_kvserve.cache.space import SpaceWatch
+from mlx_kvserve.cache.writer import Writer
 from mlx_kvserve.json_value import JSON
 
-__all__ = ["counters_report", "entry_infos", "new_counters", "stats_report"]
+__all__ = ["Reports", "counters_report", "entry_infos", "new_counters", "stats_report"]
 
 
 def stats_report(
@@ -124,3 +135,86 @@ def entry_infos(catalog: Catalog) -> list[EntryInfo]:
         )
         for e in sorted(catalog.entries.values(), key=lambda e: (e.created, e.n_tokens))
     ]
+
+
+class Reports:
+    """`stats`, `memory`, `disk_state`, `counters`, `entries` and `token_streams` for
+    `PromptCache`, which defines the attributes used."""
+
+    _lock: threading.RLock
+    _catalog: Catalog
+    _policy: Policy
+    _space: SpaceWatch | None
+    _writer: Writer | None
+    _drain: Callable[[], None]
+    disk: DiskTier | None
+    disk_budget: int
+    features: FeatureCache
+    unclean_start: bool
+    rebuild_seconds: float
+
+    def stats(self) -> dict[str, JSON]:
+        with self._lock:
+            self._drain()
+            report = stats_report(
+                self._catalog,
+                self._policy,
+                self._space,
+                unclean_start=self.unclean_start,
+                rebuild_seconds=self.rebuild_seconds,
+            )
+        return {**report, **self.features.stats()}
+
+    def memory(self) -> dict[str, int]:
+        """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
+        the disk that are not in it. Any thread (for the engine's memory ledger)."""
+        features, queued = self.features.memory()  # the image features count with the tier
+        with self._lock:
+            cat = self._catalog
+            return {
+                "ram_tier": cat.ram.nbytes + features,
+                "pending_writes": cat.pending_only_bytes() + queued,
+            }
+
+    def disk_state(self) -> dict[str, JSON] | None:
+        """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
+        /health while the engine thread waits for the disk); None without a writable disk."""
+        writer, space = self._writer, self._space
+        if self.disk is None or writer is None or space is None:
+            return None
+        failing = writer.stats.failing
+        return {
+            "writes_failing": failing,
+            "error": writer.stats.last_error if failing else None,
+            "budget_lowered": space.short,
+            "undeleted_files": len(self.disk.undeleted),
+        }
+
+    def counters(self) -> dict[str, int]:
+        """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
+        results (engine-thread work), so a metrics scrape may call it from any thread."""
+        with self._lock:
+            report = counters_report(self._catalog, disk_budget=self.disk_budget)
+        return {**report, **self.features.stats()}
+
+    def entries(self) -> list[EntryInfo]:
+        with self._lock:
+            self._drain()
+            return entry_infos(self._catalog)
+
+    def token_streams(self, limit: int) -> list[np.ndarray]:
+        """The tokens of the most recently used chain ends (entries no other entry extends),
+        at most `limit` tokens in all, oldest first: what earlier requests' prompts and outputs
+        held (speculation's continuations start from them, engine/speculation/continuations.py).
+        """
+        with self._lock:
+            ends = [e for e in self._catalog.entries.values() if not e.children]
+            ends.sort(key=lambda e: e.last_used, reverse=True)
+            out: list[np.ndarray] = []
+            total = 0
+            for entry in ends:
+                if total >= limit:
+                    break
+                out.append(entry.tokens)
+                total += entry.n_tokens
+            return out[::-1]

@@ -10,7 +10,8 @@ Structure
 * `admission`: checkpoints become chain links (`plan`: what each layer stores; `layers` and
   `chain`: how). `policy`: prefix dominance, budgets, eviction. `recovery`: the index rebuilt
   from the files at start-up, crash suspicion. `header`: the checks of a file's header.
-* `counters` and `stats`: counters, the stats report and the entries listing.
+* `counters` and `stats`: counters, and what the cache reports (`stats.Reports`: the stats
+  report, memory, disk state, the entries listing, the chain ends' tokens).
 
 This class holds the lock, applies the writer's results before each call, and delegates.
 
@@ -42,7 +43,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_kvserve.cache import state
 from mlx_kvserve.cache.catalog import Catalog
@@ -50,7 +50,6 @@ from mlx_kvserve.cache.checkpointing import admit_checkpoint
 from mlx_kvserve.cache.disk import DiskTier, fault_point
 from mlx_kvserve.cache.entry import (
     DISK_WRITTEN,
-    EntryInfo,
     Match,
     check_fingerprint,
     entry_key,
@@ -64,12 +63,11 @@ from mlx_kvserve.cache.policy import Policy, default_disk_budget
 from mlx_kvserve.cache.recovery import open_directory
 from mlx_kvserve.cache.restore import check_loaded, restore_match
 from mlx_kvserve.cache.space import SpaceWatch
-from mlx_kvserve.cache.stats import counters_report, entry_infos, stats_report
+from mlx_kvserve.cache.stats import Reports
 from mlx_kvserve.cache.writer import Writer
-from mlx_kvserve.json_value import JSON
 
 
-class PromptCache:
+class PromptCache(Reports):
     """Persistent prompt cache for one model fingerprint (see the module docstring)."""
 
     def __init__(
@@ -298,29 +296,6 @@ class PromptCache:
                 for k in keys:
                     cat.unpin(k)
 
-    def stats(self) -> dict[str, JSON]:
-        with self._lock:
-            self._drain()
-            report = stats_report(
-                self._catalog,
-                self._policy,
-                self._space,
-                unclean_start=self.unclean_start,
-                rebuild_seconds=self.rebuild_seconds,
-            )
-        return {**report, **self.features.stats()}
-
-    def memory(self) -> dict[str, int]:
-        """Host bytes this cache keeps in (unified) memory: the RAM tier, and copies queued for
-        the disk that are not in it. Any thread (for the engine's memory ledger)."""
-        features, queued = self.features.memory()  # the image features count with the tier
-        with self._lock:
-            cat = self._catalog
-            return {
-                "ram_tier": cat.ram.nbytes + features,
-                "pending_writes": cat.pending_only_bytes() + queued,
-            }
-
     def release_ram(self, nbytes: int) -> int:
         """Drop at least `nbytes` of the RAM tier if it can (least recently used first; copies
         still queued for the disk stay) so running requests get the memory; returns the bytes
@@ -336,49 +311,6 @@ class PromptCache:
                 ram.budget = budget
             freed = before - ram.nbytes
         return freed + self.features.release_ram(max(0, int(nbytes)) - freed)
-
-    def disk_state(self) -> dict[str, JSON] | None:
-        """The disk tier as the writer last saw it, read without the lock (any thread, e.g.
-        /health while the engine thread waits for the disk); None without a writable disk."""
-        writer, space = self._writer, self._space
-        if self.disk is None or writer is None or space is None:
-            return None
-        failing = writer.stats.failing
-        return {
-            "writes_failing": failing,
-            "error": writer.stats.last_error if failing else None,
-            "budget_lowered": space.short,
-            "undeleted_files": len(self.disk.undeleted),
-        }
-
-    def counters(self) -> dict[str, int]:
-        """Counters and sizes for monitoring. Unlike stats() it does not apply the writer's
-        results (engine-thread work), so a metrics scrape may call it from any thread."""
-        with self._lock:
-            report = counters_report(self._catalog, disk_budget=self.disk_budget)
-        return {**report, **self.features.stats()}
-
-    def entries(self) -> list[EntryInfo]:
-        with self._lock:
-            self._drain()
-            return entry_infos(self._catalog)
-
-    def token_streams(self, limit: int) -> list[np.ndarray]:
-        """The tokens of the most recently used chain ends (entries no other entry extends),
-        at most `limit` tokens in all, oldest first: what earlier requests' prompts and outputs
-        held (speculation's continuations start from them, engine/speculation/continuations.py).
-        """
-        with self._lock:
-            ends = [e for e in self._catalog.entries.values() if not e.children]
-            ends.sort(key=lambda e: e.last_used, reverse=True)
-            out: list[np.ndarray] = []
-            total = 0
-            for entry in ends:
-                if total >= limit:
-                    break
-                out.append(entry.tokens)
-                total += entry.n_tokens
-            return out[::-1]
 
     def verify(self) -> list[tuple[str, str]]:
         """Fully read and check every stored file; returns (key, problem) for the bad ones."""

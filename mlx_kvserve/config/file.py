@@ -68,7 +68,7 @@ def where(path: Path, line: int | None) -> str:
 
 def read_config_file(path: Path, types: Mapping[str, object]) -> dict[str, FileValue]:
     """The file's settings with their lines; {} if there is no file. Raises ConfigError.
-    `types` maps each setting's name to its type (config.settings.setting_type)."""
+    `types` maps each setting's name to its type (config.setting_types.setting_type)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mlx_kvserve.config.settings import ENV_PREFIX, Settings, setting_type
+from mlx_kvserve.config.setting_types import setting_type
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings
 from mlx_kvserve.config.values import SettingValue
 
 # What argparse turns a flag's text into, by the setting's type (switches and lists aside).

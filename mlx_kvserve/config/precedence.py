@@ -9,13 +9,8 @@ from pathlib import Path
 
 from mlx_kvserve import paths
 from mlx_kvserve.config.file import ConfigError, read_config_file, where
-from mlx_kvserve.config.settings import (
-    ENV_PREFIX,
-    Settings,
-    is_list_setting,
-    setting_type,
-    setting_types,
-)
+from mlx_kvserve.config.setting_types import is_list_setting, setting_type, setting_types
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings
 from mlx_kvserve.config.values import SettingValue, check_value, split_list
 
 __all__ = ["ConfigError", "Resolved", "Source", "load_settings", "resolve_settings"]

@@ -2,39 +2,22 @@
 
 Every setting has one name. Its environment variable is ``MLX_KVSERVE_<NAME>`` and its key in the
 TOML config file is ``<name>``; `mlx-kvserve serve --help` lists them all. Where an effective value
-comes from (flags > environment > config file > defaults) is
-config/precedence.py's job; what a value
-may be is config/values.py's.
+comes from (flags > environment > config file > defaults) is config/precedence.py's job; what a
+value may be is config/values.py's; what each setting is read as is config/setting_types.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_kvserve import paths
-from mlx_kvserve.config.values import (
-    KV_DTYPES,
-    ModelTables,
-    parse_size,
-    parse_template_kwargs,
-    split_list,
-)
+from mlx_kvserve.config.values import ModelTables, parse_template_kwargs
 from mlx_kvserve.json_value import JSON
 from mlx_kvserve.models.specs import ModelSpec, check_model_tables, merge_specs, parse_model_flag
 
-__all__ = [
-    "ENV_PREFIX",
-    "KV_DTYPES",
-    "Settings",
-    "is_list_setting",
-    "parse_size",
-    "setting_type",
-    "setting_types",
-    "split_list",
-]
+__all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "MLX_KVSERVE_"
 
@@ -412,23 +395,3 @@ class Settings:
     def option_names(cls) -> list[str]:
         """Settings that have a flag and an environment variable (all but the file's tables)."""
         return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("file_only")]
-
-
-# Each setting's type, evaluated from its annotation (`int`, `str | None`, `list[str]`): what a
-# flag, an environment variable and a TOML value are read as.
-_TYPES: dict[str, object] = typing.get_type_hints(Settings)
-
-
-def setting_types() -> dict[str, object]:
-    """Every setting's type, by name, to compare with `is` or `==` (`bool`, `list[str]`, ...)."""
-    return dict(_TYPES)
-
-
-def setting_type(name: str) -> object:
-    """The type of setting `name` (see `setting_types`)."""
-    return _TYPES[name]
-
-
-def is_list_setting(name: str) -> bool:
-    """Settings that take several values (repeated flag, comma-separated env, TOML list)."""
-    return setting_type(name) == list[str]

@@ -26,8 +26,9 @@ import mlx.nn as nn
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.blame import check_logits, recover
+from mlx_kvserve.engine.chunks import Checkpoints
 from mlx_kvserve.engine.decode import Cancelled
-from mlx_kvserve.engine.generate import Checkpoints, Live, PrefillTask, Timings, prefill_steps
+from mlx_kvserve.engine.generate import Live, PrefillTask, Timings, prefill_steps
 from mlx_kvserve.engine.image_prefill import ImageRows, VisionRows, request_rows
 from mlx_kvserve.engine.ledger import KVCost, LayerLike, Ledger
 from mlx_kvserve.engine.namespaces import Caches, States, caches_of

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from mlx_kvserve.engine.generate import TAIL_FOLD, PrefillTask
+from mlx_kvserve.engine.chunks import TAIL_FOLD
+from mlx_kvserve.engine.generate import PrefillTask
 
 DECODE_SHARE = 1.0  # decode time per unit of prefill time while both have work
 

@@ -37,28 +37,25 @@ from typing import TypeVar
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_kvserve.cache.kinds import KVLayout, describe_model
+from mlx_kvserve.cache.kinds import KVLayout
 from mlx_kvserve.engine import faults
-from mlx_kvserve.engine.batch import DecodeBatch, can_batch
+from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.calls import CallQueue
 from mlx_kvserve.engine.failures import Failures
 from mlx_kvserve.engine.generate import Generator, PrefillTask, Timings
 from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
 from mlx_kvserve.engine.ledger import RESERVE_TOKENS
-from mlx_kvserve.engine.loading import Loaded, Loader, describe_loaded, log_ready
+from mlx_kvserve.engine.loading import Loader, Loading, MakeAgreement, log_ready
 from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
-from mlx_kvserve.engine.merge_check import merged_decoding_agrees
-from mlx_kvserve.engine.namespaces import Caches, CacheSet, by_namespace, make_states
-from mlx_kvserve.engine.protocols import PromptCacheView
+from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
-from mlx_kvserve.engine.speculation.draft_model import DraftLoader, load_draft
-from mlx_kvserve.engine.speculation.mtp import Tap
+from mlx_kvserve.engine.speculation.draft_model import DraftLoader
 from mlx_kvserve.engine.stopping import Stopping
 from mlx_kvserve.engine.waitlist import WaitQueue
 from mlx_kvserve.json_value import JSON
@@ -69,12 +66,8 @@ DEFAULT_MLX_CACHE_LIMIT = 512 << 20
 
 T = TypeVar("T")
 
-# Makes the agreement of the job an engine steps with across machines, once its model is
-# loaded, from the prompt cache it checkpoints to (engine/lockstep.py: `Lockstep`).
-MakeAgreement = Callable[[PromptCacheView | None], Agreement]
 
-
-class Engine(Intake, Stopping, Failures):
+class Engine(Intake, Stopping, Failures, Loading):
     def __init__(
         self,
         loader: Loader,
@@ -214,77 +207,6 @@ class Engine(Intake, Stopping, Failures):
         finally:
             self._calls.fail_all(EngineNotReady(self.failure or "the engine stopped"))
             self.memory.stop()
-
-    def _load(self) -> None:
-        """Load the model and make what serves it: its prompt states, generator, KV ledger and
-        decode batch (and, in a job, the job's agreement: its ranks agree on what their shards
-        of the model can do)."""
-        loaded = Loaded(*self._loader())
-        model, tokenizer, prompt_cache = loaded.model, loaded.tokenizer, loaded.prompt_cache
-        self.vision = loaded.vision
-        if prompt_cache is not None:
-            self.prompt_cache = prompt_cache
-        self.model, self.tokenizer = model, tokenizer
-        self.context_length, self.layout = describe_loaded(model, self.context_length)
-        # A model whose caches cannot take a state back keeps its resident sessions but
-        # stores no checkpoint (see `describe_loaded`).
-        checkpoints_to = None if self.layout.unrestorable else self.prompt_cache
-        if self._job is not None:
-            assert not isinstance(checkpoints_to, CacheSet), "no per-key caches across ranks"
-            self.lockstep = self._job(checkpoints_to)
-        job = self.lockstep if self.lockstep.distributed else None
-        states = make_states(
-            model, checkpoints_to, enabled=self.cache_enabled, live_budget=self.live_budget, job=job
-        )
-        if self.vision is not None:
-            self.vision.keep_in(states.features)
-        # Across machines every rank would have to run the check's passes in step: a job
-        # trusts the layout alone (engine/merge_check.py).
-        merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
-        self._can_batch = self.lockstep.all_true(merges, "batching")
-        speculation = self.speculation if job is None else "off"
-        mtp = loaded.mtp if speculation == "auto" else None
-        tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
-        self.generator = Generator(
-            tap or model,
-            tokenizer,
-            states,
-            prefill_step=self.prefill_step,
-            checkpoint_interval=self.checkpoint_interval,
-            sliceable=self.lockstep.all_true(self.layout.sliceable, "slicing"),
-            after_prefill=self.memory.after_prefill,
-            before_done=self._observe,
-            vision=self.vision,
-        )
-        self.memory.start(model)
-        if self.kv_budget is None:
-            self.kv_budget = self.memory.default_kv_budget(model)
-        drafts = load_draft(self._draft_loader, model, tokenizer, self.prefill_step, speculation)
-        layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
-        self.room = Room(
-            layers,  # a draft model's KV is counted per row beside the model's
-            self.kv_budget,
-            states,
-            checkpoints_to,
-            self.kv_reserve,
-            batched=self._can_batch,
-        )
-        if speculation == "auto":  # a draft source: what finished requests' tokens went on with
-            # 3 tokens at least: a 2-token match among many documents is common in prose and
-            # seldom right (docs/speculation.md, the benchmark's prose cell)
-            self.continuations = Continuations(n_min=3)
-            for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
-                for tokens in cache.token_streams(self.continuations.max_tokens):
-                    self.continuations.remember(namespace, tokens)
-        self.batch = DecodeBatch(
-            tap or model,
-            self._ended,
-            mergeable=self._can_batch,
-            speculation=speculation,
-            continuations=self.continuations,
-            mtp=mtp,
-            draft_model=drafts,
-        )
 
     def _loop(self) -> None:
         """Turn after turn, each under the guard (engine/failures.py), until the engine stops."""

@@ -19,9 +19,8 @@ from mlx_kvserve import paths
 from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.config.values import check_value, parse_size
 from mlx_kvserve.engine import Engine
-from mlx_kvserve.engine.loading import Loaded
+from mlx_kvserve.engine.loading import Loaded, MakeAgreement
 from mlx_kvserve.engine.namespaces import Caches
-from mlx_kvserve.engine.worker import MakeAgreement
 from mlx_kvserve.models.budget import footprint, weights_bytes
 from mlx_kvserve.models.pool import Slot
 from mlx_kvserve.models.specs import ModelSpec

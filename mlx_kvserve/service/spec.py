@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_kvserve import paths
-from mlx_kvserve.config.settings import ENV_PREFIX, Settings, is_list_setting
+from mlx_kvserve.config.setting_types import is_list_setting
+from mlx_kvserve.config.settings import ENV_PREFIX, Settings
 from mlx_kvserve.config.values import SettingValue
 
 DEFAULT_NAME = "mlx-kvserve"

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from mlx_kvserve.config.file import ConfigError, key_lines, read_config_file
 from mlx_kvserve.config.precedence import resolve_settings
-from mlx_kvserve.config.settings import Settings, setting_types
+from mlx_kvserve.config.setting_types import setting_types
+from mlx_kvserve.config.settings import Settings
 
 FIELDS = setting_types()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlx_kvserve.engine.generate import TAIL_FOLD, Checkpoints, plan_chunks
+from mlx_kvserve.engine.chunks import TAIL_FOLD, Checkpoints, plan_chunks
 
 
 def marks(boundaries=None, interval=0):
