@@ -125,7 +125,7 @@ def test_key_tokens_replace_each_span_and_nothing_else():
     with pytest.raises(ValueError):
         ImageSpan(0, 0, a.digest)
     # A request whose images do not fit its prompt is a bug of whoever placed them: refused.
-    params = SamplingParams(max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     for bad in ([image("a", start=len(PROMPT) - 2)], [image("a"), image("b", start=IMAGE_AT + 4)]):
         with pytest.raises(ValueError):
             Recorder(list(PROMPT), params, "text", image_spans=tuple(bad))
