@@ -154,13 +154,12 @@ class Settings:
         },
     )
     speculation: str = field(
-        default="auto",
+        default="off",
         metadata={
             "help": "Speculative decoding: auto (requests, grammars included, draft from their "
             "own prompt and output and the prompt cache's earlier answers, and verify the "
             "drafts in one pass, when it pays; greedy and seeded answers are the same either "
-            "way) or off (the default is auto: it drafts nothing where drafting does not pay). Off "
-            "in a job across machines."
+            "way) or off. Off in a job across machines."
         },
     )
     mtp: str = field(
