@@ -87,7 +87,7 @@ class TokenConstraint(Protocol):
 @runtime_checkable
 class Rewindable(TokenConstraint, Protocol):
     """A constraint that can take back consumed tokens (chat.grammar.Constraint and the
-    reasoning gates, Harmony's too): the kind whose rows speculative decoding drafts for."""
+    reasoning gate; not Harmony's): the kind whose rows speculative decoding drafts for."""
 
     def rollback(self, n: int) -> None: ...
 

@@ -48,8 +48,10 @@ class HarmonyGate:
         self.closing = False
         self._header: list[int] | None = None  # a header's tokens since <|channel|>
         self._analysis = False
-        # per consuming call, newest last: (tokens it took, the state before, the answer
-        # grammar's share), so speculation can take a draft back (`rollback`)
+        # Per consuming call, newest last: (tokens it took, the state before, the answer
+        # grammar's share). No `rollback` reads it yet: taking a draft back through the
+        # answer's grammar broke a real Harmony grammar (llguidance refused the header after
+        # `<|end|><|start|>`), so gpt-oss rows with this gate do not speculate (not Rewindable).
         self._history: CallHistory[tuple] = CallHistory()
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
@@ -79,17 +81,6 @@ class HarmonyGate:
         if tokens:
             self._history.record(len(tokens), before, len(tokens))
         return tokens
-
-    def rollback(self, n: int) -> None:
-        """Take back the last `n` tokens consumed (whole calls of `advance` or `forced`), the
-        answer's grammar its share."""
-        state, inner = self._history.unwind(n)
-        if state is not None:
-            self.spent, self.closing, header, self._analysis = state
-            self._header = None if header is None else list(header)
-        if inner:
-            assert self.inner is not None
-            self.inner.rollback(inner)
 
     def _state(self) -> tuple:
         header = None if self._header is None else tuple(self._header)
