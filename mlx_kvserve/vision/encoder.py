@@ -31,8 +31,8 @@ class Family(Markup, Protocol):
 
 
 class Vision:
-    """A loaded model's vision: its family, and the features of the images seen lately (in
-    the model's prompt cache, which keeps them on disk across restarts; here with none)."""
+    """A loaded model's vision: its family, and the features of the images seen lately (here,
+    and in the model's prompt cache, which keeps them on disk across restarts)."""
 
     def __init__(self, family: Family, capacity: int = FEATURES_BYTES) -> None:
         self.family = family
@@ -55,28 +55,21 @@ class Vision:
         return self.family.markup(image)
 
     def features(self, image: Image, dtype: mx.Dtype) -> mx.array:
-        """The image's rows, from the cache when its pixels were seen before: the model's
-        prompt cache where there is one (its RAM tier is counted in the memory ledger and
-        gives way under pressure), else this object's own least-recently-used dict."""
-        if self._store is not None:
-            stored = self._store.get(image.digest)
-            if stored is not None and stored.dtype == dtype:
-                return stored
-            rows = self._encode(image, dtype)
-            self._store.put(image.digest, rows)
-            return rows
+        """The image's rows, from the cache when its pixels were seen before."""
         kept = self._features.get(image.digest)
         if kept is not None and kept.dtype == dtype:
             self._features.move_to_end(image.digest)
             return kept
-        rows = self._encode(image, dtype)
-        self._keep(image.digest, rows)
-        return rows
-
-    def _encode(self, image: Image, dtype: mx.Dtype) -> mx.array:
+        stored = self._store.get(image.digest) if self._store is not None else None
+        if stored is not None and stored.dtype == dtype:
+            self._keep(image.digest, stored)
+            return stored
         rows = self.family.features(image, dtype)
         mx.eval(rows)
         self.encoded += 1
+        self._keep(image.digest, rows)
+        if self._store is not None:
+            self._store.put(image.digest, rows)
         return rows
 
     def rows(
