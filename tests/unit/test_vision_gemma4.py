@@ -24,7 +24,7 @@ pytest.importorskip("mlx_vlm")
 WIDE = encoded("PNG", 64, 40, (200, 30, 30))  # 15 soft tokens
 GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # WIDE's size: only the pixels differ
 SQUARE = encoded("PNG", 30, 30, (30, 30, 200))  # 16 soft tokens
-TALL = encoded("PNG", 20, 90, (120, 200, 10))  # a narrow one: 14
+TALL = encoded("PNG", 20, 90, (120, 200, 10))  # a narrow one: 8
 TOKENS = 8
 TEXT = "What is in the picture?"
 NO_THINKING = {"enable_thinking": False}  # as mlx-vlm renders the template
@@ -251,3 +251,37 @@ def test_each_variant_answers_as_mlx_vlm(tmp_path: Path, variant: str) -> None:
         got = answer(chat(c, SQUARE, "Describe it."))
     want, _ = reference(model_dir, "Describe it.", SQUARE)
     assert got.strip() == want.strip()
+
+
+@pytest.mark.parametrize(
+    "size", [(1, 1), (1, 500), (500, 1), (100, 50), (37, 100), (47, 33), (400, 400)]
+)
+def test_any_aspect_ratio_is_answered_with_the_processors_count(
+    client: TestClient, model_dir: Path, size: tuple[int, int]
+) -> None:
+    """Pictures of one pixel, a line, wide, tall, odd and large sizes: each is answered, its
+    soft-token count (10, 12, 16 here) the one mlx-vlm's processor gives it."""
+    import io
+
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+    from PIL import Image as PILImage
+
+    from mlx_kvserve.vision.gemma4 import image_processor
+
+    theirs = image_processor(model_dir)
+    assert isinstance(theirs, Gemma4ImageProcessor)
+    sent = encoded("PNG", *size, (90, 160, 220))
+    _, (count,) = theirs.preprocess([PILImage.open(io.BytesIO(sent)).convert("RGB")])
+    with_image = chat(client, sent)["usage"]["prompt_tokens"]
+    without = chat(client, None)["usage"]["prompt_tokens"]
+    # the markup: two newlines, <|image>, the soft tokens, <image|>, two newlines
+    assert with_image - without == count + 4
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "responses", "ollama"])
+def test_fuzzed_image_fields_on_gemma4(client: TestClient, protocol: str) -> None:
+    """Whatever the image field holds, a 200 or a 400 in the protocol's shape: never a 5xx
+    (a real image of any size and format reaches the tower)."""
+    from tests.unit.test_images_api import fuzz_image_field
+
+    fuzz_image_field(client, protocol, "tiny-gemma4", examples=20)
