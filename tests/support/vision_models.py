@@ -170,14 +170,21 @@ def gemma4_config(*, bidirectional: bool = True, per_layer: bool = True) -> dict
 
 
 def gemma4_vision_dir(
-    dest: Path, seed: int = 0, *, bidirectional: bool = True, per_layer: bool = True
+    dest: Path,
+    seed: int = 0,
+    *,
+    bidirectional: bool = True,
+    per_layer: bool = True,
+    hf_layout: bool = False,
 ) -> Path:
     """A tiny random-weight Gemma 4 vision checkpoint as mlx-vlm converts one: one
     safetensors file of mlx-vlm's `gemma4.Model` (`language_model.model.*`, `vision_tower.*`,
     `embed_vision.*`; mlx-lm's `gemma4` loads the text part and drops the rest), the default
     model's tokenizer with Gemma 4's tokens added and named, the real Gemma 4 chat template
     (tests/fixtures/templates/gemma4.jinja) and a `processor_config.json` mlx-vlm's processor
-    loads from."""
+    loads from. `hf_layout`: the tensors named as transformers saves them (`model.` first, the
+    text model's without its inner `model.`), and the tower's linear layers clipped
+    (`use_clipped_linears`, bounds that bite) as E2B's and E4B's are."""
     import shutil
 
     import mlx.core as mx
@@ -198,6 +205,7 @@ def gemma4_vision_dir(
     ids = _add_tokens(dest, (*GEMMA4_TOOL_TOKENS, *GEMMA4_IMAGE_TOKENS), named)
     (dest / "chat_template.jinja").write_text((TEMPLATES / "gemma4.jinja").read_text())
     config = gemma4_config(bidirectional=bidirectional, per_layer=per_layer)
+    config["vision_config"]["use_clipped_linears"] = hf_layout
     config |= {
         "image_token_id": ids["<|image|>"],
         "boi_token_id": ids["<|image>"],
@@ -213,7 +221,26 @@ def gemma4_vision_dir(
     mx.random.seed(seed)
     model = Model(cfg)
     weights = dict(tree_flatten(model.parameters()))
+    if hf_layout:
+        weights = {_hf_name(k): _clip_bound(k, v) for k, v in weights.items()}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     processor = processor_config(GEMMA4_PATCH, GEMMA4_POOLING, GEMMA4_MAX_SOFT_TOKENS)
     (dest / "processor_config.json").write_text(json.dumps(processor, indent=2))
     return dest
+
+
+def _hf_name(name: str) -> str:
+    """A tensor's name as transformers saves Gemma 4 (`model.language_model.layers...`)."""
+    return "model." + name.replace("language_model.model.", "language_model.", 1)
+
+
+def _clip_bound(name: str, value):  # noqa: ANN001, ANN202  (mx.array)
+    """A clipped linear layer's bounds, tight enough to change what the tower computes."""
+    import mlx.core as mx
+
+    for bound, at in (("input_min", -0.5), ("input_max", 0.5), ("output_min", -1.0)):
+        if name.endswith(bound):
+            return mx.array(at, dtype=value.dtype)
+    if name.endswith("output_max"):
+        return mx.array(1.0, dtype=value.dtype)
+    return value

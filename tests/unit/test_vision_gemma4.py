@@ -235,16 +235,20 @@ def test_a_second_turn_from_the_prompt_cache_answers_as_without_it(
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 15
 
 
-@pytest.mark.parametrize("variant", ["causal", "per-layer-only", "bidirectional-only"])
+@pytest.mark.parametrize(
+    "variant", ["causal", "per-layer-only", "bidirectional-only", "transformers-layout"]
+)
 def test_each_variant_answers_as_mlx_vlm(tmp_path: Path, variant: str) -> None:
-    """E2B/E4B (per-layer inputs, causal over images) and the larger checkpoints
-    (bidirectional within an image, no per-layer inputs): each is mlx-vlm's answer."""
+    """E2B/E4B (per-layer inputs, causal over images, clipped tower layers) and the larger
+    checkpoints (bidirectional within an image, no per-layer inputs), and tensors named as
+    transformers saves them: each is mlx-vlm's answer."""
     from tests.support.vision_models import gemma4_vision_dir
 
     flags = {
         "causal": {"bidirectional": False, "per_layer": False},
         "per-layer-only": {"bidirectional": False, "per_layer": True},
         "bidirectional-only": {"bidirectional": True, "per_layer": False},
+        "transformers-layout": {"bidirectional": False, "per_layer": True, "hf_layout": True},
     }[variant]
     model_dir = gemma4_vision_dir(tmp_path / variant, seed=3, **flags)
     with app(model_dir, cache_enabled=False) as c:
