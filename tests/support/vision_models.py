@@ -184,7 +184,7 @@ def gemma4_vision_dir(
     (tests/fixtures/templates/gemma4.jinja) and a `processor_config.json` mlx-vlm's processor
     loads from. `hf_layout`: the tensors named as transformers saves them (`model.` first, the
     text model's without its inner `model.`), and the tower's linear layers clipped
-    (`use_clipped_linears`, bounds that bite) as E2B's and E4B's are."""
+    (`use_clipped_linears`, with bounds that bite)."""
     import shutil
 
     import mlx.core as mx
