@@ -176,6 +176,7 @@ def gemma4_vision_dir(
     bidirectional: bool = True,
     per_layer: bool = True,
     hf_layout: bool = False,
+    dtype: str = "float32",
 ) -> Path:
     """A tiny random-weight Gemma 4 vision checkpoint as mlx-vlm converts one: one
     safetensors file of mlx-vlm's `gemma4.Model` (`language_model.model.*`, `vision_tower.*`,
@@ -184,7 +185,8 @@ def gemma4_vision_dir(
     (tests/fixtures/templates/gemma4.jinja) and a `processor_config.json` mlx-vlm's processor
     loads from. `hf_layout`: the tensors named as transformers saves them (`model.` first, the
     text model's without its inner `model.`), and the tower's linear layers clipped
-    (`use_clipped_linears`, with bounds that bite)."""
+    (`use_clipped_linears`, with bounds that bite). `dtype`: the floating tensors' type
+    (`bfloat16` as the released checkpoints)."""
     import shutil
 
     import mlx.core as mx
@@ -223,6 +225,11 @@ def gemma4_vision_dir(
     weights = dict(tree_flatten(model.parameters()))
     if hf_layout:
         weights = {_hf_name(k): _clip_bound(k, v) for k, v in weights.items()}
+    target = getattr(mx, dtype)
+    weights = {
+        k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     processor = processor_config(GEMMA4_PATCH, GEMMA4_POOLING, GEMMA4_MAX_SOFT_TOKENS)
     (dest / "processor_config.json").write_text(json.dumps(processor, indent=2))

@@ -236,12 +236,15 @@ def test_a_second_turn_from_the_prompt_cache_answers_as_without_it(
 
 
 @pytest.mark.parametrize(
-    "variant", ["causal", "per-layer-only", "bidirectional-only", "transformers-layout"]
+    "variant",
+    ["causal", "per-layer-only", "bidirectional-only", "transformers-layout", "bfloat16"],
 )
 def test_each_variant_answers_as_mlx_vlm(tmp_path: Path, variant: str) -> None:
     """E2B/E4B (per-layer inputs, causal over images, clipped tower layers) and the larger
     checkpoints (bidirectional within an image, no per-layer inputs), and tensors named as
-    transformers saves them: each is mlx-vlm's answer."""
+    transformers saves them, and bfloat16 weights as released (the features' division by
+    sqrt(hidden size) and the text model's multiplication round twice): each is mlx-vlm's
+    answer."""
     from tests.support.vision_models import gemma4_vision_dir
 
     flags = {
@@ -249,6 +252,7 @@ def test_each_variant_answers_as_mlx_vlm(tmp_path: Path, variant: str) -> None:
         "per-layer-only": {"bidirectional": False, "per_layer": True},
         "bidirectional-only": {"bidirectional": True, "per_layer": False},
         "transformers-layout": {"bidirectional": False, "per_layer": True, "hf_layout": True},
+        "bfloat16": {"dtype": "bfloat16"},
     }[variant]
     model_dir = gemma4_vision_dir(tmp_path / variant, seed=3, **flags)
     with app(model_dir, cache_enabled=False) as c:
