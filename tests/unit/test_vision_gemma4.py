@@ -53,15 +53,14 @@ def client(model_dir: Path) -> Iterator[TestClient]:
         yield c
 
 
-def content(image: bytes | None, text: str = TEXT) -> list[dict]:
-    """The image first, then the text: the order mlx-vlm's chat template puts them in."""
-    parts: list[dict] = []
-    if image is not None:
-        parts.append({"type": "image_url", "image_url": {"url": data_url(image)}})
+def content(image: bytes | list[bytes] | None, text: str = TEXT) -> list[dict]:
+    """The images first, then the text: the order mlx-vlm's chat template puts them in."""
+    images = [] if image is None else image if isinstance(image, list) else [image]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
     return [*parts, {"type": "text", "text": text}]
 
 
-def chat(client: TestClient, image: bytes | None, text: str = TEXT) -> dict:
+def chat(client: TestClient, image: bytes | list[bytes] | None, text: str = TEXT) -> dict:
     body = {
         "messages": [{"role": "user", "content": content(image, text)}],
         "max_tokens": TOKENS,
@@ -74,7 +73,7 @@ def chat(client: TestClient, image: bytes | None, text: str = TEXT) -> dict:
     return r.json()
 
 
-def reference(model_dir: Path, text: str, image: bytes) -> tuple[str, list[int]]:
+def reference(model_dir: Path, text: str, image: bytes | list[bytes]) -> tuple[str, list[int]]:
     """mlx-vlm's own answer and prompt on the same checkpoint, nothing of ours: its chat
     template and processor (tokens, pixels, `mm_token_type_ids`), its `get_input_embeddings`
     (the per-layer inputs with them) and language model over the whole prompt at once, as its
@@ -90,12 +89,15 @@ def reference(model_dir: Path, text: str, image: bytes) -> tuple[str, list[int]]
     model = load_model(model_dir)  # first, as mlx-vlm's `load`: it registers its processor
     processor = load_processor(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    prompt = apply_chat_template(processor, config, text, num_images=1)
-    picture = PILImage.open(io.BytesIO(image)).convert("RGB")
-    inputs = processor(text=[prompt], images=[picture], add_special_tokens=False)
+    images = image if isinstance(image, list) else [image]
+    prompt = apply_chat_template(processor, config, text, num_images=len(images))
+    pictures = [PILImage.open(io.BytesIO(i)).convert("RGB") for i in images]
+    inputs = processor(text=[prompt], images=pictures, add_special_tokens=False)
     ids = mx.array(inputs["input_ids"])
     kinds = mx.array(inputs["mm_token_type_ids"])
-    embedded = model.get_input_embeddings(ids, mx.array(inputs["pixel_values"]))
+    pixels = inputs["pixel_values"]  # a list when the images' sizes differ: the tower takes it
+    pixels = pixels if isinstance(pixels, list) else mx.array(pixels)
+    embedded = model.get_input_embeddings(ids, pixels)
     cache = model.language_model.make_cache()
     logits = model.language_model(
         ids,
@@ -120,6 +122,15 @@ def test_the_answer_to_an_image_is_mlx_vlms(
     got = chat(client, image)
     want, prompt = reference(model_dir, TEXT, image)
     assert answer(got).strip() == want.strip()  # (the answer's leading space is trimmed)
+    assert got["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_two_images_in_a_turn_are_mlx_vlms(client: TestClient, model_dir: Path) -> None:
+    """Two images of other sizes side by side: two blocks, each seeing only itself both
+    ways."""
+    got = chat(client, [SQUARE, GREEN])
+    want, prompt = reference(model_dir, TEXT, [SQUARE, GREEN])
+    assert answer(got).strip() == want.strip()
     assert got["usage"]["prompt_tokens"] == len(prompt)
 
 
