@@ -96,11 +96,11 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
-        `ignore_eos` too; a grammar row if its constraint can take tokens back (llguidance's
-        matcher, the reasoning gate; not Harmony's analysis gate). A seeded grammar row's
-        slots draw the seeds of its sampled tokens in order, and its forced tokens none, as
-        without it."""
-        return seq.decoder.rewindable
+        `ignore_eos` too; a grammar row if its constraint can copy itself for the draft's walk
+        (llguidance's matcher, the reasoning gate, Harmony's analysis gate). A seeded grammar
+        row's slots draw the seeds of its sampled tokens in order, and its forced tokens none,
+        as without it."""
+        return seq.decoder.walkable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
