@@ -15,18 +15,12 @@ a draft in a step, none for a row that drafts nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from _bench_common import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -60,8 +54,8 @@ def main() -> None:
         for token in tokenizer.encode(text, add_special_tokens=False):
             constraint.allowed(vocab)
             constraint.advance(token)
-        fork = timed(constraint.fork, args.reps)
-        mask = timed(lambda c=constraint: c.allowed(vocab), args.reps)
+        fork = median_seconds(constraint.fork, args.reps)
+        mask = median_seconds(lambda c=constraint: c.allowed(vocab), args.reps)
         print(f"  {kind:<9} fork {fork * 1e6:6.1f} us   one mask {mask * 1e6:6.1f} us")
 
 
