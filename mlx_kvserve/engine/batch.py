@@ -44,7 +44,7 @@ from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.engine.speculation.draft_model import DraftModel
-from mlx_kvserve.engine.speculation.job import AgreedCost, Decide
+from mlx_kvserve.engine.speculation.job import AgreedCost, CheckedPasses, Decide
 from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.speculation.step import Speculator
 from mlx_kvserve.models.mtp_heads import MTPHeads
@@ -76,13 +76,14 @@ class DecodeBatch:
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
-        job: bool = False,
+        job: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`speculation` "auto": rows draft and verify when it pays (engine/speculation/step.py),
         from their own tokens, `continuations` (finished requests' tokens), the model's
         `mtp` heads (passes then go through their `Tap`, which keeps the hidden states) and a
         `draft_model`; "off": never. `job`: the batch steps with other ranks, which must
-        speculate alike (engine/speculation/job.py: `agree` before each step)."""
+        speculate alike (engine/speculation/job.py: `agree` before each step), and is the check
+        of each pass's shape across them."""
         self.model: nn.Module | Tap = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
@@ -97,10 +98,11 @@ class DecodeBatch:
                 continuations=continuations,
                 mtp=mtp,
                 draft_model=draft_model,
-                cost=AgreedCost() if job else None,
+                cost=AgreedCost() if job is not None else None,
             )
-            if job:  # whether merged rows replay exactly would be each rank's own check
+            if job is not None:  # whether merged rows replay exactly would be each rank's own check
                 self.speculator.replays = False
+                self.model = CheckedPasses(self.model, job)
             if mtp is not None and not isinstance(model, Tap):
                 self.model = Tap(model, mtp)
 

@@ -94,6 +94,7 @@ class Loading:
     _draft_loader: DraftLoader | None
     _can_batch: bool
     _ended: Callable[[Sequence], None]
+    _same_pass: Callable[[list[int]], None]  # a job's decode pass, alike on every rank
     _observe: Callable[[GenerationRequest, Timings | None], None]
     prompt_cache: Caches
     cache_enabled: bool
@@ -188,7 +189,7 @@ class Loading:
             continuations=self.continuations,
             mtp=mtp,
             draft_model=drafts,
-            job=job is not None,
+            job=None if job is None else self._same_pass,
         )
 
 

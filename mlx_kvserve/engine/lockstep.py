@@ -320,6 +320,22 @@ class Lockstep:
         """Every rank's `value` (JSON), in rank order: what each would do (engine/job_states)."""
         return self.collective.gather(value, what)
 
+    def same_pass(self, shape: list[int], rows: Iterable[GenerationRequest]) -> None:
+        """Before a decode pass of a job that speculates: every rank's is of rank 0's `shape`,
+        or a rank > 0 ends the job, naming the request that drew otherwise if one did
+        (engine/speculation/job.py `CheckedPasses`); rank 0 goes on and loses its peer."""
+        shapes = self.collective.gather(shape, "a decode pass's shape")
+        if all(s == shapes[0] for s in shapes):
+            return
+        mine = Draws().of(rows)
+        leader = self.collective.share(mine if self.leader else None, "the rows' draws")
+        if self.leader:
+            return
+        why = difference([mine], [leader])
+        if why.startswith("its batch"):
+            why = f"its decode pass is of shape {shape} here, {shapes[0]} on rank 0"
+        self._diverged(why)
+
     def working(self, what: str, tokens: int) -> AbstractContextManager[None]:
         """A forward pass of `tokens` tokens across the ranks: one that does not end within
         `pass_timeout` ends the job."""

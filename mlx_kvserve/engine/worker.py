@@ -47,7 +47,7 @@ from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
 from mlx_kvserve.engine.ledger import RESERVE_TOKENS
 from mlx_kvserve.engine.loading import Loader, Loading, MakeAgreement, log_ready
-from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
+from mlx_kvserve.engine.lockstep import Agreement, Draws, Lockstep, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
@@ -380,6 +380,11 @@ class Engine(Intake, Stopping, Failures, Loading):
             log.exception("request %s: saving its KV failed", seq.req.request_id)
         if self.continuations is not None and tokens is not None:  # a draft source from now on
             self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
+
+    def _same_pass(self, shape: list[int]) -> None:
+        """In a job that speculates: this decode pass is of rank 0's shape (lockstep.py)."""
+        assert isinstance(self.lockstep, Lockstep) and self.batch is not None
+        self.lockstep.same_pass(shape, self.batch.requests)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         """`req` has ended (its final event follows): it leaves the engine; observers see it."""

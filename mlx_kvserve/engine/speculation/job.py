@@ -13,7 +13,9 @@ and fall out of step (a hang in the next collective, or a divergence).
 rank 0's travel in the turn's decisions (`decide`) and every rank observes those. The
 controllers then see the same costs at the same step everywhere; the turn's digest carries
 each row's drafted and accepted counts (engine/worker.py), so a rank that drafted otherwise is
-named at the next turn.
+named at the next turn. A rank whose tokens differ (it drew another token) drafts otherwise
+in the very step that reads the token, so each decode pass's shape is compared first
+(`CheckedPasses`): that rank ends the job naming the request, as the digest would have.
 
 What a job does not speculate with: a draft model or MTP heads (each rank would run its own
 unsharded passes and time them), the stored entries' continuations at start (each rank's own
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TypeVar
+
+import mlx.core as mx
 
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.speculation.depth import VerifyCost
@@ -55,4 +59,23 @@ class AgreedCost(VerifyCost):
             super().observe(int(batch), int(width), float(seconds))
 
 
-__all__ = ["AgreedCost"]
+class CheckedPasses:
+    """The decode batch's model in a job that speculates: before each pass, `check` compares its
+    shape across the ranks (engine/lockstep.py `Lockstep.same_pass`). Ranks whose tokens
+    differ (one drew another token) draft otherwise from the step that read it, so their next
+    passes would not match: a hang or garbage in the collective instead of the clear line the
+    turn's digest gives one turn later."""
+
+    def __init__(self, model: Callable[..., mx.array], check: Callable[[list[int]], None]):
+        self.model = model
+        self.check = check
+
+    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+        self.check(list(inputs.shape))
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+
+__all__ = ["AgreedCost", "CheckedPasses"]
