@@ -84,7 +84,7 @@ class DecodeBatch:
         `draft_model`; "off": never. `job`: the batch steps with other ranks, which must
         speculate alike (engine/speculation/job.py: `agree` before each step), and is the check
         of each pass's shape across them."""
-        self.model: nn.Module | Tap = model
+        self.model: nn.Module | Tap | CheckedPasses = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
         self.seqs: list[Sequence] = []
