@@ -144,6 +144,9 @@ class Loading:
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
         self._can_batch = self.lockstep.all_true(merges, "batching")
         speculation = self.speculation  # in a job, rank 0 weighs every rank's drafts (job.py)
+        if job is not None:  # and only if every rank's settings ask for it
+            auto = job.all_true(speculation == "auto", "speculation")
+            speculation = "auto" if auto else "off"
         mtp = loaded.mtp if speculation == "auto" and job is None else None
         tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
         self.generator = Generator(
