@@ -97,9 +97,8 @@ class Engine(Intake, Stopping, Failures, Loading):
         `speculation` "auto" lets the decode batch draft and verify (engine/speculation/; in
         a job across machines every rank alike: engine/speculation/job.py); `draft_loader`
         (run on the engine thread after the model's loader) gives it a draft model of the same
-        tokenizer. `context_length` is
-        the window the model's config states (models/context.py); None falls back to the model
-        object's args. `job` makes the
+        tokenizer. `context_length` is the window the model's config states
+        (models/context.py); None falls back to the model object's args. `job` makes the
         agreement of the job this engine steps with across machines (engine/lockstep.py); None:
         this process alone (`Solo`).
         """
