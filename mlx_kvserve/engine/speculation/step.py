@@ -80,15 +80,17 @@ class Speculator:
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
+        cost: VerifyCost | None = None,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
         `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
-        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py)."""
+        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py);
+        `cost`: the verify cost to weigh depths with (in a job, rank 0's: job.py)."""
         self.max_depth = max_depth
         self.continuations = continuations
         self.mtp = mtp
         self.draft_model = draft_model
-        self.cost = VerifyCost()
+        self.cost = cost if cost is not None else VerifyCost()
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
         self.replays: bool | None = None  # merged window/recurrent rows replay exactly
