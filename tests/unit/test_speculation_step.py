@@ -244,6 +244,7 @@ def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch)
     from mlx_kvserve.config.file import ConfigError
     from mlx_kvserve.config.precedence import resolve_settings
 
+    monkeypatch.delenv("MLX_KVSERVE_SPECULATION", raising=False)  # the default, not a shell's
     assert resolve_settings({}, tmp_path / "absent.toml").settings.speculation == "auto"
     flags = {"speculation": "off"}
     assert resolve_settings(flags, tmp_path / "absent.toml").settings.speculation == "off"
