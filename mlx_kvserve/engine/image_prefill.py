@@ -6,6 +6,7 @@ checkpoints taken there, are places the prompt cache may key and reuse."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import mlx.core as mx
@@ -22,6 +23,11 @@ class ImageRows(Protocol):
     def spans(self) -> tuple[ImageSpan, ...]: ...
 
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None: ...
+
+    def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
+        """Set the rope positions of prompt positions [lo, hi) for the pass that feeds them
+        (Qwen's M-RoPE, vision/mrope.py; nothing for a family with 1D positions)."""
+        ...
 
 
 class Markup(Protocol):
@@ -41,6 +47,10 @@ class VisionRows(Markup, Protocol):
     def rows(
         self, model: nn.Module, spans: tuple[ImageSpan, ...], images: tuple[Image, ...]
     ) -> ImageRows: ...
+
+    def rope_delta(self, spans: Sequence[ImageSpan], images: Sequence[Image]) -> int:
+        """What a row's decode passes add to its offsets (0 but for M-RoPE)."""
+        ...
 
 
 def request_rows(
@@ -91,7 +101,10 @@ def forward(
 ) -> mx.array:
     """The model's logits for prompt[lo:hi] (embedded with its images where it holds any)."""
     ids = mx.array(prompt[lo:hi])[None]
-    rows = images.embeddings(prompt, lo, hi) if images is not None else None
-    if rows is None:
+    if images is None:
         return model(ids, cache=caches)
-    return model(ids, cache=caches, input_embeddings=rows)
+    rows = images.embeddings(prompt, lo, hi)
+    with images.positions(lo, hi):
+        if rows is None:
+            return model(ids, cache=caches)
+        return model(ids, cache=caches, input_embeddings=rows)

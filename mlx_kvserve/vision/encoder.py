@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from mlx_kvserve.engine.protocols import ImageFeatures
 from mlx_kvserve.images.image import Image
 from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.vision.family import vision_family
+from mlx_kvserve.vision.mrope import Grid, Positions, prompt_positions, rope_delta
 
 log = logging.getLogger("mlx_kvserve.vision")
 
@@ -32,10 +34,17 @@ class Family(Markup, Protocol):
 
 class Vision:
     """A loaded model's vision: its family, and the features of the images seen lately (here,
-    and in the model's prompt cache, which keeps them on disk across restarts)."""
+    and in the model's prompt cache, which keeps them on disk across restarts). `positions`:
+    the M-RoPE context of the text model's attention layers, for a family with grids."""
 
-    def __init__(self, family: Family, capacity: int = FEATURES_BYTES) -> None:
+    def __init__(
+        self,
+        family: Family,
+        capacity: int = FEATURES_BYTES,
+        positions: Positions | None = None,
+    ) -> None:
         self.family = family
+        self.positions = positions
         self.capacity = capacity
         self._features: OrderedDict[str, mx.array] = OrderedDict()
         self._bytes = 0
@@ -71,6 +80,18 @@ class Vision:
         if self._store is not None:
             self._store.put(image.digest, rows)
         return rows
+
+    def grids(self, images: Sequence[Image]) -> list[Grid]:
+        """Each image's merged-patch grid (a family with M-RoPE: vision/qwen2_5_vl.py)."""
+        grid = self.family.grid  # type: ignore[attr-defined]
+        return [grid(image) for image in images]
+
+    def rope_delta(self, spans: Sequence[ImageSpan], images: Sequence[Image]) -> int:
+        """Position minus token index of a row's tokens after its images (0 without
+        M-RoPE): what its decode steps add to their offsets (engine/positions.py)."""
+        if self.positions is None or not spans:
+            return 0
+        return rope_delta(spans, self.grids(images))
 
     def rows(
         self, model: nn.Module, spans: tuple[ImageSpan, ...], images: tuple[Image, ...]
@@ -136,6 +157,16 @@ class PromptImages:
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None:
         return self.vision.embeddings(self.model, tokens, lo, hi, self.spans, self.images)
 
+    def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
+        """The rope positions of prompt positions [lo, hi) for the pass that feeds them
+        (M-RoPE: an image's 3D grid, the text after it shifted; else nothing to set)."""
+        positions = self.vision.positions
+        if positions is None:
+            return nullcontext()
+        length = max(hi, self.spans[-1].end)  # every image placed, though the chunk ends first
+        ids = prompt_positions(length, self.spans, self.vision.grids(self.images))
+        return positions.chunk(ids[:, lo:hi], lo)
+
 
 def text_embeddings(model: nn.Module) -> nn.Module:
     """The text model's token embedding (mlx-lm's wrappers keep it at
@@ -150,12 +181,27 @@ def embedding_dtype(table: nn.Module) -> mx.Dtype:
     return (scales if scales is not None else table.weight).dtype
 
 
-def load_vision(model_dir: Path | None, token_text: Callable[[int], str]) -> Vision | None:
+def load_vision(
+    model_dir: Path | None, token_text: Callable[[int], str], model: nn.Module | None = None
+) -> Vision | None:
     """The vision of `model_dir`'s checkpoint (None: a text model, vision/family.py);
-    `token_text(id)`: a special token's text, as the tokenizer spells it."""
+    `token_text(id)`: a special token's text, as the tokenizer spells it; `model`: mlx-lm's
+    text model of the same checkpoint (a Qwen family's gets its M-RoPE layers here)."""
     family = vision_family(model_dir)
     if family is None or model_dir is None:
         return None
+    if family == "qwen2_5_vl":
+        import json
+
+        if model is None:
+            raise ValueError("Qwen2.5-VL's vision needs its text model (for M-RoPE)")
+        from mlx_kvserve.vision.mrope import install_mrope
+        from mlx_kvserve.vision.qwen2_5_vl import Qwen25VLVision
+
+        config = json.loads((model_dir / "config.json").read_text())
+        positions = install_mrope(model, config.get("text_config") or config)
+        log.info("vision tower loaded (%s): M-RoPE positions", family)
+        return Vision(Qwen25VLVision(model_dir, token_text), positions=positions)
     from mlx_kvserve.vision.gemma3 import Gemma3Vision
 
     loaded = Gemma3Vision(model_dir, token_text)

@@ -1,0 +1,134 @@
+"""Qwen's M-RoPE on mlx-lm's text model: the positions an image prompt's tokens get, and a
+rope in each attention layer that applies them (docs/images.md, "Qwen's M-RoPE").
+
+An image's tokens get 3D positions (t, h, w of its merged-patch grid, from where the text
+before it ended), and the text after it continues from one past the largest of them: an
+image of N tokens advances positions by max(t, h, w), not N. For text tokens the three
+positions are equal, where M-RoPE is mlx-lm's 1D rope; so the KV of a prompt's text before
+its first image is the same with or without images after it.
+
+`Positions` is the shared context the engine sets around a forward pass
+(engine/positions.py): a prefill chunk that holds an image gives its explicit 3 x L
+positions (the request prefills alone, one row); any other pass gives each row's `delta`
+(its position minus its token index: 0 for a text-only row), added to mlx-lm's offset.
+With no context, or every delta 0, the original rope runs untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_kvserve.images.spans import ImageSpan
+
+Grid = tuple[int, int, int]
+
+
+def prompt_positions(length: int, spans: Sequence[ImageSpan], grids: Sequence[Grid]) -> np.ndarray:
+    """(3, length) positions of a prompt whose images sit at `spans` with merged grids
+    `grids` (mlx-vlm's and transformers' `get_rope_index` for one row)."""
+    out = np.empty((3, length), dtype=np.int64)
+    at = p = 0
+    for span, (t, h, w) in zip(spans, grids, strict=True):
+        if t * h * w != span.length:
+            raise ValueError(f"an image of grid {(t, h, w)} in a span of {span.length} tokens")
+        n = span.start - at
+        out[:, at : span.start] = p + np.arange(n)
+        p += n
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        out[:, span.start : span.end] = p + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
+        p += max(t, h, w)
+        at = span.end
+    out[:, at:] = p + np.arange(length - at)
+    return out
+
+
+def rope_delta(spans: Sequence[ImageSpan], grids: Sequence[Grid]) -> int:
+    """Position minus token index of the text after every image (mlx-vlm's `rope_deltas`)."""
+    return sum(max(g) - span.length for span, g in zip(spans, grids, strict=True))
+
+
+class Positions:
+    """What the next forward pass rotates by: explicit (3, L) positions of a one-row chunk,
+    or a per-row delta on mlx-lm's offsets, or nothing (the original rope)."""
+
+    def __init__(self) -> None:
+        self.ids: mx.array | None = None  # (3, 1, L)
+        self.delta: int | mx.array | None = None
+        self._cos_sin: tuple[mx.array, mx.array] | None = None
+
+    @contextmanager
+    def chunk(self, ids: np.ndarray, lo: int) -> Iterator[None]:
+        """One row's prefill chunk from token `lo` at explicit positions (3, L)."""
+        if (ids[0] == ids[1]).all() and (ids[0] == ids[2]).all():
+            with self.rows([int(ids[0, 0]) - lo]):  # text only: the 1D rope, shifted
+                yield
+            return
+        self.ids, self._cos_sin = mx.array(ids)[:, None, :], None
+        try:
+            yield
+        finally:
+            self.ids = self._cos_sin = None
+
+    @contextmanager
+    def rows(self, deltas: Sequence[int]) -> Iterator[None]:
+        """Each row's delta on its offset."""
+        if any(deltas):
+            self.delta = deltas[0] if len(deltas) == 1 else mx.array(deltas)
+        try:
+            yield
+        finally:
+            self.delta = None
+
+    def cos_sin(self, rope: Qwen2MRoPE, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chunk's cos and sin, once per pass (every layer rotates by the same)."""
+        if self._cos_sin is None:
+            assert self.ids is not None
+            self._cos_sin = rope.rotary(x, self.ids)
+        return self._cos_sin
+
+
+class Qwen2MRoPE(nn.Module):
+    """mlx-lm's rope of one attention layer, with the positions of `Positions` applied."""
+
+    def __init__(self, original: nn.Module, positions: Positions, rotary: nn.Module) -> None:
+        super().__init__()
+        self.original = original
+        self.rotary = rotary  # mlx-vlm's Qwen2.5-VL rotary embedding (its M-RoPE math)
+        self._positions = positions
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        positions = self._positions
+        if positions.ids is not None:
+            from mlx_vlm.models.qwen2_5_vl.language import apply_multimodal_rotary_pos_emb
+
+            cos, sin = positions.cos_sin(self, x)
+            return apply_multimodal_rotary_pos_emb(x, x, cos, sin)[0]
+        delta = positions.delta
+        if delta is None:
+            return self.original(x, offset=offset)
+        return self.original(x, offset=offset + delta)
+
+
+def install_mrope(model: nn.Module, text_config: dict) -> Positions:
+    """Put a `Qwen2MRoPE` in every attention layer of mlx-lm's Qwen2-VL text model; the
+    `Positions` they share, also kept as `model.mrope_positions` (engine/positions.py)."""
+    from mlx_vlm.models.qwen2_5_vl.language import Qwen2RotaryEmbedding
+
+    positions = Positions()
+    heads = int(text_config["num_attention_heads"])
+    rotary = Qwen2RotaryEmbedding(
+        int(text_config["hidden_size"]) // heads,
+        max_position_embeddings=int(text_config.get("max_position_embeddings", 128000)),
+        base=float(text_config.get("rope_theta", 1000000.0)),
+        rope_scaling=text_config.get("rope_scaling"),
+    )
+    for layer in model.layers:
+        attention = layer.self_attn
+        attention.rope = Qwen2MRoPE(attention.rope, positions, rotary)
+    model.mrope_positions = positions
+    return positions

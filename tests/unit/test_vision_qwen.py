@@ -1,0 +1,246 @@
+"""A Qwen2.5-VL checkpoint sees images with its M-RoPE positions: an image's tokens at their
+(t, h, w) grid places, the text after it shifted, every pass of its row too (decode, a batch
+beside text rows, a prefix restored from the prompt cache). Its greedy answers are mlx-vlm's
+own forward on the same weights (its processor, `get_rope_index` and language model)
+(docs/images.md). A tiny random-weight checkpoint (tests/support/vision_models.py), real PNGs
+made with Pillow, the real app and engine in this process."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlx_kvserve.config.settings import Settings
+from mlx_kvserve.engine import Engine
+from tests.support.concurrently import concurrently
+from tests.support.images import data_url, encoded
+from tests.unit.test_vision import answer, vision_loader
+
+pytest.importorskip("mlx_vlm")
+
+LOCAL = "http://localhost"
+# merged-patch grids (rows x columns), tokens, and how far the text after them shifts
+RED = encoded("PNG", 64, 40, (200, 30, 30))  # 2 x 4, 8 tokens, -4
+GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
+TALL = encoded("PNG", 24, 60, (40, 40, 200))  # 4 x 2, 8 tokens, -4
+SQUARE = encoded("PNG", 64, 64, (230, 200, 20))  # 4 x 4, 16 tokens, -12
+TOKENS = 8
+BEFORE, AFTER = "Look at this:", "What is in the picture? Answer briefly."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.vision_models import qwen2_5_vl_dir
+
+    return qwen2_5_vl_dir(tmp_path_factory.mktemp("vision") / "qwen2_5_vl")
+
+
+def app(model_dir: Path, **engine: object) -> TestClient:
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.models.pool import ModelPool
+
+    built = Engine(vision_loader(model_dir), **engine)  # type: ignore[arg-type]
+    pool = ModelPool.single(built, "tiny-qwen-vl")
+    pool.slots[0].model_dir = model_dir
+    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: Path) -> Iterator[TestClient]:
+    with app(model_dir, cache_enabled=False) as c:
+        yield c
+
+
+def turn(image: bytes | None, before: str = BEFORE, after: str = AFTER) -> dict:
+    """A user turn: text, the image, text after it (OpenAI's shape)."""
+    parts: list[dict] = [{"type": "text", "text": before}]
+    if image is not None:
+        parts.append({"type": "image_url", "image_url": {"url": data_url(image)}})
+    parts.append({"type": "text", "text": after})
+    return {"role": "user", "content": parts}
+
+
+def ask(client: TestClient, messages: list[dict]) -> dict:
+    body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def theirs(messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+    """The conversation as Qwen's chat template reads it (`{"type": "image"}` parts) and its
+    images in order."""
+    out, images = [], []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if part["type"] == "image_url":
+                images.append(part["image_url"]["url"])
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({"role": message["role"], "content": parts})
+    return out, [_bytes(url) for url in images]
+
+
+def _bytes(url: str) -> bytes:
+    import base64
+
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def reference(model_dir: Path, messages: list[dict]) -> str:
+    """mlx-vlm's own greedy answer on the same checkpoint, nothing of ours: the tokenizer's
+    chat template, mlx-vlm's processor (tokens, pixels, grids), its `get_input_embeddings`
+    (features and `get_rope_index`) and language model, decoding with its `rope_deltas`."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import KVCache
+    from mlx_vlm.utils import load_model, load_processor
+    from PIL import Image as PILImage
+
+    processor = load_processor(model_dir)
+    rendered, images = theirs(messages)
+    prompt = processor.tokenizer.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=True
+    )
+    pictures = [PILImage.open(io.BytesIO(data)).convert("RGB") for data in images]
+    inputs = processor(text=[prompt], images=pictures or None, add_special_tokens=False)
+    model = load_model(model_dir)
+    ids = mx.array(inputs["input_ids"])
+    kwargs = {}
+    if pictures:
+        kwargs = {"image_grid_thw": mx.array(inputs["image_grid_thw"]), "mask": mx.ones_like(ids)}
+    pixels = mx.array(inputs["pixel_values"]) if pictures else None
+    embedded = model.get_input_embeddings(ids, pixels, **kwargs)
+    lm = model.language_model
+    cache = [KVCache() for _ in lm.layers]
+    logits = lm(
+        ids,
+        inputs_embeds=embedded.inputs_embeds,
+        cache=cache,
+        position_ids=embedded.position_ids,
+        rope_deltas=embedded.rope_deltas,
+    ).logits
+    size = len(processor.tokenizer)
+    out: list[int] = []
+    for _ in range(TOKENS):
+        token = int(mx.argmax(logits[0, -1, :size]).item())
+        out.append(token)
+        logits = lm(mx.array([[token]]), cache=cache).logits
+    return processor.tokenizer.decode(out)
+
+
+def same(ours: dict, want: str) -> None:
+    assert answer(ours).strip() == want.strip()  # (the answer's leading space is trimmed)
+
+
+@pytest.mark.parametrize("image", [RED, TALL, SQUARE], ids=["wide", "tall", "square"])
+def test_the_answer_to_an_image_is_mlx_vlms(
+    client: TestClient, model_dir: Path, image: bytes
+) -> None:
+    """Text before and after the image: the text after it at shifted positions."""
+    messages = [turn(image)]
+    same(ask(client, messages), reference(model_dir, messages))
+
+
+def test_small_prefill_steps_answer_the_same(model_dir: Path) -> None:
+    """A prefill step of 3: the image's chunk, then the text after it in chunks of its own
+    (their positions shifted by the image's delta, not given explicitly; more text than the
+    last pass folds in, engine/chunks.py's TAIL_FOLD)."""
+    messages = [turn(SQUARE, after=" ".join([AFTER] * 12))]
+    with app(model_dir, cache_enabled=False, prefill_step=3) as small:
+        got = ask(small, messages)
+    same(got, reference(model_dir, messages))
+
+
+def test_the_prompt_and_pixels_are_mlx_vlms(model_dir: Path) -> None:
+    """The rendered tokens are those of Qwen's template and mlx-vlm's processor, the pixels
+    and grid are its processor's, and so are the positions (`get_rope_index`)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_vlm.utils import load_model, load_processor
+    from PIL import Image as PILImage
+
+    from mlx_kvserve.chat import ChatRequest, Message
+    from mlx_kvserve.chat.render import render_chat
+    from mlx_kvserve.images.pixels import ImageLimits, decode_image
+    from mlx_kvserve.vision.encoder import load_vision
+    from mlx_kvserve.vision.mrope import prompt_positions
+
+    processor = load_processor(model_dir)
+    rendered, _ = theirs([turn(RED)])
+    prompt = processor.tokenizer.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=True
+    )
+    picture = PILImage.open(io.BytesIO(RED)).convert("RGB")
+    their = processor(text=[prompt], images=[picture], add_special_tokens=False)
+
+    model, tokenizer = load(str(model_dir))
+    vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
+    assert vision is not None
+    image = decode_image(RED, ImageLimits(1 << 24, 1 << 24), "image")
+    parts = [BEFORE, image, AFTER]
+    ours = render_chat(tokenizer, ChatRequest([Message.from_parts("user", parts)]), vision=vision)
+    assert ours.tokens == [int(t) for t in np.asarray(their["input_ids"][0])]
+    patches, grid = vision.family.pixels(image)
+    assert np.allclose(patches, np.asarray(their["pixel_values"]), atol=1e-5)
+    assert grid.tolist() == np.asarray(their["image_grid_thw"]).tolist()
+    ids = mx.array(their["input_ids"])
+    want, delta = load_model(model_dir).language_model.get_rope_index(
+        ids, mx.array(their["image_grid_thw"])
+    )
+    got = prompt_positions(len(ours.tokens), ours.image_spans, vision.grids([image]))
+    assert got.tolist() == np.asarray(want)[:, 0, :].tolist()
+    assert vision.rope_delta(ours.image_spans, [image]) == int(np.asarray(delta).item()) != 0
+
+
+def test_a_different_image_gives_a_different_answer(client: TestClient) -> None:
+    red, green = ask(client, [turn(RED)]), ask(client, [turn(GREEN)])
+    assert answer(red) != answer(green)
+    assert answer(ask(client, [turn(RED)])) == answer(red)
+
+
+def test_image_and_text_rows_batched_answer_as_alone(client: TestClient) -> None:
+    """Rows of other deltas in one batch (an image row shifted, a text row not) decode as
+    each does alone."""
+    images = [SQUARE, None, RED, None]
+    alone = [answer(ask(client, [turn(image)])) for image in images]
+    together = concurrently(lambda image: answer(ask(client, [turn(image)])), images)
+    assert together == alone
+
+
+def test_the_model_lists_vision(client: TestClient) -> None:
+    models = client.get("/v1/models").json()["data"]
+    assert "vision" in models[0]["capabilities"]
+    shown = client.post("/api/show", json={"model": "tiny-qwen-vl"}).json()
+    assert "vision" in shown["capabilities"]
+
+
+def test_a_second_turn_from_the_prompt_cache_answers_as_mlx_vlm(
+    model_dir: Path, client: TestClient, tmp_path: Path
+) -> None:
+    """Turn 2 restores turn 1's KV (the image and the text after it, at their M-RoPE
+    positions) and prefills only the new text, shifted by the image's delta: the same answer
+    as a cache-less server and as mlx-vlm's forward over the whole conversation."""
+    from mlx_kvserve.cache import PromptCache
+
+    first = [turn(SQUARE)]
+    cache = PromptCache(tmp_path, "tiny-qwen-vl", disk_budget=256 << 20, ram_budget=64 << 20)
+    with app(model_dir, prompt_cache=cache) as cached:
+        one = ask(cached, first)
+        second = [*first, {"role": "assistant", "content": answer(one)}, turn(None, "And", "so?")]
+        two = ask(cached, second)
+    same(one, reference(model_dir, first))
+    assert answer(two) == answer(ask(client, second))
+    same(two, reference(model_dir, second))
+    reused = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert reused >= 0.9 * one["usage"]["prompt_tokens"]
