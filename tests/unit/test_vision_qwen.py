@@ -64,8 +64,8 @@ def turn(image: bytes | None, before: str = BEFORE, after: str = AFTER) -> dict:
     return {"role": "user", "content": parts}
 
 
-def ask(client: TestClient, messages: list[dict]) -> dict:
-    body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+def ask(client: TestClient, messages: list[dict], max_tokens: int = TOKENS) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -244,3 +244,52 @@ def test_a_second_turn_from_the_prompt_cache_answers_as_mlx_vlm(
     same(two, reference(model_dir, second))
     reused = two["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert reused >= 0.9 * one["usage"]["prompt_tokens"]
+
+
+def test_speculation_verifies_image_rows_at_their_positions(
+    model_dir: Path, client: TestClient
+) -> None:
+    """With drafting on (prompt lookup; the tiny model's greedy answers loop), the verify
+    passes run image rows at their shifted positions, solo and merged: the plain answers."""
+    from tests.unit.test_speculation_step import PriorCost
+
+    images = [SQUARE, None, RED]
+    long = 32
+
+    def asked(c: TestClient, image: bytes | None) -> str:
+        return answer(ask(c, [turn(image)], max_tokens=long))
+
+    alone = [asked(client, image) for image in images]
+    with app(model_dir, cache_enabled=False, speculation="auto") as drafting:
+        drafting.get("/v1/models")
+        engine = drafting.app.state.pool.slots[0].engine
+        asked(drafting, None)  # loaded: its batch exists
+        speculator = engine.batch.speculator
+        speculator.cost = PriorCost()  # the machine's load must not decide
+        solo = [asked(drafting, image) for image in images]
+        together = concurrently(lambda image: asked(drafting, image), images)
+        assert speculator.passes > 0
+    assert solo == alone
+    assert together == alone
+
+
+def test_an_image_beyond_the_processors_aspect_ratio_is_a_400(client: TestClient) -> None:
+    """Qwen's resize refuses an image more than 200 times longer than wide: a 400 naming
+    the field, and the next request is answered."""
+    strip = encoded("PNG", 1, 300, (10, 10, 10))
+    body = {"messages": [turn(strip)], "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url", error
+    assert "aspect ratio" in error["message"]
+    assert answer(ask(client, [turn(RED)]))
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "responses", "ollama"])
+def test_fuzzed_image_fields_on_a_qwen_model(client: TestClient, protocol: str) -> None:
+    """Whatever the image field holds, 200 or a 400 in the protocol's shape: never a 5xx
+    (any size and format reaches the processor, the tower and the positions)."""
+    from tests.unit.test_images_api import fuzz_image_field
+
+    fuzz_image_field(client, protocol, "tiny-qwen-vl", examples=25)
