@@ -81,6 +81,53 @@ class Vision:
             self._store.put(image.digest, rows)
         return rows
 
+    @property
+    def deepstack_layers(self) -> int:
+        """The text layers that add an image's deepstack rows (Qwen3-VL's; else 0)."""
+        return int(getattr(self.family, "deepstack", 0))
+
+    def main(self, rows: mx.array) -> mx.array:
+        """An image's features as input embeddings (without its deepstack sets)."""
+        return rows[:, : rows.shape[-1] // (1 + self.deepstack_layers)]
+
+    def deepstack(
+        self,
+        model: nn.Module,
+        lo: int,
+        hi: int,
+        spans: Sequence[ImageSpan],
+        images: Sequence[Image],
+    ) -> list[mx.array] | None:
+        """What each of the first text layers adds to prompt positions [lo, hi): (1, L,
+        hidden) each, an image's deepstack rows in its span, zero elsewhere; None without
+        deepstack or an image there."""
+        layers = self.deepstack_layers
+        inside = [
+            (span, image)
+            for span, image in zip(spans, images, strict=True)
+            if span.start < hi and lo < span.end
+        ]
+        if not layers or not inside:
+            return None
+        dtype = embedding_dtype(text_embeddings(model))
+        out = []
+        for k in range(1, layers + 1):
+            pieces: list[mx.array] = []
+            at = lo
+            for span, image in inside:
+                rows = self.features(image, dtype)
+                width = rows.shape[-1] // (1 + layers)
+                start, end = max(span.start, lo), min(span.end, hi)
+                if at < start:
+                    pieces.append(mx.zeros((start - at, width), dtype))
+                part = rows[start - span.start : end - span.start, k * width : (k + 1) * width]
+                pieces.append(part)
+                at = end
+            if at < hi:
+                pieces.append(mx.zeros((hi - at, width), dtype))
+            out.append(mx.concatenate(pieces, axis=0)[None])
+        return out
+
     def grids(self, images: Sequence[Image]) -> list[Grid]:
         """Each image's merged-patch grid (a family with M-RoPE: vision/qwen2_5_vl.py)."""
         grid = self.family.grid  # type: ignore[attr-defined]
@@ -134,7 +181,7 @@ class Vision:
             start, end = max(span.start, lo), min(span.end, hi)
             if at < start:
                 pieces.append(table(mx.array(tokens[at:start])))
-            rows = self.features(image, embedding_dtype(table))
+            rows = self.main(self.features(image, embedding_dtype(table)))
             pieces.append(rows[start - span.start : end - span.start])
             at = end
         if at < hi:
@@ -165,7 +212,8 @@ class PromptImages:
             return nullcontext()
         length = max(hi, self.spans[-1].end)  # every image placed, though the chunk ends first
         ids = prompt_positions(length, self.spans, self.vision.grids(self.images))
-        return positions.chunk(ids[:, lo:hi], lo)
+        deepstack = self.vision.deepstack(self.model, lo, hi, self.spans, self.images)
+        return positions.chunk(ids[:, lo:hi], lo, deepstack)
 
 
 def text_embeddings(model: nn.Module) -> nn.Module:
@@ -190,20 +238,31 @@ def load_vision(
     family = vision_family(model_dir)
     if family is None or model_dir is None:
         return None
-    if family == "qwen2_5_vl":
-        import json
-
-        if model is None:
-            raise ValueError("Qwen2.5-VL's vision needs its text model (for M-RoPE)")
-        from mlx_kvserve.vision.mrope import install_mrope
-        from mlx_kvserve.vision.qwen2_5_vl import Qwen25VLVision
-
-        config = json.loads((model_dir / "config.json").read_text())
-        positions = install_mrope(model, config.get("text_config") or config)
-        log.info("vision tower loaded (%s): M-RoPE positions", family)
-        return Vision(Qwen25VLVision(model_dir, token_text), positions=positions)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        return _load_qwen(model_dir, token_text, model, family)
     from mlx_kvserve.vision.gemma3 import Gemma3Vision
 
     loaded = Gemma3Vision(model_dir, token_text)
     log.info("vision tower loaded (%s): %d tokens per image", family, loaded.tokens_per_image)
     return Vision(loaded)
+
+
+def _load_qwen(
+    model_dir: Path, token_text: Callable[[int], str], model: nn.Module | None, family: str
+) -> Vision:
+    """A Qwen family's vision, and M-RoPE (and Qwen3-VL's deepstack) installed in `model`."""
+    import json
+
+    from mlx_kvserve.vision.mrope import install_deepstack, install_mrope
+    from mlx_kvserve.vision.qwen2_5_vl import Qwen25VLVision
+    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
+
+    if model is None:
+        raise ValueError(f"{family}'s vision needs its text model (for M-RoPE)")
+    config = json.loads((model_dir / "config.json").read_text())
+    positions = install_mrope(model, family, config.get("text_config") or config)
+    loaded = (Qwen3VLVision if family == "qwen3_vl" else Qwen25VLVision)(model_dir, token_text)
+    if loaded.deepstack:
+        install_deepstack(model, positions, loaded.deepstack)
+    log.info("vision tower loaded (%s): M-RoPE positions", family)
+    return Vision(loaded, positions=positions)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 # model_type -> the family module (mlx_kvserve/vision/<module>.py)
-FAMILIES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl"}
+FAMILIES = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
 
 
 def vision_family(model_dir: Path | None) -> str | None:

@@ -16,7 +16,7 @@ With no context, or every delta 0, the original rope runs untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -59,20 +59,28 @@ class Positions:
     def __init__(self) -> None:
         self.ids: mx.array | None = None  # (3, 1, L)
         self.delta: int | mx.array | None = None
+        self.deepstack: list[mx.array] | None = None  # (1, L, hidden) per first layer
         self._cos_sin: tuple[mx.array, mx.array] | None = None
 
     @contextmanager
-    def chunk(self, ids: np.ndarray, lo: int) -> Iterator[None]:
-        """One row's prefill chunk from token `lo` at explicit positions (3, L)."""
-        if (ids[0] == ids[1]).all() and (ids[0] == ids[2]).all():
-            with self.rows([int(ids[0, 0]) - lo]):  # text only: the 1D rope, shifted
-                yield
-            return
-        self.ids, self._cos_sin = mx.array(ids)[:, None, :], None
+    def chunk(
+        self, ids: np.ndarray, lo: int, deepstack: list[mx.array] | None = None
+    ) -> Iterator[None]:
+        """One row's prefill chunk from token `lo` at explicit positions (3, L), with what
+        the first layers add to its image tokens (Qwen3-VL's deepstack) if any."""
+        self.deepstack = deepstack
         try:
-            yield
+            if (ids[0] == ids[1]).all() and (ids[0] == ids[2]).all():
+                with self.rows([int(ids[0, 0]) - lo]):  # text only: the 1D rope, shifted
+                    yield
+                return
+            self.ids, self._cos_sin = mx.array(ids)[:, None, :], None
+            try:
+                yield
+            finally:
+                self.ids = self._cos_sin = None
         finally:
-            self.ids = self._cos_sin = None
+            self.deepstack = None
 
     @contextmanager
     def rows(self, deltas: Sequence[int]) -> Iterator[None]:
@@ -84,7 +92,7 @@ class Positions:
         finally:
             self.delta = None
 
-    def cos_sin(self, rope: Qwen2MRoPE, x: mx.array) -> tuple[mx.array, mx.array]:
+    def cos_sin(self, rope: MRoPE, x: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk's cos and sin, once per pass (every layer rotates by the same)."""
         if self._cos_sin is None:
             assert self.ids is not None
@@ -92,43 +100,83 @@ class Positions:
         return self._cos_sin
 
 
-class Qwen2MRoPE(nn.Module):
+class MRoPE(nn.Module):
     """mlx-lm's rope of one attention layer, with the positions of `Positions` applied."""
 
-    def __init__(self, original: nn.Module, positions: Positions, rotary: nn.Module) -> None:
+    def __init__(
+        self,
+        original: nn.Module,
+        positions: Positions,
+        rotary: nn.Module,
+        apply: Callable[..., tuple[mx.array, mx.array]],
+    ) -> None:
         super().__init__()
         self.original = original
-        self.rotary = rotary  # mlx-vlm's Qwen2.5-VL rotary embedding (its M-RoPE math)
+        self.rotary = rotary  # mlx-vlm's rotary embedding of the family (its M-RoPE math)
+        self._apply = apply  # ... and how it rotates by cos and sin (chunked, interleaved)
         self._positions = positions
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         positions = self._positions
         if positions.ids is not None:
-            from mlx_vlm.models.qwen2_5_vl.language import apply_multimodal_rotary_pos_emb
-
             cos, sin = positions.cos_sin(self, x)
-            return apply_multimodal_rotary_pos_emb(x, x, cos, sin)[0]
+            return self._apply(x, x, cos, sin)[0]
         delta = positions.delta
         if delta is None:
             return self.original(x, offset=offset)
         return self.original(x, offset=offset + delta)
 
 
-def install_mrope(model: nn.Module, text_config: dict) -> Positions:
-    """Put a `Qwen2MRoPE` in every attention layer of mlx-lm's Qwen2-VL text model; the
-    `Positions` they share, also kept as `model.mrope_positions` (engine/positions.py)."""
-    from mlx_vlm.models.qwen2_5_vl.language import Qwen2RotaryEmbedding
+def install_mrope(model: nn.Module, family: str, text_config: dict) -> Positions:
+    """Put an `MRoPE` in every attention layer of mlx-lm's text model of a Qwen vision
+    `family` (mlx-lm's `qwen2_vl` or `qwen3_vl`); the `Positions` they share, also kept as
+    `model.mrope_positions` (engine/positions.py)."""
+    if family == "qwen3_vl":
+        from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding as Rotary
+        from mlx_vlm.models.qwen3_vl.language import apply_multimodal_rotary_pos_emb as apply
+    else:
+        from mlx_vlm.models.qwen2_5_vl.language import Qwen2RotaryEmbedding as Rotary
+        from mlx_vlm.models.qwen2_5_vl.language import apply_multimodal_rotary_pos_emb as apply
 
     positions = Positions()
     heads = int(text_config["num_attention_heads"])
-    rotary = Qwen2RotaryEmbedding(
-        int(text_config["hidden_size"]) // heads,
+    head_dim = text_config.get("head_dim") or int(text_config["hidden_size"]) // heads
+    rotary = Rotary(
+        int(head_dim),
         max_position_embeddings=int(text_config.get("max_position_embeddings", 128000)),
         base=float(text_config.get("rope_theta", 1000000.0)),
         rope_scaling=text_config.get("rope_scaling"),
     )
     for layer in model.layers:
         attention = layer.self_attn
-        attention.rope = Qwen2MRoPE(attention.rope, positions, rotary)
+        attention.rope = MRoPE(attention.rope, positions, rotary, apply)
     model.mrope_positions = positions
     return positions
+
+
+class _Deepstack:
+    """A text layer that adds its deepstack rows (Qwen3-VL: set per prefill chunk by
+    `Positions`, zero outside the images) to its output, as mlx-vlm's text model does after
+    each of its first layers. Mixed into the layer's own class, so the layer keeps its
+    parameters' names and every attribute mlx-lm and the engine read."""
+
+    _deepstack_at: tuple[Positions, int]
+
+    def __call__(self, *args: object, **kwargs: object) -> mx.array:
+        out = super().__call__(*args, **kwargs)  # type: ignore[misc]
+        positions, index = self._deepstack_at
+        rows = positions.deepstack
+        if rows is None or index >= len(rows):
+            return out
+        return out + rows[index]
+
+
+def install_deepstack(model: nn.Module, positions: Positions, layers: int) -> None:
+    """Make the first `layers` text layers add the chunk's deepstack rows."""
+    made: dict[type, type] = {}
+    for index, layer in enumerate(model.layers[:layers]):
+        cls = type(layer)
+        if cls not in made:
+            made[cls] = type(f"Deepstack{cls.__name__}", (_Deepstack, cls), {})
+        layer.__class__ = made[cls]
+        object.__setattr__(layer, "_deepstack_at", (positions, index))

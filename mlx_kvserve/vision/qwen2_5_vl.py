@@ -30,9 +30,11 @@ Grid = tuple[int, int, int]  # (t, h, w) of an image's merged patches: one token
 class Qwen25VLVision:
     """Images to the rows of their `<|image_pad|>`s, their markup and their grids."""
 
+    deepstack = 0  # the tower's extra feature sets, added after the first text layers
+
     def __init__(self, model_dir: Path, token_text: Callable[[int], str]) -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.tower = vision_module(config)
+        self.tower = self.vision_module(config)
         weights = vision_weights(model_dir, ("visual.", "vision_tower."))
         tower = {**under(weights, "visual"), **under(weights, "vision_tower")}
         install(self.tower, tower, config, self.tower.sanitize)
@@ -40,7 +42,7 @@ class Qwen25VLVision:
         self._start = token_text(int(config.get("vision_start_token_id", 151652)))
         self._end = token_text(int(config.get("vision_end_token_id", 151653)))
         self._pad = token_text(self._image_token)
-        self.processor = _processor(Path(model_dir), config["vision_config"])
+        self.processor = self.image_processor(Path(model_dir), config["vision_config"])
         self.merge = int(self.processor.merge_size)
 
     @property
@@ -90,6 +92,14 @@ class Qwen25VLVision:
         x = mx.array(patches).astype(self.tower.patch_embed.proj.weight.dtype)
         return self.tower(x, mx.array(grid), output_hidden_states=False).astype(dtype)
 
+    @staticmethod
+    def vision_module(config: dict) -> nn.Module:
+        return vision_module(config)
+
+    @staticmethod
+    def image_processor(model_dir: Path, vision: dict):  # noqa: ANN205  (transformers')
+        return _processor(model_dir, vision)
+
 
 def _edge(size: object, name: str) -> int:
     return int(size[name] if isinstance(size, dict) else getattr(size, name))
@@ -125,9 +135,9 @@ def processor_config(patch: int, min_pixels: int, max_pixels: int) -> dict[str, 
     }
 
 
-def _processor(model_dir: Path, vision: dict):  # noqa: ANN202  (transformers' class)
-    """The checkpoint's processor (preprocessor_config.json), or Qwen2.5-VL's defaults at
-    the tower's patch size."""
+def _processor(model_dir: Path, vision: dict, defaults: dict | None = None):  # noqa: ANN202  (transformers' class)
+    """The checkpoint's processor (preprocessor_config.json), or `defaults` (Qwen2.5-VL's at
+    the tower's patch size)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -136,7 +146,8 @@ def _processor(model_dir: Path, vision: dict):  # noqa: ANN202  (transformers' c
     if path.is_file():
         settings = json.loads(path.read_text())
     else:
-        settings = processor_config(int(vision.get("patch_size", 14)), 56 * 56, 28 * 28 * 16384)
+        patch = int(vision.get("patch_size", 14))
+        settings = defaults or processor_config(patch, 56 * 56, 28 * 28 * 16384)
     settings = {k: v for k, v in settings.items() if k not in _NOT_KWARGS}
     return Qwen2VLImageProcessorPil(**settings)
 

@@ -20,15 +20,22 @@ TEXT = "What is in the picture?"
 TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl"])
 def served(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ServerProcess]:
-    """A tiny checkpoint of each family served (Qwen2.5-VL's images at M-RoPE positions)."""
-    from tests.support.vision_models import gemma3_vision_dir, qwen2_5_vl_dir
+    """A tiny checkpoint of each family served (Qwen's images at M-RoPE positions)."""
+    from tests.support import vision_models
 
-    build = gemma3_vision_dir if request.param == "gemma3" else qwen2_5_vl_dir
-    model = build(tmp_path_factory.mktemp("vision") / "tiny-vision")
+    build = {
+        "gemma3": vision_models.gemma3_vision_dir,
+        "qwen2_5_vl": vision_models.qwen2_5_vl_dir,
+        "qwen3_vl": vision_models.qwen3_vl_dir,
+    }[request.param]
+    # (Qwen3-VL's seed 0 happens to answer the long tool_result prompt's 8 tokens alike for
+    # RED and GREEN, whose 8 image tokens sit among ~200 of tool text; seed 1 does not)
+    seed = 1 if request.param == "qwen3_vl" else 0
+    model = build(tmp_path_factory.mktemp("vision") / "tiny-vision", seed=seed)
     # --no-cache: until the prompt cache keys image spans by their pixels, answers are compared
     # across images with nothing reused between requests
     yield from serve_model(model, "--no-cache")

@@ -192,3 +192,97 @@ def qwen2_5_vl_dir(dest: Path, seed: int = 0) -> Path:
     processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return dest
+
+
+def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-VL checkpoint in Hugging Face's layout: `text_config` and `vision_config`
+    nested, M-RoPE interleaved (`mrope_interleaved`), the text model under
+    `model.language_model.` (mlx-lm's `qwen3_vl`), the tower with its learned position
+    embeddings and two deepstack mergers under `model.visual.` (mlx-vlm's), Qwen's vision
+    tokens, template and processor as `qwen2_5_vl_dir` writes them (mean and std 0.5)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_vl
+
+    from mlx_kvserve.vision.qwen2_5_vl import processor_config
+    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
+    from tests.support.tiny_models import ROWS, TOKENIZER_FILES, default_tokenizer_dir
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    source = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    text = {
+        "model_type": "qwen3_vl_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": ROWS,
+        "max_position_embeddings": 32768,
+        "rope_theta": 5000000.0,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [2, 3, 3],
+            "rope_type": "default",
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config = {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "text_config": text,
+        "vision_config": {
+            "model_type": "qwen3_vl",
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8 x 8 grid, interpolated to each image's
+            "deepstack_visual_indexes": [0, 1],
+            "in_channels": 3,
+        },
+    }
+    mx.random.seed(seed)
+    model = qwen3_vl.Model(qwen3_vl.ModelArgs.from_dict(dict(config)))
+    for layer in model.layers:  # sharper attention: positions matter (qwen2_5_vl_dir)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            proj.weight = proj.weight * SHARPEN
+    tower = Qwen3VLVision.vision_module(config)
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        inner = k.removeprefix("language_model.")
+        name = (
+            inner
+            if inner.startswith("lm_head")
+            else "model.language_model." + inner.removeprefix("model.")
+        )
+        weights[name] = v
+    weights |= {f"model.visual.{k}": v for k, v in tree_flatten(tower.parameters())}
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 0]}
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    processor |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest

@@ -1,8 +1,9 @@
-"""A Qwen2.5-VL checkpoint sees images with its M-RoPE positions: an image's tokens at their
-(t, h, w) grid places, the text after it shifted, every pass of its row too (decode, a batch
-beside text rows, a prefix restored from the prompt cache). Its greedy answers are mlx-vlm's
-own forward on the same weights (its processor, `get_rope_index` and language model)
-(docs/images.md). A tiny random-weight checkpoint (tests/support/vision_models.py), real PNGs
+"""Qwen2.5-VL and Qwen3-VL checkpoints see images with their M-RoPE positions: an image's
+tokens at their (t, h, w) grid places, the text after it shifted, every pass of its row too
+(decode, a batch beside text rows, a prefix restored from the prompt cache, speculation's
+verify passes), and Qwen3-VL's deepstack rows added after its first layers. Greedy answers are
+mlx-vlm's own forward on the same weights (its processor, `get_rope_index` and language model)
+(docs/images.md). Tiny random-weight checkpoints (tests/support/vision_models.py), real PNGs
 made with Pillow, the real app and engine in this process."""
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ TOKENS = 8
 BEFORE, AFTER = "Look at this:", "What is in the picture? Answer briefly."
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.vision_models import qwen2_5_vl_dir
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """Each Qwen family's tiny checkpoint (Qwen3-VL: interleaved sections and deepstack)."""
+    from tests.support.vision_models import qwen2_5_vl_dir, qwen3_vl_dir
 
-    return qwen2_5_vl_dir(tmp_path_factory.mktemp("vision") / "qwen2_5_vl")
+    build = qwen2_5_vl_dir if request.param == "qwen2_5_vl" else qwen3_vl_dir
+    return build(tmp_path_factory.mktemp("vision") / request.param)
 
 
 def app(model_dir: Path, **engine: object) -> TestClient:
@@ -122,12 +125,19 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
     embedded = model.get_input_embeddings(ids, pixels, **kwargs)
     lm = model.language_model
     cache = [KVCache() for _ in lm.layers]
+    deepstack = {}  # Qwen3-VL's: added to the image tokens after its first layers
+    if embedded.deepstack_visual_embeds is not None:
+        deepstack = {
+            "visual_pos_masks": embedded.visual_pos_masks,
+            "deepstack_visual_embeds": embedded.deepstack_visual_embeds,
+        }
     logits = lm(
         ids,
         inputs_embeds=embedded.inputs_embeds,
         cache=cache,
         position_ids=embedded.position_ids,
         rope_deltas=embedded.rope_deltas,
+        **deepstack,
     ).logits
     size = len(processor.tokenizer)
     out: list[int] = []
