@@ -238,7 +238,7 @@ def load_vision(
     family = vision_family(model_dir)
     if family is None or model_dir is None:
         return None
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         return _load_qwen(model_dir, token_text, model, family)
     from mlx_kvserve.vision.gemma3 import Gemma3Vision
 
@@ -255,13 +255,14 @@ def _load_qwen(
 
     from mlx_kvserve.vision.mrope import install_deepstack, install_mrope
     from mlx_kvserve.vision.qwen2_5_vl import Qwen25VLVision
-    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
+    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision, Qwen35Vision
 
     if model is None:
         raise ValueError(f"{family}'s vision needs its text model (for M-RoPE)")
     config = json.loads((model_dir / "config.json").read_text())
     positions = install_mrope(model, family, config.get("text_config") or config)
-    loaded = (Qwen3VLVision if family == "qwen3_vl" else Qwen25VLVision)(model_dir, token_text)
+    kind = {"qwen3_vl": Qwen3VLVision, "qwen3_5": Qwen35Vision}.get(family, Qwen25VLVision)
+    loaded = kind(model_dir, token_text)
     if loaded.deepstack:
         install_deepstack(model, positions, loaded.deepstack)
     log.info("vision tower loaded (%s): M-RoPE positions", family)

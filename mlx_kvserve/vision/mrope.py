@@ -129,27 +129,41 @@ class MRoPE(nn.Module):
 
 def install_mrope(model: nn.Module, family: str, text_config: dict) -> Positions:
     """Put an `MRoPE` in every attention layer of mlx-lm's text model of a Qwen vision
-    `family` (mlx-lm's `qwen2_vl` or `qwen3_vl`); the `Positions` they share, also kept as
-    `model.mrope_positions` (engine/positions.py)."""
-    if family == "qwen3_vl":
-        from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding as Rotary
-        from mlx_vlm.models.qwen3_vl.language import apply_multimodal_rotary_pos_emb as apply
-    else:
-        from mlx_vlm.models.qwen2_5_vl.language import Qwen2RotaryEmbedding as Rotary
-        from mlx_vlm.models.qwen2_5_vl.language import apply_multimodal_rotary_pos_emb as apply
-
-    positions = Positions()
+    `family` (mlx-lm's `qwen2_vl`, `qwen3_vl` or `qwen3_5`); the `Positions` they share, also
+    kept as `model.mrope_positions` (engine/positions.py)."""
     heads = int(text_config["num_attention_heads"])
-    head_dim = text_config.get("head_dim") or int(text_config["hidden_size"]) // heads
-    rotary = Rotary(
-        int(head_dim),
-        max_position_embeddings=int(text_config.get("max_position_embeddings", 128000)),
-        base=float(text_config.get("rope_theta", 1000000.0)),
-        rope_scaling=text_config.get("rope_scaling"),
-    )
+    head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // heads)
+    longest = int(text_config.get("max_position_embeddings", 128000))
+    rotary: nn.Module
+    if family == "qwen3_5":  # a quarter of each head rotated, on its full-attention layers
+        from mlx_vlm.models.qwen3_5.language import Qwen3_5RotaryEmbedding
+        from mlx_vlm.models.qwen3_5.language import apply_multimodal_rotary_pos_emb as apply
+
+        rope = text_config.get("rope_parameters") or {}
+        rotary = Qwen3_5RotaryEmbedding(
+            int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=longest,
+            base=float(rope.get("rope_theta", 10000000.0)),
+            mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+        )
+    else:
+        if family == "qwen3_vl":
+            from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding as Rotary
+            from mlx_vlm.models.qwen3_vl.language import apply_multimodal_rotary_pos_emb as apply
+        else:
+            from mlx_vlm.models.qwen2_5_vl.language import Qwen2RotaryEmbedding as Rotary
+            from mlx_vlm.models.qwen2_5_vl.language import apply_multimodal_rotary_pos_emb as apply
+        rotary = Rotary(
+            head_dim,
+            max_position_embeddings=longest,
+            base=float(text_config.get("rope_theta", 1000000.0)),
+            rope_scaling=text_config.get("rope_scaling"),
+        )
+    positions = Positions()
     for layer in model.layers:
-        attention = layer.self_attn
-        attention.rope = MRoPE(attention.rope, positions, rotary, apply)
+        attention = getattr(layer, "self_attn", None)  # (Qwen3.5's linear layers have none)
+        if attention is not None:
+            attention.rope = MRoPE(attention.rope, positions, rotary, apply)
     model.mrope_positions = positions
     return positions
 

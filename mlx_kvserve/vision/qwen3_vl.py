@@ -51,3 +51,15 @@ class Qwen3VLVision(Qwen25VLVision):
         defaults = processor_config(patch, 65536, 16777216)
         defaults |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
         return _processor(model_dir, vision, defaults)
+
+
+class Qwen35Vision(Qwen3VLVision):
+    """Qwen3.5's vision: Qwen3-VL's tower without deepstack (mlx-vlm's `qwen3_5`), and the
+    same processor and markup."""
+
+    @staticmethod
+    def vision_module(config: dict) -> nn.Module:
+        from mlx_vlm.models.qwen3_5.config import VisionConfig
+        from mlx_vlm.models.qwen3_5.vision import VisionModel
+
+        return VisionModel(VisionConfig.from_dict(config["vision_config"]))

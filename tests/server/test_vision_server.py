@@ -20,7 +20,7 @@ TEXT = "What is in the picture?"
 TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def served(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ServerProcess]:
@@ -31,6 +31,7 @@ def served(
         "gemma3": vision_models.gemma3_vision_dir,
         "qwen2_5_vl": vision_models.qwen2_5_vl_dir,
         "qwen3_vl": vision_models.qwen3_vl_dir,
+        "qwen3_5": vision_models.qwen3_5_vision_dir,
     }[request.param]
     # (Qwen3-VL's seed 0 happens to answer the long tool_result prompt's 8 tokens alike for
     # RED and GREEN, whose 8 image tokens sit among ~200 of tool text; seed 1 does not)

@@ -286,3 +286,61 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
     processor |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return dest
+
+
+def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3.5 checkpoint with its vision, as mlx-vlm's conversions lay it out: the
+    tiny `qwen3_5` text model of tiny_models.py (linear-attention layers and one full-attention
+    layer, mlx-lm's classes and names) with three quarters of each head rotated here (a quarter
+    in Qwen3.5's: 6 frequencies, 2 per section), Qwen3-VL's tower without deepstack under
+    `vision_tower.` (mlx-vlm's `qwen3_5`) in a second file, Qwen's vision tokens, the real
+    Qwen3.5 chat template (tests/fixtures/templates) and a processor config."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_kvserve.vision.qwen2_5_vl import processor_config
+    from mlx_kvserve.vision.qwen3_vl import Qwen35Vision
+    from tests.support.tiny_models import make_model_dir
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "mrope_section": [2, 2, 2],
+        "mrope_interleaved": True,
+    }
+    dest = make_model_dir(dest, "qwen3_5", seed=seed, rope_parameters=rope)
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen3.5.jinja").read_text())
+    config = json.loads((dest / "config.json").read_text())
+    config.update(
+        {
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "vision_config": {
+                "model_type": "qwen3_5",
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": config["text_config"]["hidden_size"],
+                "patch_size": QWEN_PATCH,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 64,
+                "deepstack_visual_indexes": [],
+                "in_channels": 3,
+            },
+        }
+    )
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed + 1)
+    tower = Qwen35Vision.vision_module(config)
+    weights = {f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())}
+    mx.save_safetensors(str(dest / "vision.safetensors"), weights, metadata={"format": "mlx"})
+    processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    processor |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest

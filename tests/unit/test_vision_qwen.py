@@ -33,12 +33,17 @@ TOKENS = 8
 BEFORE, AFTER = "Look at this:", "What is in the picture? Answer briefly."
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """Each Qwen family's tiny checkpoint (Qwen3-VL: interleaved sections and deepstack)."""
-    from tests.support.vision_models import qwen2_5_vl_dir, qwen3_vl_dir
+    """Each Qwen family's tiny checkpoint (Qwen3-VL: interleaved sections and deepstack;
+    Qwen3.5: linear-attention layers, M-RoPE on part of each head of its full-attention one)."""
+    from tests.support import vision_models
 
-    build = qwen2_5_vl_dir if request.param == "qwen2_5_vl" else qwen3_vl_dir
+    build = {
+        "qwen2_5_vl": vision_models.qwen2_5_vl_dir,
+        "qwen3_vl": vision_models.qwen3_vl_dir,
+        "qwen3_5": vision_models.qwen3_5_vision_dir,
+    }[request.param]
     return build(tmp_path_factory.mktemp("vision") / request.param)
 
 
@@ -112,7 +117,7 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
     processor = load_processor(model_dir)
     rendered, images = theirs(messages)
     prompt = processor.tokenizer.apply_chat_template(
-        rendered, tokenize=False, add_generation_prompt=True
+        rendered, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     pictures = [PILImage.open(io.BytesIO(data)).convert("RGB") for data in images]
     inputs = processor(text=[prompt], images=pictures or None, add_special_tokens=False)
@@ -124,7 +129,7 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
     pixels = mx.array(inputs["pixel_values"]) if pictures else None
     embedded = model.get_input_embeddings(ids, pixels, **kwargs)
     lm = model.language_model
-    cache = [KVCache() for _ in lm.layers]
+    cache = lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in lm.layers]
     deepstack = {}  # Qwen3-VL's: added to the image tokens after its first layers
     if embedded.deepstack_visual_embeds is not None:
         deepstack = {
@@ -189,7 +194,7 @@ def test_the_prompt_and_pixels_are_mlx_vlms(model_dir: Path) -> None:
     processor = load_processor(model_dir)
     rendered, _ = theirs([turn(RED)])
     prompt = processor.tokenizer.apply_chat_template(
-        rendered, tokenize=False, add_generation_prompt=True
+        rendered, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     picture = PILImage.open(io.BytesIO(RED)).convert("RGB")
     their = processor(text=[prompt], images=[picture], add_special_tokens=False)
@@ -253,7 +258,11 @@ def test_a_second_turn_from_the_prompt_cache_answers_as_mlx_vlm(
     assert answer(two) == answer(ask(client, second))
     same(two, reference(model_dir, second))
     reused = two["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert reused >= 0.9 * one["usage"]["prompt_tokens"]
+    if model_dir.name != "qwen3_5":
+        assert reused >= 0.9 * one["usage"]["prompt_tokens"]
+    # (Qwen3.5's recurrent layers reuse nothing of turn 1 here, with or without the image:
+    # its caches cannot be cut back from the generation checkpoint, and this tiny
+    # conversation gets no checkpoint where turn 2 departs. Not the image's doing.)
 
 
 def test_speculation_verifies_image_rows_at_their_positions(
