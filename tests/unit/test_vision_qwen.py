@@ -312,3 +312,16 @@ def test_fuzzed_image_fields_on_a_qwen_model(client: TestClient, protocol: str) 
     from tests.unit.test_images_api import fuzz_image_field
 
     fuzz_image_field(client, protocol, "tiny-qwen-vl", examples=25)
+
+
+def test_a_text_only_conversion_is_served_as_text(tmp_path: Path) -> None:
+    """A config that still names its `vision_config` while the files hold no tower tensors
+    (a text-only conversion): not a vision model, so its images become notes."""
+    from mlx_kvserve.vision.family import vision_family
+    from tests.support.vision_models import qwen3_5_vision_dir
+
+    with_tower = qwen3_5_vision_dir(tmp_path / "with")
+    assert vision_family(with_tower) == "qwen3_5"
+    without = qwen3_5_vision_dir(tmp_path / "without")
+    (without / "vision.safetensors").unlink()
+    assert vision_family(without) is None
