@@ -24,6 +24,10 @@ class ImageRows(Protocol):
 
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None: ...
 
+    def forward(
+        self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
+    ) -> mx.array: ...
+
     def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
         """Set the rope positions of prompt positions [lo, hi) for the pass that feeds them
         (Qwen's M-RoPE, vision/mrope.py; nothing for a family with 1D positions)."""
@@ -107,4 +111,4 @@ def forward(
     with images.positions(lo, hi):
         if rows is None:
             return model(ids, cache=caches)
-        return model(ids, cache=caches, input_embeddings=rows)
+        return images.forward(model, ids, rows, lo, caches)

@@ -27,9 +27,20 @@ FEATURES_BYTES = 256 << 20  # the features kept in RAM (a Gemma 3 27B image: 2.7
 
 
 class Family(Markup, Protocol):
-    """A family's vision (vision/gemma3.py): its markup and an image's features."""
+    """A family's vision (vision/gemma3.py, gemma4.py): its markup, an image's features, and
+    the forward of a prefill chunk that holds images (`blocks`: each one's [start, end) in
+    the chunk)."""
 
     def features(self, image: Image, dtype: mx.Dtype) -> mx.array: ...
+
+    def forward(
+        self,
+        model: nn.Module,
+        ids: mx.array,
+        rows: mx.array,
+        blocks: Sequence[tuple[int, int]],
+        caches: list,
+    ) -> mx.array: ...
 
 
 class Vision:
@@ -204,6 +215,18 @@ class PromptImages:
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None:
         return self.vision.embeddings(self.model, tokens, lo, hi, self.spans, self.images)
 
+    def forward(
+        self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
+    ) -> mx.array:
+        """The logits of the chunk from `lo` whose input embeddings are `rows`."""
+        hi = lo + ids.shape[1]
+        blocks = [
+            (max(s.start, lo) - lo, min(s.end, hi) - lo)
+            for s in self.spans
+            if s.start < hi and lo < s.end
+        ]
+        return self.vision.family.forward(model, ids, rows, blocks, caches)
+
     def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
         """The rope positions of prompt positions [lo, hi) for the pass that feeds them
         (M-RoPE: an image's 3D grid, the text after it shifted; else nothing to set)."""
@@ -229,6 +252,18 @@ def embedding_dtype(table: nn.Module) -> mx.Dtype:
     return (scales if scales is not None else table.weight).dtype
 
 
+def family_class(family: str) -> Callable[[Path, Callable[[int], str]], Family]:
+    """The class of a Gemma family module (vision/family.py's FAMILIES values; the Qwen
+    families load with their text model, `_load_qwen`)."""
+    if family == "gemma4":
+        from mlx_kvserve.vision.gemma4 import Gemma4Vision
+
+        return Gemma4Vision
+    from mlx_kvserve.vision.gemma3 import Gemma3Vision
+
+    return Gemma3Vision
+
+
 def load_vision(
     model_dir: Path | None, token_text: Callable[[int], str], model: nn.Module | None = None
 ) -> Vision | None:
@@ -240,9 +275,7 @@ def load_vision(
         return None
     if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         return _load_qwen(model_dir, token_text, model, family)
-    from mlx_kvserve.vision.gemma3 import Gemma3Vision
-
-    loaded = Gemma3Vision(model_dir, token_text)
+    loaded = family_class(family)(model_dir, token_text)
     log.info("vision tower loaded (%s): %d tokens per image", family, loaded.tokens_per_image)
     return Vision(loaded)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 # model_type -> the family (vision/encoder.py's `load_vision`)
 FAMILIES = {
     "gemma3": "gemma3",
+    "gemma4": "gemma4",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_5": "qwen3_5",

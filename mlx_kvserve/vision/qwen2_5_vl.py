@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -91,6 +91,18 @@ class Qwen25VLVision:
         patches, grid = self.pixels(image)
         x = mx.array(patches).astype(self.tower.patch_embed.proj.weight.dtype)
         return self.tower(x, mx.array(grid), output_hidden_states=False).astype(dtype)
+
+    def forward(
+        self,
+        model: nn.Module,
+        ids: mx.array,
+        rows: mx.array,
+        blocks: Sequence[tuple[int, int]],
+        caches: list,
+    ) -> mx.array:
+        """A chunk with images: the text model fed their rows, causal as mlx-vlm runs it (at
+        the positions `Positions` holds for the chunk)."""
+        return model(ids, cache=caches, input_embeddings=rows)
 
     @staticmethod
     def vision_module(config: dict) -> nn.Module:

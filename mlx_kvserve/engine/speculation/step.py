@@ -4,8 +4,8 @@
 only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
 engine/speculation/verify.py; logprobs are the target's at each emitted position; an
 `ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
-row's draft is walked through its matcher, engine/decode.py `Decoder.walk`, and fed with the
-tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
+row's draft is walked through a copy of its matcher, engine/decode.py `Decoder.walk`, and fed
+with the tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
 exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or a window or
 recurrent state (engine/speculation/snapshot.py: snapshot, then replay of each row's kept
 prefix; merged only on a model whose layers honour the rows' lengths, asked once).
@@ -97,11 +97,11 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
-        `ignore_eos` too; a grammar row if its constraint can take tokens back (llguidance's
-        matcher, the reasoning gate; not Harmony's analysis gate). A seeded grammar row's
-        slots draw the seeds of its sampled tokens in order, and its forced tokens none, as
-        without it."""
-        return seq.decoder.rewindable
+        `ignore_eos` too; a grammar row if its constraint can copy itself for the draft's walk
+        (llguidance's matcher, the reasoning gate, Harmony's analysis gate). A seeded grammar
+        row's slots draw the seeds of its sampled tokens in order, and its forced tokens none,
+        as without it."""
+        return seq.decoder.walkable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
