@@ -39,6 +39,7 @@ import mlx.nn as nn
 
 from mlx_kvserve.cache.kinds import KVLayout, LayerCache
 from mlx_kvserve.engine import faults, sampling
+from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
@@ -206,13 +207,14 @@ class DecodeBatch:
     def _forward(self) -> None:
         """One pass for every row, then one sampling call for the rows that sample."""
         faults.maybe_fail("decode_stall")  # a rank stuck inside a pass (tests)
-        if self._merged is None:
-            (seq,) = self.seqs
-            tokens = seq.inputs(one=False)[None]
-            logits = self.model(tokens, cache=seq.live.caches)[:, -1, :]
-        else:
-            tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
-            logits = self.model(tokens, cache=self._merged)[:, -1, :]
+        with shifted(self.model, self.seqs):  # rows past an image under M-RoPE
+            if self._merged is None:
+                (seq,) = self.seqs
+                tokens = seq.inputs(one=False)[None]
+                logits = self.model(tokens, cache=seq.live.caches)[:, -1, :]
+            else:
+                tokens = mx.concatenate([seq.inputs(one=True) for seq in self.seqs])[:, None]
+                logits = self.model(tokens, cache=self._merged)[:, -1, :]
         if self.speculator is not None:
             self.speculator.passed(self.seqs, self.model)  # MTP heads' hidden states
         rows = [i for i, seq in enumerate(self.seqs) if seq.wants_sample()]

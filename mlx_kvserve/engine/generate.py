@@ -292,12 +292,20 @@ class Generator:
         self.after_prefill(len(prompt) - start.usable, start.source in ("ram", "disk"))
         req.emit(Prefilled(len(prompt), start.usable))
         seq = Sequence(req, self.tokenizer, live, logits, timings, states, self.vocab)
+        seq.rope_delta = self.rope_delta(req)
         seq.forks = [self._fork(fork, live, logits, states) for fork in req.forks]
         return seq
 
     def images(self, req: GenerationRequest) -> image_prefill.ImageRows | None:
         """What prefills `req`'s images, if it has any and the model sees them."""
         return image_prefill.request_rows(self.vision, self.model, req.image_spans, req.images)
+
+    def rope_delta(self, req: GenerationRequest) -> int:
+        """How far `req`'s decode positions sit from its token count (Qwen's M-RoPE after an
+        image; 0 otherwise): its row adds it to its offset in every pass (engine/positions.py)."""
+        if self.vision is None or not req.image_spans:
+            return 0
+        return self.vision.rope_delta(req.image_spans, req.images)
 
     def _fork(
         self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates
@@ -309,7 +317,9 @@ class Generator:
         timings = Timings(cache_source="fork")
         req.emit(Prefilled(len(req.prompt_tokens), len(req.prompt_tokens)))
         forked = Live(caches, list(live.tokens), live.spans)
-        return Sequence(req, self.tokenizer, forked, logits, timings, states, self.vocab)
+        seq = Sequence(req, self.tokenizer, forked, logits, timings, states, self.vocab)
+        seq.rope_delta = self.rope_delta(req)
+        return seq
 
     def _save(
         self,

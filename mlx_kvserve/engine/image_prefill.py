@@ -6,6 +6,7 @@ checkpoints taken there, are places the prompt cache may key and reuse."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import mlx.core as mx
@@ -27,6 +28,11 @@ class ImageRows(Protocol):
         self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
     ) -> mx.array: ...
 
+    def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
+        """Set the rope positions of prompt positions [lo, hi) for the pass that feeds them
+        (Qwen's M-RoPE, vision/mrope.py; nothing for a family with 1D positions)."""
+        ...
+
 
 class Markup(Protocol):
     """What a vision model's prompt needs (chat/image_markup.py): the placeholder id, and an
@@ -45,6 +51,10 @@ class VisionRows(Markup, Protocol):
     def rows(
         self, model: nn.Module, spans: tuple[ImageSpan, ...], images: tuple[Image, ...]
     ) -> ImageRows: ...
+
+    def rope_delta(self, spans: Sequence[ImageSpan], images: Sequence[Image]) -> int:
+        """What a row's decode passes add to its offsets (0 but for M-RoPE)."""
+        ...
 
 
 def request_rows(
@@ -95,7 +105,10 @@ def forward(
 ) -> mx.array:
     """The model's logits for prompt[lo:hi] (embedded with its images where it holds any)."""
     ids = mx.array(prompt[lo:hi])[None]
-    rows = images.embeddings(prompt, lo, hi) if images is not None else None
-    if rows is None:
+    if images is None:
         return model(ids, cache=caches)
-    return images.forward(model, ids, rows, lo, caches)
+    rows = images.embeddings(prompt, lo, hi)
+    with images.positions(lo, hi):
+        if rows is None:
+            return model(ids, cache=caches)
+        return images.forward(model, ids, rows, lo, caches)

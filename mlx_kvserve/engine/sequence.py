@@ -58,6 +58,8 @@ class Sequence:
         self.states = states  # the PromptStates (namespace) this request acquired from
         self.eos = set(tokenizer.eos_token_ids)
         self.decoder = Decoder(req, self.eos, vocab)
+        # position minus token index past its images (Qwen's M-RoPE; engine/positions.py)
+        self.rope_delta = 0
         self.detok = tokenizer.detokenizer
         if req.kind == "text":
             keep_leading_space(self.detok)

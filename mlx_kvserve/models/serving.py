@@ -225,7 +225,7 @@ def make_engine(
 
     def load_model() -> Loaded:
         model, tokenizer = Loaded(*mlx_load(str(model_dir)))[:2]
-        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens)
+        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
         add_end_tokens(tokenizer)  # its format's own (gpt-oss's <|call|>) end a generation
         log.info("%s", tool_format_notice(tokenizer))
         cast = apply_kv_dtype(model, kv_dtype, only_if_float32=settings.kv_dtype == "auto")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from mlx_kvserve.engine.protocols import ImageFeatures
 from mlx_kvserve.images.image import Image
 from mlx_kvserve.images.spans import ImageSpan
 from mlx_kvserve.vision.family import vision_family
+from mlx_kvserve.vision.mrope import Grid, Positions, prompt_positions, rope_delta
 
 log = logging.getLogger("mlx_kvserve.vision")
 
@@ -43,10 +45,17 @@ class Family(Markup, Protocol):
 
 class Vision:
     """A loaded model's vision: its family, and the features of the images seen lately (here,
-    and in the model's prompt cache, which keeps them on disk across restarts)."""
+    and in the model's prompt cache, which keeps them on disk across restarts). `positions`:
+    the M-RoPE context of the text model's attention layers, for a family with grids."""
 
-    def __init__(self, family: Family, capacity: int = FEATURES_BYTES) -> None:
+    def __init__(
+        self,
+        family: Family,
+        capacity: int = FEATURES_BYTES,
+        positions: Positions | None = None,
+    ) -> None:
         self.family = family
+        self.positions = positions
         self.capacity = capacity
         self._features: OrderedDict[str, mx.array] = OrderedDict()
         self._bytes = 0
@@ -82,6 +91,65 @@ class Vision:
         if self._store is not None:
             self._store.put(image.digest, rows)
         return rows
+
+    @property
+    def deepstack_layers(self) -> int:
+        """The text layers that add an image's deepstack rows (Qwen3-VL's; else 0)."""
+        return int(getattr(self.family, "deepstack", 0))
+
+    def main(self, rows: mx.array) -> mx.array:
+        """An image's features as input embeddings (without its deepstack sets)."""
+        return rows[:, : rows.shape[-1] // (1 + self.deepstack_layers)]
+
+    def deepstack(
+        self,
+        model: nn.Module,
+        lo: int,
+        hi: int,
+        spans: Sequence[ImageSpan],
+        images: Sequence[Image],
+    ) -> list[mx.array] | None:
+        """What each of the first text layers adds to prompt positions [lo, hi): (1, L,
+        hidden) each, an image's deepstack rows in its span, zero elsewhere; None without
+        deepstack or an image there."""
+        layers = self.deepstack_layers
+        inside = [
+            (span, image)
+            for span, image in zip(spans, images, strict=True)
+            if span.start < hi and lo < span.end
+        ]
+        if not layers or not inside:
+            return None
+        dtype = embedding_dtype(text_embeddings(model))
+        out = []
+        for k in range(1, layers + 1):
+            pieces: list[mx.array] = []
+            at = lo
+            for span, image in inside:
+                rows = self.features(image, dtype)
+                width = rows.shape[-1] // (1 + layers)
+                start, end = max(span.start, lo), min(span.end, hi)
+                if at < start:
+                    pieces.append(mx.zeros((start - at, width), dtype))
+                part = rows[start - span.start : end - span.start, k * width : (k + 1) * width]
+                pieces.append(part)
+                at = end
+            if at < hi:
+                pieces.append(mx.zeros((hi - at, width), dtype))
+            out.append(mx.concatenate(pieces, axis=0)[None])
+        return out
+
+    def grids(self, images: Sequence[Image]) -> list[Grid]:
+        """Each image's merged-patch grid (a family with M-RoPE: vision/qwen2_5_vl.py)."""
+        grid = self.family.grid  # type: ignore[attr-defined]
+        return [grid(image) for image in images]
+
+    def rope_delta(self, spans: Sequence[ImageSpan], images: Sequence[Image]) -> int:
+        """Position minus token index of a row's tokens after its images (0 without
+        M-RoPE): what its decode steps add to their offsets (engine/positions.py)."""
+        if self.positions is None or not spans:
+            return 0
+        return rope_delta(spans, self.grids(images))
 
     def rows(
         self, model: nn.Module, spans: tuple[ImageSpan, ...], images: tuple[Image, ...]
@@ -124,7 +192,7 @@ class Vision:
             start, end = max(span.start, lo), min(span.end, hi)
             if at < start:
                 pieces.append(table(mx.array(tokens[at:start])))
-            rows = self.features(image, embedding_dtype(table))
+            rows = self.main(self.features(image, embedding_dtype(table)))
             pieces.append(rows[start - span.start : end - span.start])
             at = end
         if at < hi:
@@ -159,6 +227,17 @@ class PromptImages:
         ]
         return self.vision.family.forward(model, ids, rows, blocks, caches)
 
+    def positions(self, lo: int, hi: int) -> AbstractContextManager[None]:
+        """The rope positions of prompt positions [lo, hi) for the pass that feeds them
+        (M-RoPE: an image's 3D grid, the text after it shifted; else nothing to set)."""
+        positions = self.vision.positions
+        if positions is None:
+            return nullcontext()
+        length = max(hi, self.spans[-1].end)  # every image placed, though the chunk ends first
+        ids = prompt_positions(length, self.spans, self.vision.grids(self.images))
+        deepstack = self.vision.deepstack(self.model, lo, hi, self.spans, self.images)
+        return positions.chunk(ids[:, lo:hi], lo, deepstack)
+
 
 def text_embeddings(model: nn.Module) -> nn.Module:
     """The text model's token embedding (mlx-lm's wrappers keep it at
@@ -174,7 +253,8 @@ def embedding_dtype(table: nn.Module) -> mx.Dtype:
 
 
 def family_class(family: str) -> Callable[[Path, Callable[[int], str]], Family]:
-    """The class of a family module (vision/family.py's FAMILIES values)."""
+    """The class of a Gemma family module (vision/family.py's FAMILIES values; the Qwen
+    families load with their text model, `_load_qwen`)."""
     if family == "gemma4":
         from mlx_kvserve.vision.gemma4 import Gemma4Vision
 
@@ -184,12 +264,39 @@ def family_class(family: str) -> Callable[[Path, Callable[[int], str]], Family]:
     return Gemma3Vision
 
 
-def load_vision(model_dir: Path | None, token_text: Callable[[int], str]) -> Vision | None:
+def load_vision(
+    model_dir: Path | None, token_text: Callable[[int], str], model: nn.Module | None = None
+) -> Vision | None:
     """The vision of `model_dir`'s checkpoint (None: a text model, vision/family.py);
-    `token_text(id)`: a special token's text, as the tokenizer spells it."""
+    `token_text(id)`: a special token's text, as the tokenizer spells it; `model`: mlx-lm's
+    text model of the same checkpoint (a Qwen family's gets its M-RoPE layers here)."""
     family = vision_family(model_dir)
     if family is None or model_dir is None:
         return None
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
+        return _load_qwen(model_dir, token_text, model, family)
     loaded = family_class(family)(model_dir, token_text)
     log.info("vision tower loaded (%s): %d tokens per image", family, loaded.tokens_per_image)
     return Vision(loaded)
+
+
+def _load_qwen(
+    model_dir: Path, token_text: Callable[[int], str], model: nn.Module | None, family: str
+) -> Vision:
+    """A Qwen family's vision, and M-RoPE (and Qwen3-VL's deepstack) installed in `model`."""
+    import json
+
+    from mlx_kvserve.vision.mrope import install_deepstack, install_mrope
+    from mlx_kvserve.vision.qwen2_5_vl import Qwen25VLVision
+    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision, Qwen35Vision
+
+    if model is None:
+        raise ValueError(f"{family}'s vision needs its text model (for M-RoPE)")
+    config = json.loads((model_dir / "config.json").read_text())
+    positions = install_mrope(model, family, config.get("text_config") or config)
+    kind = {"qwen3_vl": Qwen3VLVision, "qwen3_5": Qwen35Vision}.get(family, Qwen25VLVision)
+    loaded = kind(model_dir, token_text)
+    if loaded.deepstack:
+        install_deepstack(model, positions, loaded.deepstack)
+    log.info("vision tower loaded (%s): M-RoPE positions", family)
+    return Vision(loaded, positions=positions)

@@ -7,8 +7,15 @@ import functools
 import json
 from pathlib import Path
 
-# model_type -> the family module (mlx_kvserve/vision/<module>.py)
-FAMILIES = {"gemma3": "gemma3", "gemma4": "gemma4"}
+# model_type -> the family (vision/encoder.py's `load_vision`)
+FAMILIES = {
+    "gemma3": "gemma3",
+    "gemma4": "gemma4",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_5": "qwen3_5",
+}
+TOWER_PREFIXES = ("visual.", "vision_tower.")  # after a leading `model.` (tower.py)
 
 
 def vision_family(model_dir: Path | None) -> str | None:
@@ -20,9 +27,25 @@ def vision_family(model_dir: Path | None) -> str | None:
     if not isinstance(config, dict) or not config.get("vision_config"):
         return None
     family = FAMILIES.get(str(config.get("model_type")))
-    if family is None or vision_library() is not None:
+    if family is None or vision_library() is not None or not _has_tower(str(model_dir)):
         return None
     return family
+
+
+@functools.lru_cache(maxsize=64)
+def _has_tower(model_dir: str) -> bool:
+    """Whether the checkpoint ships its vision tower's tensors (a text-only conversion keeps
+    the `vision_config` and drops them): read from the safetensors headers, not the data."""
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                names = json.loads(f.read(size))
+        except (OSError, ValueError):
+            continue
+        if any(str(n).removeprefix("model.").startswith(TOWER_PREFIXES) for n in names):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,7 +6,6 @@ image gives the same greedy answer, another image another answer (docs/images.md
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,11 +20,23 @@ TEXT = "What is in the picture?"
 TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from tests.support.vision_models import gemma3_vision_dir
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    """A tiny checkpoint of each family served (Qwen's images at M-RoPE positions)."""
+    from tests.support import vision_models
 
-    model = gemma3_vision_dir(tmp_path_factory.mktemp("vision") / "tiny-vision")
+    build = {
+        "gemma3": vision_models.gemma3_vision_dir,
+        "qwen2_5_vl": vision_models.qwen2_5_vl_dir,
+        "qwen3_vl": vision_models.qwen3_vl_dir,
+        "qwen3_5": vision_models.qwen3_5_vision_dir,
+    }[request.param]
+    # (Qwen3-VL's seed 0 happens to answer the long tool_result prompt's 8 tokens alike for
+    # RED and GREEN, whose 8 image tokens sit among ~200 of tool text; seed 1 does not)
+    seed = 1 if request.param == "qwen3_vl" else 0
+    model = build(tmp_path_factory.mktemp("vision") / "tiny-vision", seed=seed)
     # --no-cache: until the prompt cache keys image spans by their pixels, answers are compared
     # across images with nothing reused between requests
     yield from serve_model(model, "--no-cache")
@@ -155,10 +166,12 @@ def test_each_protocols_image_reaches_the_model(served: ServerProcess, protocol:
     assert "as a note" not in served.log()
 
 
-def test_the_server_says_the_model_sees_images(served: ServerProcess, tmp_path: Path) -> None:
+def test_the_server_says_the_model_sees_images(
+    served: ServerProcess, request: pytest.FixtureRequest
+) -> None:
     models = client_for(served).models.list().data
     assert "vision" in models[0].model_extra["capabilities"]
-    assert "vision tower loaded (gemma3)" in served.log()
+    assert f"vision tower loaded ({request.node.callspec.params['served']})" in served.log()
 
 
 def test_a_client_that_leaves_an_image_stream_cancels_it(served: ServerProcess) -> None:

@@ -101,6 +101,251 @@ def gemma3_vision_dir(dest: Path, seed: int = 0, *, quantized: bool = False) -> 
     return dest
 
 
+QWEN_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+SHARPEN = 6.0
+QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 8, 16 * 16, 64 * 64  # 2 to 16 tokens an image
+
+
+def qwen2_5_vl_dir(dest: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-VL checkpoint as Hugging Face ships it: one flat `config.json` (the text
+    model's fields at the top, `rope_scaling` of type `mrope`, a `vision_config`), the text
+    model under `model.` and `lm_head.` (mlx-lm's `qwen2_vl` classes), the windowed ViT and
+    merger under `visual.` (mlx-vlm's), the default tokenizer with Qwen's vision tokens added,
+    the real Qwen2.5-VL chat template and a `preprocessor_config.json` (14 px patches there,
+    8 here, and a small pixel range: a few tokens an image)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2_vl
+
+    from mlx_kvserve.vision.qwen2_5_vl import processor_config, vision_module
+    from tests.support.tiny_models import ROWS, TOKENIZER_FILES, default_tokenizer_dir
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    source = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    config = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": ROWS,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        # head_dim 16: 8 frequencies, 2 for time, 3 for rows, 3 for columns (Qwen's 16/24/24)
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,  # the default tokenizer's (Qwen's are 151643 and 151645)
+        "eos_token_id": 2,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": QWEN_PATCH,
+            "spatial_patch_size": QWEN_PATCH,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 4 * QWEN_PATCH,  # 2 x 2 merged patches a window
+            "fullatt_block_indexes": [1],
+            "in_channels": 3,
+        },
+    }
+    mx.random.seed(seed)
+    text = qwen2_vl.Model(qwen2_vl.ModelArgs.from_dict(dict(config)))
+    # Sharper attention than mlx-lm's initialisation gives (nearly uniform there, where a
+    # token's position hardly matters): positions rotated wrongly must change the answers, as
+    # they would with real weights.
+    for layer in text.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            proj.weight = proj.weight * SHARPEN
+    tower = vision_module(config)
+    weights = {
+        **{k.removeprefix("language_model."): v for k, v in tree_flatten(text.parameters())},
+        **{f"visual.{k}": v for k, v in tree_flatten(tower.parameters())},
+    }
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 0]}
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest
+
+
+def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-VL checkpoint in Hugging Face's layout: `text_config` and `vision_config`
+    nested, M-RoPE interleaved (`mrope_interleaved`), the text model under
+    `model.language_model.` (mlx-lm's `qwen3_vl`), the tower with its learned position
+    embeddings and two deepstack mergers under `model.visual.` (mlx-vlm's), Qwen's vision
+    tokens, template and processor as `qwen2_5_vl_dir` writes them (mean and std 0.5)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_vl
+
+    from mlx_kvserve.vision.qwen2_5_vl import processor_config
+    from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
+    from tests.support.tiny_models import ROWS, TOKENIZER_FILES, default_tokenizer_dir
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    source = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    text = {
+        "model_type": "qwen3_vl_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": ROWS,
+        "max_position_embeddings": 32768,
+        "rope_theta": 5000000.0,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [2, 3, 3],
+            "rope_type": "default",
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config = {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "text_config": text,
+        "vision_config": {
+            "model_type": "qwen3_vl",
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": QWEN_PATCH,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8 x 8 grid, interpolated to each image's
+            "deepstack_visual_indexes": [0, 1],
+            "in_channels": 3,
+        },
+    }
+    mx.random.seed(seed)
+    model = qwen3_vl.Model(qwen3_vl.ModelArgs.from_dict(dict(config)))
+    for layer in model.layers:  # sharper attention: positions matter (qwen2_5_vl_dir)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            proj.weight = proj.weight * SHARPEN
+    tower = Qwen3VLVision.vision_module(config)
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        inner = k.removeprefix("language_model.")
+        name = (
+            inner
+            if inner.startswith("lm_head")
+            else "model.language_model." + inner.removeprefix("model.")
+        )
+        weights[name] = v
+    weights |= {f"model.visual.{k}": v for k, v in tree_flatten(tower.parameters())}
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 0]}
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    processor |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest
+
+
+def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3.5 checkpoint with its vision, as mlx-vlm's conversions lay it out: the
+    tiny `qwen3_5` text model of tiny_models.py (linear-attention layers and one full-attention
+    layer, mlx-lm's classes and names) with three quarters of each head rotated here (a quarter
+    in Qwen3.5's: 6 frequencies, 2 per section), Qwen3-VL's tower without deepstack under
+    `vision_tower.` (mlx-vlm's `qwen3_5`) in a second file, Qwen's vision tokens, the real
+    Qwen3.5 chat template (tests/fixtures/templates) and a processor config."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_kvserve.vision.qwen2_5_vl import processor_config
+    from mlx_kvserve.vision.qwen3_vl import Qwen35Vision
+    from tests.support.tiny_models import make_model_dir
+
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "mrope_section": [2, 2, 2],
+        "mrope_interleaved": True,
+    }
+    dest = make_model_dir(dest, "qwen3_5", seed=seed, rope_parameters=rope)
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen3.5.jinja").read_text())
+    config = json.loads((dest / "config.json").read_text())
+    config.update(
+        {
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "vision_config": {
+                "model_type": "qwen3_5",
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": config["text_config"]["hidden_size"],
+                "patch_size": QWEN_PATCH,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 64,
+                "deepstack_visual_indexes": [],
+                "in_channels": 3,
+            },
+        }
+    )
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed + 1)
+    tower = Qwen35Vision.vision_module(config)
+    weights = {f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())}
+    mx.save_safetensors(str(dest / "vision.safetensors"), weights, metadata={"format": "mlx"})
+    processor = processor_config(QWEN_PATCH, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    processor |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return dest
+
+
 # Gemma 4: its turn and tool tokens, its image markers, and the audio and video placeholders
 # its tokenizer has (mlx-vlm's processor adds `<|video|>` when a tokenizer lacks it).
 GEMMA4_IMAGE_TOKENS = ("<|image>", "<image|>", "<|image|>", "<|audio|>", "<|video|>")

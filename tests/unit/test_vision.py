@@ -40,9 +40,8 @@ def vision_loader(model_dir: Path):  # noqa: ANN201
         from mlx_kvserve.vision.encoder import load_vision
 
         model, tokenizer = load(str(model_dir))
-        return Loaded(
-            model, tokenizer, vision=load_vision(model_dir, tokenizer.convert_ids_to_tokens)
-        )
+        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
+        return Loaded(model, tokenizer, vision=vision)
 
     return load
 

@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
+from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
 from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
@@ -294,7 +295,8 @@ class Speculator:
             seq.feed = []
         caches = merged if merged is not None else seqs[0].live.caches
         snapshot = Snapshot(caches) if needs_snapshot(caches) else None
-        logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
+        with shifted(model, seqs):  # rows past an image under M-RoPE (engine/positions.py)
+            logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
         hidden = model.hidden if isinstance(model, Tap) else None
         slots = max(len(plan.drafts) for plan in plans) + 1
         logits = slot_logits(logits, plans, slots)
@@ -314,7 +316,9 @@ class Speculator:
                 mtp.record(start, hidden[i, :kept])  # only what stays: never a rejected one
         if snapshot is not None and any(rejected):  # back to before the pass, then replay
             snapshot.restore()
-            replay(model, caches, [row[: width - r] for row, r in zip(rows, rejected, strict=True)])
+            kept_rows = [row[: width - r] for row, r in zip(rows, rejected, strict=True)]
+            with shifted(model, seqs):
+                replay(model, caches, kept_rows)
         elif snapshot is None:
             roll_back(caches, rejected)
         return [len(out) - 1 for out in emitted], width
