@@ -158,13 +158,23 @@ class Drafter:
             source.extend(tokens)
 
     def would_propose(self) -> bool:
-        """Whether some source has a draft now: a source that costs a forward (`ready`) says
-        so without running it, the others propose one token."""
+        """Whether some source has a draft now."""
+        return self.peek() is not None
+
+    def peek(self) -> tuple[str, int] | None:
+        """The source and evidence the proposal would have now: a source that costs a forward
+        (`ready`) says so without running it, the others propose one token."""
+        best: tuple[str, int] | None = None
         for source in self.sources:
             ready = getattr(source, "ready", None)
-            if ready() if ready is not None else source.propose(1):
-                return True
-        return False
+            if ready is not None:
+                found = (source.name, getattr(source, "evidence", 0)) if ready() else None
+            else:
+                draft = source.propose(1)
+                found = (draft.source, draft.evidence) if draft and draft.tokens else None
+            if found is not None and (best is None or found[1] > best[1]):
+                best = found
+        return best
 
     def propose(self, limit: int) -> Draft | None:
         """A source whose every proposal carries the same `evidence` (a model's heads, which

@@ -42,7 +42,13 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
-from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.depth import (
+    READ_FIRST,
+    DepthController,
+    SourcePriors,
+    VerifyCost,
+    plan_width,
+)
 from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
@@ -89,6 +95,8 @@ class Speculator:
         self.mtp = mtp
         self.draft_model = draft_model
         self.cost = VerifyCost()
+        self.priors = SourcePriors(max_depth)  # what each source's drafts kept, shared by rows
+        self.read_first = False  # the last step read its rows' pending tokens to draft
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
         self.replays: bool | None = None  # merged window/recurrent rows replay exactly
@@ -103,6 +111,13 @@ class Speculator:
         return seq.decoder.rewindable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
+        """A step of `batch` rows took `seconds`: a plain one (width 1), a verify pass, or
+        (width -1) a plain one after its rows' pending tokens were read first to draft (timed
+        as `READ_FIRST`, what such a miss costs); a step that read nothing to draft, none."""
+        if width < 0:
+            if not self.read_first:
+                return
+            width = READ_FIRST
         if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
             seconds -= self.draft_model.take_seconds()
         self.cost.observe(batch, width, seconds)
@@ -126,6 +141,7 @@ class Speculator:
         """Run one speculative step if it pays: the pass's width; 0 if nothing ran, -1 if the
         rows' pending tokens were read but no draft paid (either way the caller runs the plain
         step). `read` and `leave` are the batch's own readback and departures."""
+        self.read_first = False
         if not seqs or not all(self.eligible(s) for s in seqs):
             return 0
         caches = merged if merged is not None else seqs[0].live.caches
@@ -142,25 +158,37 @@ class Speculator:
         # rows whose draft would be the draft model's: its passes are part of their cost
         uses = self._uses_draft_model(seqs, states)
         drafting = cost if self.draft_model is None else self.draft_model.cost(self.cost, batch)
-        depths = [
-            state.depth.depth(drafting if use else cost, self.max_depth)
-            if seq.req.params.speculative
-            else 0
-            for seq, state, use in zip(seqs, states, uses, strict=True)
-        ]  # a row that opted out feeds one token in the verify pass, as in a plain step
+        pipelined = any(seq.step is not None for seq in seqs)
+        miss = self.cost.read_first(batch)
+        peeks, depths = [], []
+        for seq, state, use in zip(seqs, states, uses, strict=True):
+            sync(seq, state.drafter)
+            # the source its draft would come from a token ago, and what that source was worth
+            peek = state.drafter.peek() if seq.req.params.speculative else None
+            peeks.append(peek)
+            if not seq.req.params.speculative:  # it feeds one token in the verify pass
+                depths.append(0)
+                continue
+            hit = state.depth.hit_rate(self.priors.hit_rate(peek)) if pipelined else 1.0
+            prior = None if peek is None else self.priors.rates(peek)
+            depths.append(
+                state.depth.depth(
+                    drafting if use else cost, self.max_depth, prior=prior, hit=hit, miss=miss
+                )
+            )
         if not any(depths):
             return 0
-        for seq, state in zip(seqs, states, strict=True):
-            sync(seq, state.drafter)
         # A pipelined row's pending token is still on the device: reading it gives up the
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does; the draft model always has).
-        if any(seq.step is not None for seq in seqs) and not any(
-            depth and (use or state.drafter.would_propose())
-            for state, depth, use in zip(states, depths, uses, strict=True)
-        ):
+        wanting = [
+            bool(depth and (use or peek is not None))
+            for depth, use, peek in zip(depths, uses, peeks, strict=True)
+        ]
+        if pipelined and not any(wanting):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
+        self.read_first = pipelined
         leave()
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
@@ -175,7 +203,7 @@ class Speculator:
             ]
             self.draft_model.draft(wanted, vocab)
         plans: list[Plan] = []
-        sources: list[str] = []  # where each row's draft came from
+        sources: list[tuple[str, int] | None] = []  # each row's draft's source and evidence
         for seq, state, depth in zip(seqs, states, depths, strict=True):
             assert seq.step is None and seq.feed
             sync(seq, state.drafter)
@@ -183,18 +211,22 @@ class Speculator:
             if seq.decoder.constraint is None:
                 draft = state.drafter.propose(min(depth, left - 1))
                 plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
-                sources.append(draft.source if draft else "")
+                sources.append((draft.source, draft.evidence) if draft else None)
                 continue
             # the proposal runs through what the grammar forces, which costs no draft
             draft = state.drafter.propose(min(2 * self.max_depth, left - 1)) if depth else None
             proposal = list(draft.tokens) if draft else []
             walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
             plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
-            sources.append(draft.source if draft else "")
-        if not any(plan.drafts for plan in plans):
-            return -1
+            sources.append((draft.source, draft.evidence) if draft else None)
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
-        planned = plan_width(curves, cost, margin=0.0)  # drafts made are paid for: verify only
+        # drafts made are paid for: verify only
+        planned = plan_width(curves, cost, margin=0.0) if any(p.drafts for p in plans) else 1
+        if self.read_first:  # each row that read first to draft: did it get to?
+            for state, peek, want, plan in zip(states, peeks, wanting, plans, strict=True):
+                if want:
+                    state.depth.read(planned > 1 and bool(plan.drafts))
+                    self.priors.read(peek, planned > 1 and bool(plan.drafts))
         if planned == 1:
             return -1
         plans = [plan.cut(planned) for plan in plans]
@@ -203,15 +235,17 @@ class Speculator:
             seqs, states, plans, accepted, sources, strict=True
         ):
             state.depth.record(len(plan.drafts), kept)
+            if plan.drafts:
+                self.priors.record(source, len(plan.drafts), kept)
             seq.timings.drafted += len(plan.drafts)
             seq.timings.accepted += kept
             seq.timings.verify_passes += bool(plan.drafts)
-            if plan.drafts:
-                counts = seq.timings.by_source.setdefault(source, [0, 0, 0])
+            if plan.drafts and source is not None:
+                counts = seq.timings.by_source.setdefault(source[0], [0, 0, 0])
                 counts[0] += len(plan.drafts)
                 counts[1] += kept
                 counts[2] += 1
-                if source == DRAFT_MODEL and self.draft_model is not None:
+                if source[0] == DRAFT_MODEL and self.draft_model is not None:
                     self.draft_model.record(len(plan.drafts), kept)
             self.drafted += len(plan.drafts)
             self.accepted += kept
