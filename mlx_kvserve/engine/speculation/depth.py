@@ -246,6 +246,12 @@ class SourcePriors:
             out.append(before)
         return out
 
+    def worth(self, source: str, evidence: int) -> float:
+        """The first draft's kept rate of a source with a match of this length (the flat
+        prior before it drafted)."""
+        rates = self.rates((source, evidence))
+        return self.prior if rates is None else rates[0]
+
     def hit_rate(self, key: Hashable) -> float:
         """The chance that a read-first of `key`'s source ended in a draft."""
         found = self._counts.get(key)

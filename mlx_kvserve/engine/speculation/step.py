@@ -14,9 +14,10 @@ request that opted out (`SamplingParams.speculative` False) drafts nothing: it t
 verify pass with its one token, so its company still speculates.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
-1. each row's depth from its controller; if any is positive and some such row's lookup has a
-   match for its tokens so far, every row's pending token is read (speculating rows give up the
-   pipelining overlap: the drafter needs that token);
+1. each row's depth from its controller (its rates starting from what its draft source kept
+   before on this engine, `SourcePriors`; a read that may find no draft weighed); if any is
+   positive and some such row's lookup has a match for its tokens so far, every row's pending
+   token is read (speculating rows give up the pipelining overlap: the drafter needs it);
 2. each row's draft (its `Drafter`: `PromptLookup` and, given `continuations`, the prompt
    cache's continuations of its namespace, and, given `mtp`, the checkpoint's MTP heads fed
    the target's hidden states of every pass (mtp.py), synced with its tokens; a grammar row's
@@ -28,7 +29,8 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what
    all rows reject and holes for the rest (engine/speculation/holes.py); windows and recurrent
    states by snapshot and replay, the replay in the step's time.
-Steps are timed whole (plain ones too), so `VerifyCost` compares what a round really costs.
+Steps are timed whole (plain ones too, and plain ones after a read-first that drafted nothing,
+as `READ_FIRST`), so `VerifyCost` compares what each kind of round really costs.
 """
 
 from __future__ import annotations
@@ -82,15 +84,19 @@ class Speculator:
 
     def __init__(
         self,
-        max_depth: int = 8,
+        max_depth: int = 16,
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
+        model_depth: int = 8,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
         `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
-        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py)."""
-        self.max_depth = max_depth
+        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py).
+        `max_depth`: the most a row drafts from copies (free: a source that keeps matching
+        is followed that far, as its controller finds it pays); `model_depth`: the most a
+        row with a source that costs a forward per draft drafts."""
+        self.max_depth, self.model_depth = max_depth, model_depth
         self.continuations = continuations
         self.mtp = mtp
         self.draft_model = draft_model
@@ -173,7 +179,7 @@ class Speculator:
             prior = None if peek is None else self.priors.rates(peek)
             depths.append(
                 state.depth.depth(
-                    drafting if use else cost, self.max_depth, prior=prior, hit=hit, miss=miss
+                    drafting if use else cost, self._cap(state), prior=prior, hit=hit, miss=miss
                 )
             )
         if not any(depths):
@@ -209,12 +215,13 @@ class Speculator:
             sync(seq, state.drafter)
             left = seq.limit - seq.timings.completion_tokens
             if seq.decoder.constraint is None:
-                draft = state.drafter.propose(min(depth, left - 1))
+                draft = state.drafter.propose(min(depth, left - 1), self.priors.worth)
                 plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
                 sources.append((draft.source, draft.evidence) if draft else None)
                 continue
             # the proposal runs through what the grammar forces, which costs no draft
-            draft = state.drafter.propose(min(2 * self.max_depth, left - 1)) if depth else None
+            limit = min(2 * self._cap(state), left - 1)
+            draft = state.drafter.propose(limit, self.priors.worth) if depth else None
             proposal = list(draft.tokens) if draft else []
             walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
             plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
@@ -252,6 +259,11 @@ class Speculator:
         self.passes += 1
         return width
 
+    def _cap(self, state: RowState) -> int:
+        """The deepest draft of a row: a model's drafts cost a forward each, copies none."""
+        costed = state.mtp is not None or state.model_row is not None
+        return self.model_depth if costed else self.max_depth
+
     def _replays(self, model: nn.Module) -> bool:
         """Whether this model's merged rows replay exactly (asked once: snapshot.py)."""
         if self.replays is None:
@@ -277,7 +289,8 @@ class Speculator:
             mtp = None if self.mtp is None else MTPDraft(self.mtp)
             row = self.draft_model.row() if self.draft_model is not None else None
             own = [s for s in (mtp, row) if s is not None]
-            state = RowState(Drafter(sources + own), mtp=mtp, model_row=row)
+            depth = DepthController(self.max_depth)
+            state = RowState(Drafter(sources + own), depth, mtp=mtp, model_row=row)
             self.rows[id(seq)] = state
         return state
 
