@@ -183,3 +183,17 @@ def test_read_first_steps_that_draft_nothing_are_paid_for() -> None:
     for _ in range(30):
         lucky.read(True)
     assert lucky.depth(lambda w: cost.cost(1, w), hit=lucky.hit_rate(0.5), miss=1.15) > 0
+
+
+def test_a_rows_own_first_drafts_outweigh_the_engines_between_sources() -> None:
+    """A commit message the prompt cache holds whole: the row's own rounds find its copies
+    kept and its own tokens' 4-token matches rejected, whatever other rows' copies did."""
+    ctrl = DepthController()
+    lookup, cache = ("prompt_lookup", 4), ("prompt_cache", 4)
+    assert ctrl.worth(lookup, 0.9) == 0.9  # nothing of its own yet: the engine's
+    for _ in range(5):
+        ctrl.record(4, 0, lookup)
+        ctrl.record(8, 8, cache)
+    assert ctrl.worth(lookup, 0.9) < 0.5 < ctrl.worth(cache, 0.5)
+    ctrl.record(3, 1)  # a round without a source: no source's worth changes
+    assert ctrl.firsts[cache][0] == ctrl.firsts[lookup][0]

@@ -113,6 +113,7 @@ class DepthController:
         self.drafted = self.accepted = 0  # totals, for the log line and metrics
         self.reads = self.hits = 0.0  # decayed: read-first steps, and those that drafted
         self.base: Sequence[float] | None = None  # the shared prior per position (SourcePriors)
+        self.firsts: dict[Hashable, list[float]] = {}  # key -> decayed [tried, kept] of draft 1
         self._backoff, self._wait = backoff, backoff[0]
         self._idle = 0  # rounds at depth 0 since the last probe
 
@@ -181,12 +182,22 @@ class DepthController:
         self._wait = min(self._wait * 2, self._backoff[1])
         return min(PROBE_DEPTH, cap)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A round drafted `drafted` tokens (after any shortening by the source) and kept
-        `accepted`."""
+    def worth(self, key: Hashable, shared: float) -> float:
+        """This row's kept rate of first drafts from `key` (source, match length), from the
+        engine's (`shared`) before it has its own."""
+        tried, kept = self.firsts.get(key, (0.0, 0.0))
+        return (kept + self.strength * shared) / (tried + self.strength)
+
+    def record(self, drafted: int, accepted: int, key: Hashable = None) -> None:
+        """A round drafted `drafted` tokens (after any shortening by the source `key`) and
+        kept `accepted`."""
         assert 0 <= accepted <= drafted <= self.max_depth
         if drafted == 0:
             return
+        if key is not None:
+            first = self.firsts.setdefault(key, [0.0, 0.0])
+            first[0] = first[0] * self.decay + 1
+            first[1] = first[1] * self.decay + (accepted > 0)
         self.drafted += drafted
         self.accepted += accepted
         self.tried = [t * self.decay for t in self.tried]

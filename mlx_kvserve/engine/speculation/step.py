@@ -88,15 +88,16 @@ class Speculator:
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
-        model_depth: int = 8,
+        short_depth: int = 8,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
         `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
         `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py).
-        `max_depth`: the most a row drafts from copies (free: a source that keeps matching
-        is followed that far, as its controller finds it pays); `model_depth`: the most a
-        row with a source that costs a forward per draft drafts."""
-        self.max_depth, self.model_depth = max_depth, model_depth
+        `max_depth`: the most a lone row drafts from copies (free: a source that keeps
+        matching is followed that far, as its controller finds it pays); `short_depth`: the
+        most a merged row drafts (a wide pass of many rows is bound by compute), and a row
+        with a source that costs a forward per draft."""
+        self.max_depth, self.short_depth = max_depth, short_depth
         self.continuations = continuations
         self.mtp = mtp
         self.draft_model = draft_model
@@ -177,11 +178,9 @@ class Speculator:
                 continue
             hit = state.depth.hit_rate(self.priors.hit_rate(peek)) if pipelined else 1.0
             prior = None if peek is None else self.priors.rates(peek)
-            depths.append(
-                state.depth.depth(
-                    drafting if use else cost, self._cap(state), prior=prior, hit=hit, miss=miss
-                )
-            )
+            price = drafting if use else cost
+            cap = self._cap(state, batch)
+            depths.append(state.depth.depth(price, cap, prior=prior, hit=hit, miss=miss))
         if not any(depths):
             return 0
         # A pipelined row's pending token is still on the device: reading it gives up the
@@ -215,13 +214,13 @@ class Speculator:
             sync(seq, state.drafter)
             left = seq.limit - seq.timings.completion_tokens
             if seq.decoder.constraint is None:
-                draft = state.drafter.propose(min(depth, left - 1), self.priors.worth)
+                draft = state.drafter.propose(min(depth, left - 1), self._worth(state))
                 plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
                 sources.append((draft.source, draft.evidence) if draft else None)
                 continue
             # the proposal runs through what the grammar forces, which costs no draft
-            limit = min(2 * self._cap(state), left - 1)
-            draft = state.drafter.propose(limit, self.priors.worth) if depth else None
+            limit = min(2 * self._cap(state, len(seqs)), left - 1)
+            draft = state.drafter.propose(limit, self._worth(state)) if depth else None
             proposal = list(draft.tokens) if draft else []
             walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
             plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
@@ -241,7 +240,7 @@ class Speculator:
         for seq, state, plan, kept, source in zip(
             seqs, states, plans, accepted, sources, strict=True
         ):
-            state.depth.record(len(plan.drafts), kept)
+            state.depth.record(len(plan.drafts), kept, source)
             if plan.drafts:
                 self.priors.record(source, len(plan.drafts), kept)
             seq.timings.drafted += len(plan.drafts)
@@ -259,10 +258,20 @@ class Speculator:
         self.passes += 1
         return width
 
-    def _cap(self, state: RowState) -> int:
-        """The deepest draft of a row: a model's drafts cost a forward each, copies none."""
+    def _worth(self, state: RowState) -> Callable[[str, int], float]:
+        """What a source's first drafts of a match length were worth, for choosing between
+        equal matches: the row's own rounds over the engine's (`SourcePriors`)."""
+
+        def worth(source: str, evidence: int) -> float:
+            return state.depth.worth((source, evidence), self.priors.worth(source, evidence))
+
+        return worth
+
+    def _cap(self, state: RowState, batch: int) -> int:
+        """The deepest draft of a row: a model's drafts cost a forward each, copies none; a
+        merged batch's wide pass is bound by compute (8 agents lost a third at 16)."""
         costed = state.mtp is not None or state.model_row is not None
-        return self.model_depth if costed else self.max_depth
+        return self.short_depth if costed or batch > 1 else self.max_depth
 
     def _replays(self, model: nn.Module) -> bool:
         """Whether this model's merged rows replay exactly (asked once: snapshot.py)."""
