@@ -11,7 +11,7 @@ import pytest
 
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.requests import TextChunk
-from mlx_kvserve.engine.speculation.depth import SourcePriors, VerifyCost
+from mlx_kvserve.engine.speculation.depth import DepthController, SourcePriors, VerifyCost
 from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
@@ -412,3 +412,26 @@ def test_a_request_cancelled_while_speculating_ends_at_the_next_step(model, rows
     for a, b in zip(plain[1:], reqs[1:], strict=True):
         assert tokens_of(b.text) == tokens_of(a.text)
     check_caches(driver.ended)
+
+
+def test_rows_teach_the_engine_what_their_source_kept():
+    """The speculator's `SourcePriors` take every verified draft by its source and match
+    length (a read-first alone teaches no rates), and a new row given them drafts deeper from
+    its first round than one on the flat prior."""
+    model = tiny_model()
+    driver = driver_for(model, "auto")
+    priors = driver.batch.speculator.priors = SourcePriors()
+    serve(driver, [request(LOOPY, max_tokens=40)])
+    counts = priors._counts
+    assert counts and {source for source, _ in counts} == {"prompt_lookup"}
+    learnt = max(counts, key=lambda key: counts[key][0][0])
+    assert priors.rates(learnt)[0] > 0.75
+    assert all(priors.rates(key) is None for key in counts if not any(counts[key][0]))
+    cost = driver.batch.speculator.cost
+
+    def price(width: int) -> float:
+        return cost.cost(1, width)
+
+    flat = DepthController(16).depth(price, 16)
+    taught = DepthController(16).depth(price, 16, prior=priors.rates(learnt))
+    assert flat <= 4 < 8 <= taught, (flat, taught)

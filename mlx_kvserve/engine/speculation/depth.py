@@ -249,7 +249,7 @@ class SourcePriors:
         """P(draft i+1 kept | drafts 1..i kept) per position for `key`'s source; None before
         it drafted (a row then chains its own rates from the flat prior)."""
         found = self._counts.get(key)
-        if found is None:
+        if found is None or not any(found[0]):  # none drafted yet (only read first)
             return None
         out, before = [], self.prior
         for t, k in zip(found[0], found[1], strict=True):
