@@ -363,6 +363,17 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def median_seconds(fn, reps: int) -> float:
+    """The median time of `reps` calls of `fn`, after one warm-up call."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 # ===================================================================== text ===================
 class Tokens:
     """Counts tokens with the default model's tokenizer (tokenizers only; no MLX)."""

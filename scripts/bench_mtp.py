@@ -23,12 +23,12 @@ so the share of a pass an MTP draft costs falls as the model grows.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _bench_common import median_seconds  # noqa: E402
 
 from mlx_kvserve.blas import preload_optimised_blas  # noqa: E402
 
@@ -77,16 +77,6 @@ def build(shape: dict) -> tuple[qwen3_5.Model, MTPHeads]:
     block.set_dtype(mx.bfloat16)
     mx.eval(model.parameters(), block.parameters())
     return model, MTPHeads(model, block)
-
-
-def median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench(name: str, context: int, reps: int) -> None:

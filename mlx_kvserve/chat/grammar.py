@@ -22,6 +22,7 @@ form the Hermes fallback renders history in, so the cache keeps a tool loop's tu
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import unicodedata
@@ -99,11 +100,12 @@ class Constraint:
         """The grammar is complete: nothing but end-of-sequence may follow."""
         return self._matcher.is_stopped()
 
-    def rollback(self, n: int) -> None:
-        """Take back the last `n` tokens consumed: speculation walks a draft through the grammar
-        for its masks, then gives the draft back (engine/decode.py `Decoder.walk`)."""
-        if n and not self._matcher.rollback(n):
-            raise RuntimeError(f"grammar could not roll back {n}: {self._matcher.get_error()}")
+    def fork(self) -> Constraint:
+        """A copy in this state (llguidance's `deep_copy`) that speculation walks a draft
+        through (engine/decode.py `Decoder.walk`); the bitmask is scratch space, shared."""
+        twin = copy.copy(self)
+        twin._matcher = self._matcher.deep_copy()
+        return twin
 
 
 class GrammarCompiler:

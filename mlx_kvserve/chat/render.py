@@ -41,6 +41,7 @@ from mlx_kvserve.chat.reasoning.thinking import (
     check_template_kwargs,
     markers_for,
     opens_reasoning,
+    reasoning_tail,
     template_kwargs,
     template_variables,
 )
@@ -148,8 +149,9 @@ def render_chat(
     boundaries = _boundaries(tokenizer, messages, kwargs, prompt, encode)
     markers = markers_for(tokenizer)
     opened = opens_reasoning(markers, prompt)
-    if opened is not None and len(prompt) - opened <= THINKING_TAIL and opened > 0:
-        boundaries.setdefault(opened, "prompt")
+    departs = reasoning_tail(markers, prompt, THINKING_TAIL)
+    if departs is not None:
+        boundaries.setdefault(departs, "prompt")
     images, spans = placement.spans(text, prompt) if placement is not None else ((), ())
     return Prompt(
         prompt,

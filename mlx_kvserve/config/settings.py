@@ -154,12 +154,14 @@ class Settings:
         },
     )
     speculation: str = field(
-        default="off",
+        default="auto",
         metadata={
             "help": "Speculative decoding: auto (requests, grammars included, draft from their "
             "own prompt and output and the prompt cache's earlier answers, and verify the "
             "drafts in one pass, when it pays; greedy and seeded answers are the same either "
-            "way) or off. Off in a job across machines."
+            "way, up to float rounding) or off. Default auto: it drafts nothing where drafting "
+            "does not pay, and a request opts out with `speculative: false`. Off in a job "
+            "across machines."
         },
     )
     mtp: str = field(

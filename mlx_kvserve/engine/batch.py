@@ -44,6 +44,7 @@ from mlx_kvserve.engine.sampling import Step
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import Continuations
 from mlx_kvserve.engine.speculation.draft_model import DraftModel
+from mlx_kvserve.engine.speculation.job import AgreedCost, CheckedPasses, Decide
 from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.engine.speculation.step import Speculator
 from mlx_kvserve.models.mtp_heads import MTPHeads
@@ -75,12 +76,15 @@ class DecodeBatch:
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
+        job: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`speculation` "auto": rows draft and verify when it pays (engine/speculation/step.py),
         from their own tokens, `continuations` (finished requests' tokens), the model's
         `mtp` heads (passes then go through their `Tap`, which keeps the hidden states) and a
-        `draft_model`; "off": never."""
-        self.model: nn.Module | Tap = model
+        `draft_model`; "off": never. `job`: the batch steps with other ranks, which must
+        speculate alike (engine/speculation/job.py: `agree` before each step), and is the check
+        of each pass's shape across them."""
+        self.model: nn.Module | Tap | CheckedPasses = model
         self.on_end = on_end  # called once per sequence that ended, after it left the batch
         self.mergeable = mergeable  # False: one sequence decodes, the others wait their turn
         self.seqs: list[Sequence] = []
@@ -91,8 +95,14 @@ class DecodeBatch:
         self.speculator = None
         if speculation == "auto":
             self.speculator = Speculator(
-                continuations=continuations, mtp=mtp, draft_model=draft_model
+                continuations=continuations,
+                mtp=mtp,
+                draft_model=draft_model,
+                cost=AgreedCost() if job is not None else None,
             )
+            if job is not None:  # whether merged rows replay exactly would be each rank's own check
+                self.speculator.replays = False
+                self.model = CheckedPasses(self.model, job)
             if mtp is not None and not isinstance(model, Tap):
                 self.model = Tap(model, mtp)
 
@@ -175,6 +185,18 @@ class DecodeBatch:
             # each kind of round costs
             self.speculator.observe(rows, width or 1, time.perf_counter() - started)
             self.speculator.forget(self.seqs)
+
+    def agree(self, decide: Decide) -> None:
+        """In a job, before a step: every rank weighs drafts with rank 0's timings (job.py)."""
+        if self.speculator is not None and isinstance(self.speculator.cost, AgreedCost):
+            self.speculator.cost.agree(decide)
+
+    def speculated(self) -> dict[str, list[int]]:
+        """Each row's drafted and accepted tokens so far, for a job's digest (request id: ...)."""
+        return {
+            seq.req.request_id: [seq.timings.drafted, seq.timings.accepted]
+            for seq in self.seqs + self.waiting
+        }
 
     def fail_all(self) -> list[Sequence]:
         """After a failed pass: the batch's state is unknown, so every sequence leaves."""

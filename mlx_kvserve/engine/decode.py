@@ -36,7 +36,12 @@ from mlx_lm.tokenizer_utils import (
     StreamingDetokenizer,
 )
 
-from mlx_kvserve.engine.requests import GenerationRequest, Rewindable, TokenLogprob
+from mlx_kvserve.engine.requests import (
+    Forkable,
+    GenerationRequest,
+    TokenConstraint,
+    TokenLogprob,
+)
 from mlx_kvserve.engine.sampling import Step
 
 
@@ -159,18 +164,19 @@ class Decoder:
             self.constraint.advance(token)
         return self._logprob(step.logprobs[0], token) if self.want_logprobs else None
 
-    def forced_tokens(self, room: int) -> list[int]:
-        """Tokens the grammar allows no alternative to (e.g. a JSON key), at most `room`; they
-        need no sampling, so they share the next forward pass. Not with logprobs, which would
-        need a distribution for each."""
-        if self.constraint is None or self.want_logprobs or room <= 0:
+    def forced_tokens(self, room: int, grammar: TokenConstraint | None = None) -> list[int]:
+        """Tokens the grammar (`grammar`: a copy being walked) allows no alternative to (e.g. a
+        JSON key), at most `room`; they need no sampling, so they share the next forward pass.
+        Not with logprobs, which would need a distribution for each."""
+        grammar = grammar or self.constraint
+        if grammar is None or self.want_logprobs or room <= 0:
             return []
-        return self.constraint.forced(room)
+        return grammar.forced(room)
 
     @property
-    def rewindable(self) -> bool:
-        """A grammar speculation can walk drafts through (and take them back), or none."""
-        return self.constraint is None or isinstance(self.constraint, Rewindable)
+    def walkable(self) -> bool:
+        """A grammar speculation can walk drafts through (a copy of it), or none."""
+        return self.constraint is None or isinstance(self.constraint, Forkable)
 
     def walk(
         self, proposal: list[int], n_logits: int, depth: int, left: int, eos: set[int]
@@ -182,36 +188,34 @@ class Decoder:
         mask of its position (a refused one, or an end id, ends the draft); after it, the tokens
         the grammar then forces (`forced_tokens`, as `Sequence._accept` takes them) are fed
         without a sample or a search, and the proposal goes on only if it agrees with them.
-        The grammar is given everything back at the end: the row's accept takes the tokens it
-        keeps, so its matcher ends at the accepted length."""
-        assert isinstance(self.constraint, Rewindable)
+        The draft is walked through a copy of the grammar (`fork`, made at its first token), so
+        the row's own grammar takes only the tokens the row then emits (its accept), and a
+        draft the library refuses after all (a parser limit) just ends there."""
+        assert isinstance(self.constraint, Forkable)
         out = Walk()
-        consumed = 0
-        try:
-            while True:
-                allowed = self.constraint.allowed(n_logits)  # None: no mask (reasoning)
-                mask = None if allowed is None else mx.array(allowed)
-                out.masks.append(self._without_eos(mask, n_logits) if self._eos else mask)
-                done = self.constraint.finished or left <= 1
-                if done or len(out.drafts) >= depth or not proposal:
-                    break
-                token = proposal[0]
-                if (
-                    token in eos
-                    or token >= n_logits
-                    or (allowed is not None and not allowed[token])
-                ):
-                    break
-                self.constraint.advance(token)
-                forced = self.forced_tokens(left - 1)
-                consumed += 1 + len(forced)
-                out.drafts.append(token)
-                out.forced.append(forced)
-                left -= 1 + len(forced)
-                agrees = proposal[1 : 1 + len(forced)] == forced
-                proposal = proposal[1 + len(forced) :] if agrees else []
-        finally:
-            self.constraint.rollback(consumed)
+        grammar: TokenConstraint = self.constraint
+        while True:
+            allowed = grammar.allowed(n_logits)  # None: no mask (reasoning)
+            mask = None if allowed is None else mx.array(allowed)
+            out.masks.append(self._without_eos(mask, n_logits) if self._eos else mask)
+            done = grammar.finished or left <= 1
+            if done or len(out.drafts) >= depth or not proposal:
+                break
+            token = proposal[0]
+            if token in eos or token >= n_logits or (allowed is not None and not allowed[token]):
+                break
+            if grammar is self.constraint:
+                grammar = self.constraint.fork()
+            try:
+                grammar.advance(token)
+                forced = self.forced_tokens(left - 1, grammar)
+            except RuntimeError:  # llguidance in error: the copy is dropped, the row's intact
+                break
+            out.drafts.append(token)
+            out.forced.append(forced)
+            left -= 1 + len(forced)
+            agrees = proposal[1 : 1 + len(forced)] == forced
+            proposal = proposal[1 + len(forced) :] if agrees else []
         return out
 
     @property

@@ -46,9 +46,11 @@ under each of its kinds. On the disk tier: `disk_write_kill` (cache/disk.py, hal
 entry's temporary file) and the `disk_<op>_<errno>` points (see "Disk-tier points" below).
 Elsewhere (`OTHER_POINTS`): `read_body` (api/body.py, on the event loop: reading a request's
 body). Across the ranks of a job: `request_decode` (distributed.request_wire: a request from
-rank 0 that this rank cannot rebuild), and two points that `fires` instead of failing, where
+rank 0 that this rank cannot rebuild), and three points that `fires` instead of failing, where
 the fault is another value: `draw_otherwise` (engine.sampling: the step's tokens become other
-ones), `join_other_versions` (distributed.join: this rank reports other versions); a job's
+ones), `join_other_versions` (distributed.join: this rank reports other versions),
+`verify_cost_otherwise` (engine.speculation.job: this rank times its verify passes a thousand
+times dearer than they were); a job's
 tests give the variable to one rank only, to make that rank differ from the others.
 
 Production code only ever calls `maybe_fail` (or `maybe_fail_disk`, or `fires`), which does
@@ -92,6 +94,7 @@ OTHER_POINTS = (
     "request_decode",
     "draw_otherwise",
     "join_other_versions",
+    "verify_cost_otherwise",
 )
 
 METAL_OUT_OF_MEMORY = (

@@ -23,6 +23,10 @@ class ImageRows(Protocol):
 
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None: ...
 
+    def forward(
+        self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
+    ) -> mx.array: ...
+
 
 class Markup(Protocol):
     """What a vision model's prompt needs (chat/image_markup.py): the placeholder id, and an
@@ -94,4 +98,4 @@ def forward(
     rows = images.embeddings(prompt, lo, hi) if images is not None else None
     if rows is None:
         return model(ids, cache=caches)
-    return model(ids, cache=caches, input_embeddings=rows)
+    return images.forward(model, ids, rows, lo, caches)

@@ -11,6 +11,7 @@ behind.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from mlx_kvserve.engine.lockstep import Agreement
 from mlx_kvserve.engine.requests import STOP, CancelLatch, Done, GenerationRequest, Item
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.waitlist import WaitQueue
+
+log = logging.getLogger("mlx_kvserve.engine")
 
 IDLE_POLL = 0.05  # seconds: how often an idle engine looks for work (a call() wakes it at once)
 
@@ -129,9 +132,12 @@ class Intake:
         return self.room.admit(req, self._busy())
 
     def _end_unstarted(self, req: GenerationRequest) -> None:
-        """End a request that never reached the generator (cancelled while queued or held)."""
+        """End a request that never reached the generator (cancelled while queued or held):
+        it still gets its log line, so every request the server took shows in the log."""
         self._release(req)
         self._observe(req, None)
+        timings = Timings(prompt_tokens=len(req.prompt_tokens), finish_reason="cancelled")
+        log.info(timings.log_line(req))
         req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
 
 

@@ -94,6 +94,7 @@ class Loading:
     _draft_loader: DraftLoader | None
     _can_batch: bool
     _ended: Callable[[Sequence], None]
+    _same_pass: Callable[[list[int]], None]  # a job's decode pass, alike on every rank
     _observe: Callable[[GenerationRequest, Timings | None], None]
     prompt_cache: Caches
     cache_enabled: bool
@@ -142,8 +143,11 @@ class Loading:
         # trusts the layout alone (engine/merge_check.py).
         merges = can_batch(self.layout) and (job is not None or merged_decoding_agrees(model))
         self._can_batch = self.lockstep.all_true(merges, "batching")
-        speculation = self.speculation if job is None else "off"
-        mtp = loaded.mtp if speculation == "auto" else None
+        speculation = self.speculation  # in a job, rank 0 weighs every rank's drafts (job.py)
+        if job is not None:  # and only if every rank's settings ask for it
+            auto = job.all_true(speculation == "auto", "speculation")
+            speculation = "auto" if auto else "off"
+        mtp = loaded.mtp if speculation == "auto" and job is None else None
         tap = Tap(model, mtp) if mtp is not None else None  # the prefill's hidden states too
         self.generator = Generator(
             tap or model,
@@ -159,7 +163,10 @@ class Loading:
         self.memory.start(model)
         if self.kv_budget is None:
             self.kv_budget = self.memory.default_kv_budget(model)
-        drafts = load_draft(self._draft_loader, model, tokenizer, self.prefill_step, speculation)
+        if job is not None and self._draft_loader is not None:
+            log.warning("a job across machines drafts without its draft model (not loaded)")
+        loader = self._draft_loader if job is None else None  # each rank's own passes: job.py
+        drafts = load_draft(loader, model, tokenizer, self.prefill_step, speculation)
         layers = self.layout.layers + (describe_model(drafts.model).layers if drafts else ())
         self.room = Room(
             layers,  # a draft model's KV is counted per row beside the model's
@@ -173,7 +180,8 @@ class Loading:
             # 3 tokens at least: a 2-token match among many documents is common in prose and
             # seldom right (docs/speculation.md, the benchmark's prose cell)
             self.continuations = Continuations(n_min=3)
-            for namespace, cache in by_namespace(self.prompt_cache):  # and stored entries'
+            # and stored entries' (not in a job: each rank's disk cache is its own)
+            for namespace, cache in by_namespace(self.prompt_cache) if job is None else []:
                 for tokens in cache.token_streams(self.continuations.max_tokens):
                     self.continuations.remember(namespace, tokens)
         self.batch = DecodeBatch(
@@ -184,6 +192,7 @@ class Loading:
             continuations=self.continuations,
             mtp=mtp,
             draft_model=drafts,
+            job=None if job is None else self._same_pass,
         )
 
 

@@ -16,8 +16,9 @@ all-reduce) happens alike by itself. What is not is decided on rank 0 alone and 
 A turn's decisions travel together, in one collective, right before the turn's first forward
 pass: rank 0 decides and applies them as it goes, while the others wait for the list at their
 first decision of the turn and replay it. The list also carries a digest of the batch: its
-counts and, per row, the tokens drawn so far (`Draws`: a running CRC-32), so a rank that has
-drifted, or that drew another token than rank 0 from logits that were not quite equal (Macs of
+counts and, per row, the drafts it made and kept (speculation: engine/speculation/job.py) and
+the tokens drawn so far (`Draws`: a running CRC-32), so a rank that has drifted, drafted
+otherwise, or drew another token than rank 0 from logits that were not quite equal (Macs of
 other generations), stops the job with a clear line instead of answering garbage.
 
 A forward pass across the ranks has a deadline (`pass_timeout`): the peer timeout for what any
@@ -178,6 +179,15 @@ def difference(mine: list[JSON], leader: list[JSON]) -> str:
                 f"request {request_id} drew other tokens here than on rank 0 ({count} tokens, "
                 f"hash {crc:08x}, against {other[0]} tokens, hash {other[1]:08x})"
             )
+    kept = mine[-2] if len(mine) > 1 and isinstance(mine[-2], dict) else {}
+    theirs = leader[-2] if len(leader) > 1 and isinstance(leader[-2], dict) else {}
+    for request_id, counts in kept.items():
+        other = theirs.get(request_id)
+        if other is not None and list(other) != list(counts):
+            return (
+                f"request {request_id} drafted and kept other tokens here than on rank 0 "
+                f"({counts[0]} drafted, {counts[1]} kept, against {other[0]} and {other[1]})"
+            )
     return f"its batch differs from rank 0's ({mine} against {leader})"
 
 
@@ -309,6 +319,22 @@ class Lockstep:
     def gather(self, value: JSON, what: str) -> list[JSON]:
         """Every rank's `value` (JSON), in rank order: what each would do (engine/job_states)."""
         return self.collective.gather(value, what)
+
+    def same_pass(self, shape: list[int], rows: Iterable[GenerationRequest]) -> None:
+        """Before a decode pass of a job that speculates: every rank's is of rank 0's `shape`,
+        or a rank > 0 ends the job, naming the request that drew otherwise if one did
+        (engine/speculation/job.py `CheckedPasses`); rank 0 goes on and loses its peer."""
+        shapes = self.collective.gather(shape, "a decode pass's shape")
+        if all(s == shapes[0] for s in shapes):
+            return
+        mine = Draws().of(rows)
+        leader = self.collective.share(mine if self.leader else None, "the rows' draws")
+        if self.leader:
+            return
+        why = difference([mine], [leader])
+        if why.startswith("its batch"):
+            why = f"its decode pass is of shape {shape} here, {shapes[0]} on rank 0"
+        self._diverged(why)
 
     def working(self, what: str, tokens: int) -> AbstractContextManager[None]:
         """A forward pass of `tokens` tokens across the ranks: one that does not end within

@@ -85,11 +85,14 @@ class TokenConstraint(Protocol):
 
 
 @runtime_checkable
-class Rewindable(TokenConstraint, Protocol):
-    """A constraint that can take back consumed tokens (chat.grammar.Constraint and the
-    reasoning gate; not Harmony's): the kind whose rows speculative decoding drafts for."""
+class Forkable(TokenConstraint, Protocol):
+    """A constraint that can copy itself in its current state (chat.grammar.Constraint, the
+    reasoning gate, Harmony's analysis gate): the kind whose rows speculative decoding drafts
+    for. A draft is walked through the copy (engine/decode.py `Decoder.walk`), so the row's
+    own grammar only ever takes the tokens it emits, and a draft that drives the grammar into
+    an error cannot leave the row's in it."""
 
-    def rollback(self, n: int) -> None: ...
+    def fork(self) -> Forkable: ...
 
 
 @dataclass(frozen=True)

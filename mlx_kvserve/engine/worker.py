@@ -47,7 +47,7 @@ from mlx_kvserve.engine.image_prefill import VisionRows
 from mlx_kvserve.engine.intake import EngineBusy, EngineNotReady, Intake, RequestTooLarge
 from mlx_kvserve.engine.ledger import RESERVE_TOKENS
 from mlx_kvserve.engine.loading import Loader, Loading, MakeAgreement, log_ready
-from mlx_kvserve.engine.lockstep import Agreement, Draws, Solo, Turn
+from mlx_kvserve.engine.lockstep import Agreement, Draws, Lockstep, Solo, Turn
 from mlx_kvserve.engine.memory import MemoryPolicy
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.requests import STOP, Done, GenerationRequest, Item
@@ -94,11 +94,11 @@ class Engine(Intake, Stopping, Failures, Loading):
         only and closed (pending writes flushed) when the engine stops; `cache_enabled=False`
         also disables reuse of the previous request's live KV state, for cache-off comparisons.
         `kv_budget` None means half the memory left beside the model (engine/memory.py).
-        `speculation` "auto" lets the decode batch draft and verify (engine/speculation/); it
-        stays off in a job across machines; `draft_loader` (run on the engine thread after
-        the model's loader) gives it a draft model of the same tokenizer. `context_length` is
-        the window the model's config states (models/context.py); None falls back to the model
-        object's args. `job` makes the
+        `speculation` "auto" lets the decode batch draft and verify (engine/speculation/; in
+        a job across machines every rank alike: engine/speculation/job.py); `draft_loader`
+        (run on the engine thread after the model's loader) gives it a draft model of the same
+        tokenizer. `context_length` is the window the model's config states
+        (models/context.py); None falls back to the model object's args. `job` makes the
         agreement of the job this engine steps with across machines (engine/lockstep.py); None:
         this process alone (`Solo`).
         """
@@ -255,7 +255,8 @@ class Engine(Intake, Stopping, Failures, Loading):
         """What this engine's batch looks like, for the ranks of a job to compare."""
         assert self.batch is not None and self.room is not None
         digest: list[JSON] = [len(self.batch), len(self.schedule), len(self.room.paused)]
-        if self.lockstep.distributed:
+        if self.lockstep.distributed:  # the drafts each row kept, then the tokens it drew
+            digest.append(self.batch.speculated())
             digest.append(self._draws.of(self.batch.requests))
         return digest
 
@@ -355,6 +356,7 @@ class Engine(Intake, Stopping, Failures, Loading):
         self.room.before_step(self.batch, turn.decide)
         if not self.batch:
             return
+        self.batch.agree(turn.decide)  # in a job, rank 0's timings weigh every rank's drafts
         try:
             with turn.working("a decode step", len(self.batch)):
                 started = time.perf_counter()
@@ -377,6 +379,11 @@ class Engine(Intake, Stopping, Failures, Loading):
             log.exception("request %s: saving its KV failed", seq.req.request_id)
         if self.continuations is not None and tokens is not None:  # a draft source from now on
             self.continuations.remember(seq.req.namespace, tokens, seq.timings.cached_tokens)
+
+    def _same_pass(self, shape: list[int]) -> None:
+        """In a job that speculates: this decode pass is of rank 0's shape (lockstep.py)."""
+        assert isinstance(self.lockstep, Lockstep) and self.batch is not None
+        self.lockstep.same_pass(shape, self.batch.requests)
 
     def _observe(self, req: GenerationRequest, timings: Timings | None) -> None:
         """`req` has ended (its final event follows): it leaves the engine; observers see it."""

@@ -25,9 +25,20 @@ FEATURES_BYTES = 256 << 20  # the features kept in RAM (a Gemma 3 27B image: 2.7
 
 
 class Family(Markup, Protocol):
-    """A family's vision (vision/gemma3.py): its markup and an image's features."""
+    """A family's vision (vision/gemma3.py, gemma4.py): its markup, an image's features, and
+    the forward of a prefill chunk that holds images (`blocks`: each one's [start, end) in
+    the chunk)."""
 
     def features(self, image: Image, dtype: mx.Dtype) -> mx.array: ...
+
+    def forward(
+        self,
+        model: nn.Module,
+        ids: mx.array,
+        rows: mx.array,
+        blocks: Sequence[tuple[int, int]],
+        caches: list,
+    ) -> mx.array: ...
 
 
 class Vision:
@@ -136,6 +147,18 @@ class PromptImages:
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None:
         return self.vision.embeddings(self.model, tokens, lo, hi, self.spans, self.images)
 
+    def forward(
+        self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
+    ) -> mx.array:
+        """The logits of the chunk from `lo` whose input embeddings are `rows`."""
+        hi = lo + ids.shape[1]
+        blocks = [
+            (max(s.start, lo) - lo, min(s.end, hi) - lo)
+            for s in self.spans
+            if s.start < hi and lo < s.end
+        ]
+        return self.vision.family.forward(model, ids, rows, blocks, caches)
+
 
 def text_embeddings(model: nn.Module) -> nn.Module:
     """The text model's token embedding (mlx-lm's wrappers keep it at
@@ -150,14 +173,23 @@ def embedding_dtype(table: nn.Module) -> mx.Dtype:
     return (scales if scales is not None else table.weight).dtype
 
 
+def family_class(family: str) -> Callable[[Path, Callable[[int], str]], Family]:
+    """The class of a family module (vision/family.py's FAMILIES values)."""
+    if family == "gemma4":
+        from mlx_kvserve.vision.gemma4 import Gemma4Vision
+
+        return Gemma4Vision
+    from mlx_kvserve.vision.gemma3 import Gemma3Vision
+
+    return Gemma3Vision
+
+
 def load_vision(model_dir: Path | None, token_text: Callable[[int], str]) -> Vision | None:
     """The vision of `model_dir`'s checkpoint (None: a text model, vision/family.py);
     `token_text(id)`: a special token's text, as the tokenizer spells it."""
     family = vision_family(model_dir)
     if family is None or model_dir is None:
         return None
-    from mlx_kvserve.vision.gemma3 import Gemma3Vision
-
-    loaded = Gemma3Vision(model_dir, token_text)
+    loaded = family_class(family)(model_dir, token_text)
     log.info("vision tower loaded (%s): %d tokens per image", family, loaded.tokens_per_image)
     return Vision(loaded)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 # model_type -> the family module (mlx_kvserve/vision/<module>.py)
-FAMILIES = {"gemma3": "gemma3"}
+FAMILIES = {"gemma3": "gemma3", "gemma4": "gemma4"}
 
 
 def vision_family(model_dir: Path | None) -> str | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -67,6 +67,17 @@ class Gemma3Vision:
         x = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
         hidden, _, _ = self.tower(x, output_hidden_states=True)
         return (self.projector(hidden) / self.scale)[0]
+
+    def forward(
+        self,
+        model: nn.Module,
+        ids: mx.array,
+        rows: mx.array,
+        blocks: Sequence[tuple[int, int]],
+        caches: list,
+    ) -> mx.array:
+        """A chunk with images: the text model fed their rows, causal as mlx-vlm runs it."""
+        return model(ids, cache=caches, input_embeddings=rows)
 
 
 def tokens_per_image(config: dict) -> int:

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 PEER_TIMEOUT = 20.0
 
 
-def faulty_job(job_models, tmp_path, faults: str):
-    args = ("--model", str(job_models["llama"]), "--peer-timeout", f"{PEER_TIMEOUT:g}")
+def faulty_job(job_models, tmp_path, faults: str, *extra: str):
+    args = ("--model", str(job_models["llama"]), "--peer-timeout", f"{PEER_TIMEOUT:g}", *extra)
     return start_job(tmp_path, 2, *args, wrap=on_rank(1, MLX_KVSERVE_FAULTS=faults))
 
 
@@ -38,8 +38,14 @@ def ask(job) -> None:
         )
 
 
-def test_a_rank_that_drew_another_token_ends_the_job_naming_the_request(job_models, tmp_path):
-    job = faulty_job(job_models, tmp_path, "draw_otherwise@4")  # rank 1's fourth draw
+@pytest.mark.parametrize("speculation", ["off", "auto"])
+def test_a_rank_that_drew_another_token_ends_the_job_naming_the_request(
+    job_models, tmp_path, speculation
+):
+    """Speculating, the rank drafts otherwise from the step that reads the token: its next
+    pass's shape differs from rank 0's, which is checked first (engine/speculation/job.py)."""
+    # rank 1's fourth draw
+    job = faulty_job(job_models, tmp_path, "draw_otherwise@4", "--speculation", speculation)
     try:
         ask(job)
         job.proc.wait(120)

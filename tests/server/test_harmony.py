@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from tests.support.fuzz_values import name, schema
 from tests.support.fuzzing import check, json_body
 from tests.support.harmony_model import TEMPLATE, build_harmony_model
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, serve_model
 from tests.support.tool_checks import (
     SERVED_FUZZ,
@@ -320,6 +321,7 @@ def test_streamed_results_equal_the_whole_ones(client, choice: str) -> None:
             temperature=1.0,
             seed=seed,
             max_tokens=60,
+            extra_body=PLAIN,  # compared token for token: tests/support/seeded.py
         )
         whole = client.chat.completions.create(**kwargs).choices[0].message
         reasoning, content, calls = _stream_chat(client, **kwargs)

@@ -18,13 +18,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.support.fuzzing import check, json_body
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, client_for
 from tests.support.thinking_models import build_thinking_model
 
 pytestmark = pytest.mark.slow
 
 HI = [{"role": "user", "content": "Say hi."}]
-SAMPLING = {"temperature": 1.0, "seed": 7}  # seeded: the same tokens however the request runs
+# seeded: the same tokens however the request runs; the tests compare requests token for
+# token, so they decode plainly (tests/support/seeded.py)
+SAMPLING = {"temperature": 1.0, "seed": 7, **PLAIN}
 
 
 def _serve(
@@ -108,7 +111,9 @@ def test_reasoning_is_apart_from_the_answer(family: str, request: pytest.Fixture
 
 def test_openai_sdk_reads_the_reasoning(qwen35: ServerProcess) -> None:
     client = client_for(qwen35)
-    done = client.chat.completions.create(model="m", messages=HI, max_tokens=8, **SAMPLING)
+    done = client.chat.completions.create(
+        model="m", messages=HI, max_tokens=8, temperature=1.0, seed=7
+    )
     assert done.choices[0].message.model_extra["reasoning_content"]
     assert done.choices[0].message.content == ""  # still thinking when max_tokens ran out
 

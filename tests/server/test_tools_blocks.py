@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.block_tools import FAMILIES, build_family_model, hostile_block_tool
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, serve_model
 from tests.support.tool_checks import (
     BAD_TOOLS,
@@ -108,6 +109,7 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, family, choi
         tool_choice=NAMED if choice == "named" else "required",
         temperature=1.0,
         seed=3,
+        extra_body=PLAIN,  # compared token for token: tests/support/seeded.py
         max_tokens=300,
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls

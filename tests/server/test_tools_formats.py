@@ -38,6 +38,7 @@ from tests.support.call_formats import (
     history_for,
     kw_tool,
 )
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, serve_model
 from tests.support.thinking_models import build_thinking_model
 from tests.support.tool_checks import (
@@ -159,6 +160,7 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(client, family):
         tool_choice=NAMED,
         temperature=1.0,
         seed=3,
+        extra_body=PLAIN,  # compared token for token: tests/support/seeded.py
         max_tokens=120,
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls

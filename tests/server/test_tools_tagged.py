@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.block_tools import assert_renders_as_the_template, hostile_block_tool
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, serve_model
 from tests.support.thinking_models import (
     GLM_TOOL_TOKENS,
@@ -183,6 +184,7 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, choice):
             temperature=1.0,
             seed=seed,
             max_tokens=300,
+            extra_body=PLAIN,  # compared token for token: tests/support/seeded.py
         )
         whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
         streamed = streamed_calls(client, **kwargs).calls

@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.fuzz_values import hostile_property, hostile_tool
+from tests.support.seeded import PLAIN
 from tests.support.servers import ServerProcess, serve_model
 from tests.support.thinking_models import GLM_TOOL_TOKENS, TOOL_TOKENS, build_thinking_model
 from tests.support.tool_checks import (
@@ -116,6 +117,7 @@ def test_streamed_xml_call_reassembles_to_the_non_streamed_one(client):
         tool_choice=NAMED,
         temperature=1.0,
         seed=3,
+        extra_body=PLAIN,  # compared token for token: tests/support/seeded.py
         max_tokens=120,
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls

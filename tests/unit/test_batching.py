@@ -229,8 +229,16 @@ def serve_together(model, reqs, started=None, **engine_args) -> dict[str, int]:
     if started is not None:
         started(engine)
     try:
-        for req in reqs:
-            engine.submit(req)
+        # queued while the engine thread is held in a call, so it finds them all at once: on a
+        # loaded machine a submit loop could lose the race and the rows would never merge
+        hold, held = threading.Event(), threading.Event()
+        engine.call(lambda: (held.set(), hold.wait(60)))
+        assert held.wait(600)
+        try:
+            for req in reqs:
+                engine.submit(req)
+        finally:
+            hold.set()
         for _ in reqs:  # a hang detector, not a time limit: a niced run beside a full suite is slow
             assert finished.acquire(timeout=600)
     finally:

@@ -188,10 +188,11 @@ def test_health_says_why_the_engine_stopped_and_requests_get_a_503(model_dir, in
 
 
 # -- reservations ------------------------------------------------------------------------------
-def test_a_request_cancelled_while_held_for_room_leaves_no_hold(model):
+def test_a_request_cancelled_while_held_for_room_leaves_no_hold(model, caplog):
     """The held request's client leaves just as the request in its way ends: the engine must
     end it, not admit it (which left its hold behind: a lone request then paused and resumed
-    every reserve, as if a second one were running)."""
+    every reserve, as if a second one were running). It still gets its log line."""
+    caplog.set_level("INFO", logger="mlx_kvserve.engine")
     engine = started(model, kv_budget=60 * PER_TOKEN)  # one request of 30 + 20, not two
     blocker = request(PROMPT, max_tokens=20)
     held = request(PROMPT[::-1], max_tokens=20)
@@ -201,6 +202,10 @@ def test_a_request_cancelled_while_held_for_room_leaves_no_hold(model):
         assert isinstance(final(blocker), Done)
         end = final(held)
         assert isinstance(end, Done) and end.finish_reason == "cancelled"
+        lines = [
+            r.getMessage() for r in caplog.records if f"id={held.request_id} " in r.getMessage()
+        ]
+        assert len(lines) == 1 and "finish=cancelled" in lines[0], lines
         assert holds(engine) == {}
         alone = request(PROMPT[:20], max_tokens=30)
         engine.submit(alone)

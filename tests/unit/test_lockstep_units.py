@@ -57,6 +57,20 @@ def test_a_rank_that_drew_otherwise_is_told_which_request():
     assert difference([2], [3]) == "its batch differs from rank 0's ([2] against [3])"
 
 
+def test_a_rank_that_drafted_otherwise_is_told_which_request():
+    """The digest's drafted and kept counts per row (engine/speculation/job.py): greedy rows
+    draw the same tokens whatever they drafted, so the counts are checked on their own."""
+    drawn = {"chatcmpl-x": [9, 0x1234]}
+    mine = [1, 0, 0, {"chatcmpl-x": [6, 4]}, drawn]
+    leader = [1, 0, 0, {"chatcmpl-x": [8, 4]}, drawn]
+    why = difference(mine, leader)
+    assert why == (
+        "request chatcmpl-x drafted and kept other tokens here than on rank 0 "
+        "(6 drafted, 4 kept, against 8 and 4)"
+    )
+    assert difference(mine, [1, 0, 0, {"chatcmpl-x": [6, 4]}, drawn]).startswith("its batch")
+
+
 def test_a_pass_may_take_the_peer_timeout_and_a_generous_allowance_per_token():
     assert pass_timeout(30, 512) == 30 + 512 * PASS_SECONDS_PER_TOKEN == 158
     assert pass_timeout(30, 1) == pass_timeout(30, 0) == 30.25  # a lone decode step

@@ -156,6 +156,7 @@ def test_several_models_take_their_draft_model_per_model(dirs, tmp_path):
 def test_a_draft_model_with_speculation_off_is_not_loaded(dirs, caplog):
     model = str(dirs["target"])
     with caplog.at_level(logging.WARNING, logger="mlx_kvserve"):
-        (slot,), engines = slots(Settings(model=[model], draft_model=model))
+        settings = Settings(model=[model], draft_model=model, speculation="off")
+        (slot,), engines = slots(settings)
     assert engines._places[slot.name][2] is None
     assert "not loaded: --speculation is off" in caplog.text

@@ -11,6 +11,8 @@ state of a fresh one fed exactly the tokens the row emitted.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -113,9 +115,9 @@ def test_grammar_rows_speculate_and_answer_the_same(inner, tokenizer, kind):  # 
 
 
 class Cycle:
-    """A rewindable grammar of a simple shape, for merged batches on the tiny model: in every
+    """A forkable grammar of a simple shape, for merged batches on the tiny model: in every
     cycle of five tokens, after two free ones the grammar forces 7 then 9, and the fifth is
-    one of `FIFTH`. `rollback` steps back, as llguidance's matcher does."""
+    one of `FIFTH`. `fork` copies it, as llguidance's `deep_copy` does."""
 
     FIFTH = np.array([t % 3 == 0 for t in range(512)])
     lazy = False
@@ -146,9 +148,8 @@ class Cycle:
             self.count += 1
         return out
 
-    def rollback(self, n: int) -> None:
-        assert 0 <= n <= self.count
-        self.count -= n
+    def fork(self) -> Cycle:
+        return copy.copy(self)
 
 
 @pytest.mark.parametrize(
@@ -240,7 +241,7 @@ def test_reasoning_gate_rows_speculate_and_answer_the_same(temperature):
 
 
 class Count:
-    """An answer grammar that allows everything and counts what it took (rewindable)."""
+    """An answer grammar that allows everything and counts what it took (forkable)."""
 
     lazy = False
     finished = False
@@ -257,9 +258,8 @@ class Count:
     def forced(self, limit: int) -> list[int]:
         return []
 
-    def rollback(self, n: int) -> None:
-        assert 0 <= n <= self.count
-        self.count -= n
+    def fork(self) -> Count:
+        return copy.copy(self)
 
 
 class HarmonyVocab:
@@ -270,12 +270,11 @@ class HarmonyVocab:
 
 
 @pytest.mark.parametrize("grammar", [False, True], ids=["budget", "budget+grammar"])
-def test_harmony_gate_rows_do_not_speculate_and_answer_the_same(grammar):
+def test_harmony_gate_rows_speculate_and_answer_the_same(grammar):
     """gpt-oss rows under Harmony's analysis gate (a budget of 12 analysis tokens, then
-    `<|end|>` forced; with an answer grammar beside it), merged beside free rows: the gate
-    cannot take tokens back, so its rows draft nothing (the batch steps plainly); the same
-    tokens with and without speculation, and the gate ends where a fresh one fed the row's
-    tokens ends."""
+    `<|end|>` forced; with an answer grammar beside it), merged beside free rows: drafts are
+    walked through a copy of the gate and kept; the same tokens with and without
+    speculation, and the gate ends where a fresh one fed the row's tokens ends."""
     from mlx_kvserve.chat.formats.harmony.analysis_gate import HarmonyGate
     from tests.unit.test_batching import check_caches
     from tests.unit.test_engine_units import tiny_model, tokens_of
@@ -313,5 +312,30 @@ def test_harmony_gate_rows_do_not_speculate_and_answer_the_same(grammar):
         if grammar:
             assert used.inner.count == fresh.inner.count == len(req.sampled) + 2
     drafted = {s.req.request_id: s.timings.drafted for s in driver.ended}
-    assert drafted[spec[0].request_id] == drafted[spec[1].request_id] == 0
+    assert drafted[spec[0].request_id] > 0 and driver.batch.speculator.accepted > 0
     check_caches(driver.ended)
+
+
+class Fragile(Cycle):
+    """A Cycle whose matcher goes into error on token 3 (as llguidance's does at a parser
+    limit, though its mask allowed the token): `advance` raises."""
+
+    def advance(self, token: int) -> None:
+        if token == 3:
+            raise RuntimeError("grammar rejected token 3: ParserTooComplex")
+        super().advance(token)
+
+
+def test_a_draft_is_walked_on_a_copy_and_an_error_only_ends_it():
+    """`Decoder.walk` feeds the draft to a copy of the row's grammar: the row's own grammar
+    has taken nothing afterwards, and a drafted token the copy's matcher fails on ends the
+    draft there (the row's grammar is not left in error, its next step runs as without it)."""
+    from mlx_kvserve.engine.decode import Decoder
+
+    req = request([1, 2, 3], max_tokens=32)
+    req.constraint = grammar = Fragile()
+    walk = Decoder(req).walk([4, 6, 7, 9, 3, 8], 512, depth=8, left=32, eos=set())
+    assert walk.drafts == [4, 6] and walk.forced == [[], [7, 9]]  # 3 (allowed) ended it
+    assert len(walk.masks) == 3
+    assert grammar.count == 0  # the row's own grammar took none of it
+    assert grammar.allowed(512).all()

@@ -267,9 +267,10 @@ def test_an_unknown_speculation_mode_is_refused_naming_it(tmp_path, monkeypatch)
     from mlx_kvserve.config.file import ConfigError
     from mlx_kvserve.config.precedence import resolve_settings
 
-    assert resolve_settings({}, tmp_path / "absent.toml").settings.speculation == "off"
-    flags = {"speculation": "auto"}
-    assert resolve_settings(flags, tmp_path / "absent.toml").settings.speculation == "auto"
+    monkeypatch.delenv("MLX_KVSERVE_SPECULATION", raising=False)  # the default, not a shell's
+    assert resolve_settings({}, tmp_path / "absent.toml").settings.speculation == "auto"
+    flags = {"speculation": "off"}
+    assert resolve_settings(flags, tmp_path / "absent.toml").settings.speculation == "off"
     with pytest.raises(ConfigError, match="speculation.*'on' is not one of auto, off"):
         resolve_settings({"speculation": "on"}, tmp_path / "absent.toml")
     monkeypatch.setenv("MLX_KVSERVE_SPECULATION", "fast")

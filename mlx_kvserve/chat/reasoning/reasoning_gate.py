@@ -15,11 +15,12 @@ one, so the budget holds either way.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from mlx_kvserve.chat.grammar import Constraint
 from mlx_kvserve.chat.reasoning.thinking import ThinkMarkers
-from mlx_kvserve.chat.rewind import CallHistory
 
 
 class ReasoningGate:
@@ -40,9 +41,6 @@ class ReasoningGate:
         self.spent = 0  # reasoning tokens generated so far (all sections together)
         self.closing: list[int] = []  # end-of-thinking tokens still to force
         self._recent: list[int] = []  # the last tokens, to spot a multi-token marker
-        # per consuming call, newest last: (tokens it took, the state before, the inner
-        # grammar's share), so speculation can take a draft back (`rollback`)
-        self._history: CallHistory[tuple] = CallHistory()
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
         """None: no mask. While closing, only the next end-of-thinking token."""
@@ -55,54 +53,34 @@ class ReasoningGate:
         return self.inner.allowed(n_logits)
 
     def advance(self, token: int) -> None:
-        before = self._state()
-        self._history.record(1, before, int(self._advance(token)))
-
-    def _advance(self, token: int) -> bool:
-        """Follow `token`; whether the answer's grammar took it."""
         if self.closing:
             if token == self.closing[0]:
                 self._take(self.closing.pop(0))
-                return False
+                return
             self.closing = []  # cannot happen under the mask; fall back to following the model
         if not self.reasoning and self.inner is not None:
             self.inner.advance(token)
-            self._take(token)
-            return True
         self._take(token)
-        return False
 
     def forced(self, limit: int) -> list[int]:
         """The end-of-thinking tokens once the budget is spent, else the grammar's (consumed)."""
-        before = self._state()
         if self.closing:
             out: list[int] = []
             while self.closing and len(out) < limit:
                 out.append(self.closing.pop(0))  # popped first: the budget check sees it gone
                 self._take(out[-1])
-            if out:
-                self._history.record(len(out), before, 0)
             return out
         if self.reasoning or self.inner is None:
             return []
-        out = self.inner.forced(limit)
-        if out:
-            self._history.record(len(out), before, len(out))
-        return out
+        return self.inner.forced(limit)
 
-    def rollback(self, n: int) -> None:
-        """Take back the last `n` tokens consumed (whole calls of `advance` or `forced`), the
-        answer's grammar its share: speculation walks drafts through the gate."""
-        state, inner = self._history.unwind(n)
-        if state is not None:
-            self.reasoning, self.spent, closing, recent = state
-            self.closing, self._recent = list(closing), list(recent)
-        if inner:
-            assert self.inner is not None
-            self.inner.rollback(inner)
-
-    def _state(self) -> tuple:
-        return self.reasoning, self.spent, tuple(self.closing), tuple(self._recent)
+    def fork(self) -> ReasoningGate:
+        """A copy in this state, its answer grammar's too: speculation walks drafts through
+        it (engine/decode.py `Decoder.walk`)."""
+        twin = copy.copy(self)
+        twin.closing, twin._recent = list(self.closing), list(self._recent)
+        twin.inner = None if self.inner is None else self.inner.fork()
+        return twin
 
     @property
     def lazy(self) -> bool:

@@ -81,6 +81,17 @@ def opens_reasoning(markers: ThinkMarkers | None, prompt: list[int]) -> int | No
     return start if start > _rfind(prompt, markers.end_ids) else None
 
 
+def reasoning_tail(markers: ThinkMarkers | None, prompt: list[int], within: int) -> int | None:
+    """Where a reasoning block the generation prompt itself holds begins: open (the model
+    reasons next) or closed and empty (thinking turned off: Qwen3's `<think>\n\n</think>\n\n`,
+    Gemma 4's empty thought channel), within the prompt's last `within` tokens. Templates drop
+    that block when the turn comes back as history, so the next prompt departs there."""
+    if markers is None:
+        return None
+    start = _rfind(prompt, markers.start_ids)
+    return start if start > 0 and len(prompt) - start <= within else None
+
+
 def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
     """The last position of `seq` in `tokens`, or -1 (list.index does the scanning: prompts are
     long)."""

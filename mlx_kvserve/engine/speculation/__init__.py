@@ -13,6 +13,7 @@
 - `holes`: per-row rollback of a merged KV batch without moving KV.
 - `snapshot`: a lone row's rollback of windows and recurrent states (snapshot, then replay).
 - `plan`: what a row feeds a verify pass (its grammar's forced tokens too) and where it samples.
+- `job`: across the ranks of a job, every rank weighs drafts with rank 0's timings.
 - `step`: the speculative decode step the decode batch tries first (imported by
   engine/batch.py, not re-exported here).
 

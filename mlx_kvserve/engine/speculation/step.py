@@ -4,8 +4,8 @@
 only when every row can take part (`eligible`: greedy, sampled and seeded rows are all exact,
 engine/speculation/verify.py; logprobs are the target's at each emitted position; an
 `ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
-row's draft is walked through its matcher, engine/decode.py `Decoder.walk`, and fed with the
-tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
+row's draft is walked through a copy of its matcher, engine/decode.py `Decoder.walk`, and fed
+with the tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
 exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or a window or
 recurrent state (engine/speculation/snapshot.py: snapshot, then replay of each row's kept
 prefix; merged only on a model whose layers honour the rows' lengths, asked once).
@@ -89,6 +89,7 @@ class Speculator:
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
         short_depth: int = 8,
+        cost: VerifyCost | None = None,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
         `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
@@ -96,12 +97,13 @@ class Speculator:
         `max_depth`: the most a lone row drafts from copies (free: a source that keeps
         matching is followed that far, as its controller finds it pays); `short_depth`: the
         most a merged row drafts (a wide pass of many rows is bound by compute), and a row
-        with a source that costs a forward per draft."""
+        with a source that costs a forward per draft; `cost`: the verify cost to weigh
+        depths with (in a job, rank 0's: job.py)."""
         self.max_depth, self.short_depth = max_depth, short_depth
         self.continuations = continuations
         self.mtp = mtp
         self.draft_model = draft_model
-        self.cost = VerifyCost()
+        self.cost = cost if cost is not None else VerifyCost()
         self.priors = SourcePriors(max_depth)  # what each source's drafts kept, shared by rows
         self.read_first = False  # the last step read its rows' pending tokens to draft
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
@@ -111,11 +113,11 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Greedy, sampled and seeded rows alike (verify.py keeps each exact), logprobs and
-        `ignore_eos` too; a grammar row if its constraint can take tokens back (llguidance's
-        matcher, the reasoning gate; not Harmony's analysis gate). A seeded grammar row's
-        slots draw the seeds of its sampled tokens in order, and its forced tokens none, as
-        without it."""
-        return seq.decoder.rewindable
+        `ignore_eos` too; a grammar row if its constraint can copy itself for the draft's walk
+        (llguidance's matcher, the reasoning gate, Harmony's analysis gate). A seeded grammar
+        row's slots draw the seeds of its sampled tokens in order, and its forced tokens none,
+        as without it."""
+        return seq.decoder.walkable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         """A step of `batch` rows took `seconds`: a plain one (width 1), a verify pass, or

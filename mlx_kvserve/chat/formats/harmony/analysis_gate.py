@@ -7,19 +7,20 @@ Once `budget` are spent it forces `<|end|>`, as llama.cpp and oMLX force the end
 the answer's grammar (harmony.answer_grammar), when there is one, sees every token and goes on
 from there (its analysis rule ends at that same token).
 
-Speculation walks drafts through the gate and takes back what the model rejects (`rollback`):
-the gate keeps its state before each consuming call, as chat.reasoning.reasoning_gate does.
+Speculation walks drafts through a copy of the gate (`fork`, its answer grammar's copy
+inside), as through chat.reasoning.reasoning_gate's: the row's own gate takes only the tokens
+the row emits.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
 
 from mlx_kvserve.chat.formats.harmony import channels
 from mlx_kvserve.chat.grammar import Constraint
-from mlx_kvserve.chat.rewind import CallHistory
 from mlx_kvserve.chat.tokenizer import Tokenizer
 from mlx_kvserve.vocabulary import token_ids
 
@@ -48,11 +49,6 @@ class HarmonyGate:
         self.closing = False
         self._header: list[int] | None = None  # a header's tokens since <|channel|>
         self._analysis = False
-        # Per consuming call, newest last: (tokens it took, the state before, the answer
-        # grammar's share). No `rollback` reads it yet: taking a draft back through the
-        # answer's grammar broke a real Harmony grammar (llguidance refused the header after
-        # `<|end|><|start|>`), so gpt-oss rows with this gate do not speculate (not Rewindable).
-        self._history: CallHistory[tuple] = CallHistory()
 
     def allowed(self, n_logits: int) -> np.ndarray | None:
         if self.closing:
@@ -62,29 +58,28 @@ class HarmonyGate:
         return None if self.inner is None else self.inner.allowed(n_logits)
 
     def advance(self, token: int) -> None:
-        self._history.record(1, self._state(), int(self.inner is not None))
         if self.inner is not None:
             self.inner.advance(token)
         self._take(token)
 
     def forced(self, limit: int) -> list[int]:
-        before = self._state()
         if self.closing and limit > 0:
             if self.inner is not None:
                 self.inner.advance(self.end)
             self._take(self.end)
-            self._history.record(1, before, int(self.inner is not None))
             return [self.end]
         tokens = [] if self.inner is None else self.inner.forced(limit)
         for token in tokens:  # the grammar's forced tokens: a header's, often
             self._take(token)
-        if tokens:
-            self._history.record(len(tokens), before, len(tokens))
         return tokens
 
-    def _state(self) -> tuple:
-        header = None if self._header is None else tuple(self._header)
-        return self.spent, self.closing, header, self._analysis
+    def fork(self) -> HarmonyGate:
+        """A copy in this state, its answer grammar's too: speculation walks drafts through
+        it (engine/decode.py `Decoder.walk`)."""
+        twin = copy.copy(self)
+        twin._header = None if self._header is None else list(self._header)
+        twin.inner = None if self.inner is None else self.inner.fork()
+        return twin
 
     @property
     def finished(self) -> bool:
