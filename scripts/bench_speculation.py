@@ -130,7 +130,10 @@ def warm_up() -> list[tuple[str, dict]]:
     ]
 
 
-LINE = re.compile(r"decode=([\d.]+) tok/s.*?(?:drafted=(\d+) accepted=(\d+) passes=(\d+))?$")
+LINE = re.compile(
+    r"decode=([\d.]+) tok/s.*?(?:drafted=(\d+) accepted=(\d+) passes=(\d+))?"
+    r"(?: by_source=(\S+))?$"
+)
 
 
 def ask(server: Server, route: str, body: dict, max_tokens: int) -> tuple[str, dict]:
@@ -150,7 +153,7 @@ def ask(server: Server, route: str, body: dict, max_tokens: int) -> tuple[str, d
     while not figures:
         for line in server.new_log_lines():
             if (m := LINE.search(line)) is not None:
-                drafted, accepted, passes = (int(x or 0) for x in m.groups()[1:])
+                drafted, accepted, passes = (int(x or 0) for x in m.groups()[1:4])
                 figures = {"tps": float(m[1]), "drafted": drafted, "accepted": accepted}
                 figures["passes"] = passes
     return text, figures
@@ -209,17 +212,18 @@ def round_tps(server: Server, requests: list[tuple[str, dict]], max_tokens: int)
     return (tokens / span if span > 0 else float("nan")), [r["text"] for r in results]
 
 
-def drafting(server: Server) -> tuple[list[int], list[int]]:
-    """The [drafted, kept, passes] of the requests logged since the last call, and their
-    prompt tokens."""
-    spec, prompts = [0, 0, 0], []
+def drafting(server: Server) -> tuple[list[int], list[int], list[str]]:
+    """The [drafted, kept, passes] of the requests logged since the last call, their prompt
+    tokens, and each one's drafted/kept/passes by source (the log line's `by_source`)."""
+    spec, prompts, rows = [0, 0, 0], [], []
     for line in server.new_log_lines():
         if (m := LINE.search(line)) is not None:
-            for i, x in enumerate(m.groups()[1:]):
+            for i, x in enumerate(m.groups()[1:4]):
                 spec[i] += int(x or 0)
+            rows.append(m[5] or "-")
             if (p := re.search(r"prompt_tokens=(\d+)", line)) is not None:
                 prompts.append(int(p[1]))
-    return spec, prompts
+    return spec, prompts, rows
 
 
 def repository(tokens: int) -> tuple[str, list[str]]:
@@ -268,6 +272,11 @@ def main() -> None:
     )
     parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     parser.add_argument("--cells", nargs="*", default=None, help="only cells starting so")
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="print each auto round: tok/s and each row's drafted/kept/passes by source",
+    )
     add_run_options(parser)
     args = parser.parse_args()
     set_blas_threads(args.blas_threads)
@@ -318,7 +327,7 @@ def run_model(model: str, tmp: Path, args: argparse.Namespace) -> None:
     for name in names:
         speeds: dict[str, list[float]] = {mode: [] for mode in servers}
         texts: dict[str, list] = {mode: [] for mode in servers}
-        spec, prompts = [0, 0, 0], []
+        spec, prompts, detail = [0, 0, 0], [], []
         for rep in range(args.reps):
             order = list(servers)[rep % len(servers) :] + list(servers)[: rep % len(servers)]
             for rnd in table_cells(rep, contexts, loop)[name]:
@@ -329,9 +338,10 @@ def run_model(model: str, tmp: Path, args: argparse.Namespace) -> None:
                     speeds[mode].append(tps)
                     texts[mode].append(got)
                     if mode == "auto":
-                        drafted, lengths = drafting(servers[mode])
+                        drafted, lengths, rows = drafting(servers[mode])
                         spec = [a + b for a, b in zip(spec, drafted, strict=True)]
                         prompts += lengths
+                        detail += [f"{round(tps, 1)} tok/s {' '.join(rows)}"]
                     elif mode == "off":
                         servers[mode].new_log_lines()
             # a loop's turns are one cell: their decode figures are summed per repetition
@@ -344,6 +354,8 @@ def run_model(model: str, tmp: Path, args: argparse.Namespace) -> None:
             f"{spec[0]:>7d}/{spec[1]}/{spec[2]:<9d} {max(prompts, default=0):>6d}  {same}",
             flush=True,
         )
+        if args.detail:  # each round of the auto server: its speed and its rows' sources
+            print("\n".join(f"    {line}" for line in detail), flush=True)
     for server in servers.values():
         server.stop()
 

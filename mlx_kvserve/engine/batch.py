@@ -182,8 +182,9 @@ class DecodeBatch:
                 self._read([(seq, seq.step) for seq in self.seqs])
         self._leave()
         if self.speculator is not None:
-            if width >= 0:  # a plain pipelined step (0) or a verify pass: what a round costs
-                self.speculator.observe(rows, max(width, 1), time.perf_counter() - started)
+            # a plain step (0), a verify pass, or a plain one after reading first (-1): what
+            # each kind of round costs
+            self.speculator.observe(rows, width or 1, time.perf_counter() - started)
             self.speculator.forget(self.seqs)
 
     def agree(self, decide: Decide) -> None:

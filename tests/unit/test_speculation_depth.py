@@ -9,7 +9,9 @@ from collections.abc import Callable
 
 from mlx_kvserve.engine.speculation.depth import (
     PROBE_DEPTH,
+    READ_FIRST,
     DepthController,
+    SourcePriors,
     VerifyCost,
     plan_width,
 )
@@ -114,3 +116,84 @@ def test_the_batch_width_serves_the_rows_that_pay() -> None:
     curves = [writer.expected(8)] * 4
     assert plan_width(curves, lambda w: dear.cost(4, w)) == 1
     assert plan_width([[1.0]] * 4, lambda w: cheap.cost(4, w)) == 1
+
+
+def test_source_priors_keep_decayed_counts_per_source_and_match_length() -> None:
+    priors = SourcePriors(max_depth=4, decay=0.8)
+    assert priors.rates(("prompt_lookup", 2)) is None  # nothing seen: the row's own chain
+    for _ in range(20):
+        priors.record(("prompt_lookup", 4), 4, 4)  # a file being copied: every draft kept
+        priors.record(("prompt_lookup", 2), 2, 0)  # a story's 2-token matches: none
+    assert min(priors.rates(("prompt_lookup", 4))) > 0.85  # 5 rounds' weight vs 2
+    assert priors.rates(("prompt_lookup", 2))[0] < 0.15
+    assert priors.rates(("prompt_cache", 4)) is None  # another source: its own counts
+    # a rejection at position 1 leaves positions past it untried: their rates follow it
+    priors.record(("prompt_cache", 3), 4, 0)
+    tried, kept, _ = priors._counts[("prompt_cache", 3)]
+    assert tried == [1, 0, 0, 0] and kept == [0, 0, 0, 0]
+    # decayed: 4 new rounds outweigh the 20 old ones (decay 0.8 per round of a source)
+    for _ in range(4):
+        priors.record(("prompt_lookup", 2), 2, 2)
+    assert priors.rates(("prompt_lookup", 2))[0] > 0.5
+    # read-first steps that ended in a draft, per source
+    assert priors.hit_rate(("draft_model", 3)) == 0.5
+    for _ in range(10):
+        priors.read(("prompt_lookup", 2), False)
+    assert priors.hit_rate(("prompt_lookup", 2)) < 0.2  # 4.6 rounds of weight vs 2
+
+
+def test_a_new_row_starts_from_what_its_source_kept_before() -> None:
+    cost = measured_cost()
+    priors = SourcePriors()
+    for _ in range(60):
+        priors.record(("prompt_lookup", 2), 2, 0)
+        priors.record(("prompt_lookup", 4), 8, 8)
+    story, copy, flat = DepthController(), DepthController(), DepthController()
+    assert flat.depth(lambda w: cost.cost(1, w)) > 0  # the flat 0.5 prior drafts at once
+    assert story.depth(lambda w: cost.cost(1, w), prior=priors.rates(("prompt_lookup", 2))) == 0
+    assert copy.depth(lambda w: cost.cost(1, w), prior=priors.rates(("prompt_lookup", 4))) >= 6
+    # the row's own rounds still count: a copy whose drafts turn out wrong stops drafting
+    run(copy, 0.0, 30, lambda w: cost.cost(1, w))
+    assert copy.best(lambda w: cost.cost(1, w), 8) == 0
+
+
+def test_read_first_steps_that_draft_nothing_are_paid_for() -> None:
+    cost = measured_cost()
+    cost.observe(1, READ_FIRST, 0.0115)  # reading first costs 15% of a plain step here
+    assert abs(cost.read_first(1) - 1.15) < 1e-9
+    assert abs(VerifyCost(prior_slope=0.06).read_first(4) - 1.12) < 1e-9  # before it is timed
+    assert abs(cost.cost(1, 2) - 1.02) < 1e-9  # the read-first time is no width of a pass
+    ctrl = DepthController()
+
+    def depth() -> int:
+        miss = cost.read_first(1)
+        return ctrl.depth(lambda w: cost.cost(1, w), hit=ctrl.hit_rate(0.5), miss=miss)
+
+    assert depth() > 0  # acceptance 0.5, reads assumed to draft half the time: it pays
+    # every read finds no draft after all: the row pays c_0 for one token each time, and stops
+    depths = []
+    for _ in range(300):
+        k = depth()
+        if k:
+            ctrl.read(False)
+        depths.append(k)
+    assert depths[-1] == 0 and sum(1 for k in depths[50:] if k) <= 8  # probes only
+    # the same acceptance with reads that always draft keeps drafting
+    lucky = DepthController()
+    for _ in range(30):
+        lucky.read(True)
+    assert lucky.depth(lambda w: cost.cost(1, w), hit=lucky.hit_rate(0.5), miss=1.15) > 0
+
+
+def test_a_rows_own_first_drafts_outweigh_the_engines_between_sources() -> None:
+    """A commit message the prompt cache holds whole: the row's own rounds find its copies
+    kept and its own tokens' 4-token matches rejected, whatever other rows' copies did."""
+    ctrl = DepthController()
+    lookup, cache = ("prompt_lookup", 4), ("prompt_cache", 4)
+    assert ctrl.worth(lookup, 0.9) == 0.9  # nothing of its own yet: the engine's
+    for _ in range(5):
+        ctrl.record(4, 0, lookup)
+        ctrl.record(8, 8, cache)
+    assert ctrl.worth(lookup, 0.9) < 0.5 < ctrl.worth(cache, 0.5)
+    ctrl.record(3, 1)  # a round without a source: no source's worth changes
+    assert ctrl.firsts[cache][0] == ctrl.firsts[lookup][0]

@@ -15,7 +15,7 @@ from mlx_kvserve.engine.speculation.drafts import Drafter, PromptLookup
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_cache_models import tiny_llama
 from tests.unit.test_engine_units import request, tiny_model, tokens_of
-from tests.unit.test_speculation_step import LOOPY, MISLED, PriorCost
+from tests.unit.test_speculation_step import LOOPY, MISLED, FlatPriors, PriorCost
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def run(model, draft, prompts, lengths, temperature=0.0, seeds=None, speculation
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation, draft_model=drafts)
     if driver.batch.speculator is not None:
         driver.batch.speculator.cost = PriorCost()
+        driver.batch.speculator.priors = FlatPriors()
     reqs = []
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         req = request(p, max_tokens=n)
@@ -144,6 +145,7 @@ def test_the_draft_kv_holds_each_members_tokens(model, alone):
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
+    driver.batch.speculator.priors = FlatPriors()
     for p, n in zip(PROMPT_SET, LENGTHS, strict=True):
         driver.join(request(p, max_tokens=n))
         driver.step()
@@ -181,6 +183,7 @@ def test_a_failed_draft_pass_starts_the_draft_batch_afresh(model, alone):
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
+    driver.batch.speculator.priors = FlatPriors()
     reqs = [request(p, max_tokens=n) for p, n in zip(PROMPT_SET[:2], LENGTHS[:2], strict=True)]
     with pytest.raises(RuntimeError, match="a failed draft pass"):
         for req in reqs:
@@ -210,6 +213,7 @@ def test_a_row_cancelled_mid_verify_leaves_and_the_others_answer_the_same(model,
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
+    driver.batch.speculator.priors = FlatPriors()
     reqs = [request(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     leaving = reqs[0]
     emit = type(leaving).emit
@@ -244,6 +248,7 @@ def test_a_long_prompt_joins_the_draft_batch_a_chunk_per_step(model, alone):
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
+    driver.batch.speculator.priors = FlatPriors()
     driver.join(request(PROMPTS[1], max_tokens=300))
     for _ in range(6):
         driver.step()
@@ -270,6 +275,7 @@ def test_a_draft_model_as_costly_as_its_target_drafts_only_probes(model, alone):
     drafts = DraftModel(model, prefill_step=64, prior=1.0)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", draft_model=drafts)
     driver.batch.speculator.cost = PriorCost()
+    driver.batch.speculator.priors = FlatPriors()
     driver.join(request(PROMPTS[1], max_tokens=60))
     driver.drain()
     drafted, kept = by_source(driver, "draft_model")

@@ -129,3 +129,25 @@ def test_drafter_takes_the_source_with_most_evidence() -> None:
     drafter.extend([1])
     assert weak.seen == [1] and none.seen == [1]
     assert drafter.propose(2) == Draft((1, 2), "heads", 0)  # lookup has nothing now
+
+
+def test_equal_evidence_goes_to_the_source_whose_drafts_were_kept_before() -> None:
+    """Two sources with a 4-token match: the row's own first, unless the engine's counts say
+    the other's drafts of that match length were kept more often (SourcePriors.worth)."""
+    from mlx_kvserve.engine.speculation.continuations import CacheLookup, TokenIndex
+    from mlx_kvserve.engine.speculation.depth import SourcePriors
+
+    index = TokenIndex(n_min=3)
+    index.add([1, 2, 3, 4, 50, 51, 52])
+    drafter = Drafter([PromptLookup(), CacheLookup(index)])
+    drafter.extend([1, 2, 3, 4, 60, 61, 1, 2, 3, 4])
+    assert drafter.propose(3).source == "prompt_lookup"  # ties: the row's own tokens
+    priors = SourcePriors()
+    assert drafter.propose(3, priors.worth).source == "prompt_lookup"  # nothing learnt yet
+    for _ in range(10):
+        priors.record(("prompt_lookup", 4), 3, 0)
+        priors.record(("prompt_cache", 4), 3, 3)
+    chosen = drafter.propose(3, priors.worth)
+    assert (chosen.source, chosen.tokens) == ("prompt_cache", (50, 51, 52))
+    priors.record(("prompt_cache", 3), 3, 0)  # another match length's counts: no say here
+    assert drafter.propose(3, priors.worth).source == "prompt_cache"

@@ -18,7 +18,7 @@ import pytest
 
 from tests.unit.test_decode_steps import Scripted, tokenizer  # noqa: F401  (a fixture)
 from tests.unit.test_engine_units import request
-from tests.unit.test_speculation_step import PriorCost, driver_for, serve
+from tests.unit.test_speculation_step import FlatPriors, PriorCost, driver_for, serve
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 SCRIPTS = {
@@ -83,6 +83,7 @@ def run(inner, tokenizer, kind: str, speculation: str):  # noqa: F811
     batch = DecodeBatch(model, ended.append, speculation=speculation)
     if batch.speculator is not None:
         batch.speculator.cost = PriorCost()
+        batch.speculator.priors = FlatPriors()
     batch.add(seq)
     vocab = len(tokenizer.get_vocab())
     while batch.seqs:

@@ -28,6 +28,7 @@ from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
 from tests.support.tiny_models import make_model_dir
 from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import StubTokenizer, reference, request, tokens_of
+from tests.unit.test_speculation_step import FlatPriors
 
 PROMPTS = [[5, 9, 2, 7, 11, 13, 17, 19], [3, 4, 8, 100, 200], [40, 41, 42, 43, 44, 45]]
 # heads: random (guesses), right (the target's own next token), leaky (right only sometimes)
@@ -173,6 +174,7 @@ def test_merged_rows_hand_each_its_hidden_states(qwen):
     _, plain = decode(model, None, PROMPTS, lengths, "off")
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.batch.speculator.priors = FlatPriors()  # each row learns its heads' worth afresh
     driver.gen.model = driver.batch.model
     reqs = [request(p, max_tokens=n) for p, n in zip(PROMPTS, lengths, strict=True)]
     for req in reqs:

@@ -4,13 +4,14 @@ each sequence's tokens afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import replace
 
 import pytest
 
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.requests import TextChunk
-from mlx_kvserve.engine.speculation.depth import VerifyCost
+from mlx_kvserve.engine.speculation.depth import DepthController, SourcePriors, VerifyCost
 from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
@@ -29,6 +30,26 @@ class PriorCost(VerifyCost):
     def observe(self, batch: int, width: int, seconds: float) -> None:
         pass
 
+    def read_first(self, batch: int) -> float:
+        return 1.0
+
+
+class FlatPriors(SourcePriors):
+    """Every source at the flat prior, reads assumed to draft: what other rows of a test kept
+    must not decide whether this one drafts (test_speculation_depth.py tests the learning)."""
+
+    def record(self, key: Hashable, drafted: int, accepted: int) -> None:
+        pass
+
+    def read(self, key: Hashable, hit: bool) -> None:
+        pass
+
+    def rates(self, key: Hashable) -> None:
+        return None
+
+    def hit_rate(self, key: Hashable) -> float:
+        return 1.0
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -43,6 +64,7 @@ def driver_for(model, speculation: str, eos: tuple[int, ...] = ()) -> Driver:
     driver.batch = DecodeBatch(model, driver._end, speculation=speculation)
     if driver.batch.speculator is not None:
         driver.batch.speculator.cost = PriorCost()
+        driver.batch.speculator.priors = FlatPriors()
     return driver
 
 
@@ -206,6 +228,7 @@ def test_the_engine_speculates_where_it_can_and_answers_the_same(kind, monkeypat
     def started(engine) -> None:
         engines.append(engine)
         engine.batch.speculator.cost = PriorCost()  # the machine's load must not decide
+        engine.batch.speculator.priors = FlatPriors()
 
     serve_together(m, reqs, prefill_step=8, speculation="auto", started=started)
     for req, p, n in zip(reqs, prompts, lengths, strict=True):
@@ -390,3 +413,26 @@ def test_a_request_cancelled_while_speculating_ends_at_the_next_step(model, rows
     for a, b in zip(plain[1:], reqs[1:], strict=True):
         assert tokens_of(b.text) == tokens_of(a.text)
     check_caches(driver.ended)
+
+
+def test_rows_teach_the_engine_what_their_source_kept():
+    """The speculator's `SourcePriors` take every verified draft by its source and match
+    length (a read-first alone teaches no rates), and a new row given them drafts deeper from
+    its first round than one on the flat prior."""
+    model = tiny_model()
+    driver = driver_for(model, "auto")
+    priors = driver.batch.speculator.priors = SourcePriors()
+    serve(driver, [request(LOOPY, max_tokens=40)])
+    counts = priors._counts
+    assert counts and {source for source, _ in counts} == {"prompt_lookup"}
+    learnt = max(counts, key=lambda key: counts[key][0][0])
+    assert priors.rates(learnt)[0] > 0.75
+    assert all(priors.rates(key) is None for key in counts if not any(counts[key][0]))
+    cost = driver.batch.speculator.cost
+
+    def price(width: int) -> float:
+        return cost.cost(1, width)
+
+    flat = DepthController(16).depth(price, 16)
+    taught = DepthController(16).depth(price, 16, prior=priors.rates(learnt))
+    assert flat <= 4 < 8 <= taught, (flat, taught)

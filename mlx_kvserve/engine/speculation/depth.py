@@ -18,15 +18,26 @@ Depth = argmax_k E(k) / c(B, k+1) over 0..cap, and 0 unless the best beats plain
 backoff that doubles after each probe that did not pay (4 to 512 rounds, as Ollama's
 `speculate_depth.go` does) and resets once drafting pays again.
 
+A new row knows nothing of itself, so its rates start from `SourcePriors`: what rows of the
+engine kept before from the source (and match length) its draft would come from, as decayed
+counts shared by every row (a story's 2-token lookup matches were seldom kept, a file's 4-token
+ones mostly), instead of a flat prior. A pipelined row must read its pending token before it can
+draft, which gives up the overlap of the pass with the readback; when the read then finds no
+draft the step paid that for one token. The controller weighs it: h, the chance a read-first
+ends in a draft (the row's decayed counts over its source's shared ones), and c_0, such a
+step's time over a plain step's (`VerifyCost.read_first`, timed), so a row's gain at depth
+k > 0 is (h E(k) + 1 - h) / (h c(k+1) + (1 - h) c_0).
+
 In a merged batch every row feeds the same width, so the width is chosen for the cohort:
 `plan_width` maximises the sum of the rows' E_i(w-1) over c(B, w).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 PROBE_DEPTH = 2
+READ_FIRST = 0  # VerifyCost's width for a plain step whose pending tokens were read first
 
 
 class VerifyCost:
@@ -46,6 +57,15 @@ class VerifyCost:
         old = widths.get(width)
         widths[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    def read_first(self, batch: int) -> float:
+        """c_0: a plain step whose rows' pending tokens were read first (no draft came of it),
+        over a pipelined plain step; before both are timed, one extra position's prior."""
+        widths = self._seconds.get(batch, {})
+        plain, read = widths.get(1), widths.get(READ_FIRST)
+        if plain is None or read is None or plain <= 0:
+            return 1.0 + self.prior_slope * batch**0.5
+        return max(1.0, read / plain)
+
     def plain(self, batch: int) -> float | None:
         """The smoothed seconds of a plain pass at `batch` rows, if one was timed."""
         return self._seconds.get(batch, {}).get(1)
@@ -58,7 +78,7 @@ class VerifyCost:
         plain = widths.get(1)
         if plain is None or plain <= 0:
             return 1.0 + self.prior_slope * batch**0.5 * (width - 1)
-        points = sorted((w, s / plain) for w, s in widths.items())
+        points = sorted((w, s / plain) for w, s in widths.items() if w >= 1)
         below = max((p for p in points if p[0] <= width), default=(1, 1.0))
         above = min((p for p in points if p[0] >= width), default=None)
         if above is None:  # past the widest measured: continue at the prior slope
@@ -91,13 +111,29 @@ class DepthController:
         self.tried = [0.0] * max_depth  # decayed count of rounds that drafted position i
         self.kept = [0.0] * max_depth  # ... and kept it
         self.drafted = self.accepted = 0  # totals, for the log line and metrics
+        self.reads = self.hits = 0.0  # decayed: read-first steps, and those that drafted
+        self.base: Sequence[float] | None = None  # the shared prior per position (SourcePriors)
+        self.firsts: dict[Hashable, list[float]] = {}  # key -> decayed [tried, kept] of draft 1
         self._backoff, self._wait = backoff, backoff[0]
         self._idle = 0  # rounds at depth 0 since the last probe
 
     def rate(self, i: int) -> float:
-        """P(draft i+1 kept | drafts 1..i kept), from the decayed counts and the prior."""
-        before = self.prior if i == 0 else self.rate(i - 1)
+        """P(draft i+1 kept | drafts 1..i kept), from the decayed counts and the prior (the
+        shared one of the row's source at this position if given, else the flat one)."""
+        if self.base is not None and i < len(self.base):
+            before = self.base[i]
+        else:
+            before = self.prior if i == 0 else self.rate(i - 1)
         return (self.kept[i] + self.strength * before) / (self.tried[i] + self.strength)
+
+    def hit_rate(self, prior: float) -> float:
+        """h: the chance that reading the pending token first ends in a draft."""
+        return (self.hits + self.strength * prior) / (self.reads + self.strength)
+
+    def read(self, hit: bool) -> None:
+        """A step read this row's pending token first so that it could draft; `hit`: it did."""
+        self.reads = self.reads * self.decay + 1
+        self.hits = self.hits * self.decay + hit
 
     def expected(self, k: int) -> list[float]:
         """E(0..k): the tokens a verify pass is expected to yield at each depth."""
@@ -107,17 +143,35 @@ class DepthController:
             out.append(out[-1] + alive)
         return out
 
-    def best(self, cost: Callable[[int], float], cap: int) -> int:
-        """argmax_k E(k) / cost(k+1) over 0..cap; 0 unless it beats 1.0 by the margin."""
-        gains = [e / cost(k + 1) for k, e in enumerate(self.expected(cap))]
+    def best(
+        self, cost: Callable[[int], float], cap: int, hit: float = 1.0, miss: float = 1.0
+    ) -> int:
+        """argmax_k of the gain over 0..cap; 0 unless it beats 1.0 by the margin. `hit`: h,
+        the chance a round that asks for a draft gets one; `miss`: c_0, what a round that
+        does not costs (module docstring)."""
+        gains = [1.0] + [
+            (hit * e + 1.0 - hit) / (hit * cost(k + 1) + (1.0 - hit) * miss)
+            for k, e in enumerate(self.expected(cap)[1:], start=1)
+        ]
         k = max(range(len(gains)), key=gains.__getitem__)
         return k if gains[k] > 1.0 + self.margin else 0
 
-    def depth(self, cost: Callable[[int], float], cap: int | None = None) -> int:
+    def depth(
+        self,
+        cost: Callable[[int], float],
+        cap: int | None = None,
+        *,
+        prior: Sequence[float] | None = None,
+        hit: float = 1.0,
+        miss: float = 1.0,
+    ) -> int:
         """The depth to draft this round (`cost(w)`: the relative cost of width w for this
-        batch); while the best is 0, a probe once the backoff has passed."""
+        batch; `prior`: the shared rates of the source the row would draft from, per
+        position; `hit`, `miss`: as `best`'s); while the best is 0, a probe once the
+        backoff has passed."""
         cap = self.max_depth if cap is None else min(cap, self.max_depth)
-        k = self.best(cost, cap)
+        self.base = prior
+        k = self.best(cost, cap, hit, miss)
         if k > 0 or cap == 0:
             self._idle, self._wait = 0, self._backoff[0]
             return k
@@ -128,12 +182,22 @@ class DepthController:
         self._wait = min(self._wait * 2, self._backoff[1])
         return min(PROBE_DEPTH, cap)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A round drafted `drafted` tokens (after any shortening by the source) and kept
-        `accepted`."""
+    def worth(self, key: Hashable, shared: float) -> float:
+        """This row's kept rate of first drafts from `key` (source, match length), from the
+        engine's (`shared`) before it has its own."""
+        tried, kept = self.firsts.get(key, (0.0, 0.0))
+        return (kept + self.strength * shared) / (tried + self.strength)
+
+    def record(self, drafted: int, accepted: int, key: Hashable = None) -> None:
+        """A round drafted `drafted` tokens (after any shortening by the source `key`) and
+        kept `accepted`."""
         assert 0 <= accepted <= drafted <= self.max_depth
         if drafted == 0:
             return
+        if key is not None:
+            first = self.firsts.setdefault(key, [0.0, 0.0])
+            first[0] = first[0] * self.decay + 1
+            first[1] = first[1] * self.decay + (accepted > 0)
         self.drafted += drafted
         self.accepted += accepted
         self.tried = [t * self.decay for t in self.tried]
@@ -141,6 +205,69 @@ class DepthController:
         for i in range(min(drafted, accepted + 1)):  # positions past the first miss: untried
             self.tried[i] += 1
             self.kept[i] += i < accepted
+
+
+class SourcePriors:
+    """What rows of one engine kept, by draft source (and match length): decayed counts
+    shared by every row, so a new row starts from what its source's drafts were worth."""
+
+    def __init__(
+        self, max_depth: int = 8, prior: float = 0.5, strength: float = 2.0, decay: float = 0.98
+    ) -> None:
+        """`prior`, `strength`: a source's rates before any evidence, as pseudo-counts;
+        `decay`: the weight old rounds of a source keep per new round of it."""
+        self.max_depth, self.prior, self.strength, self.decay = max_depth, prior, strength, decay
+        # key -> [tried per position, kept per position, read-first steps, those that drafted]
+        self._counts: dict[Hashable, tuple[list[float], list[float], list[float]]] = {}
+
+    def _of(self, key: Hashable) -> tuple[list[float], list[float], list[float]]:
+        found = self._counts.get(key)
+        if found is None:
+            found = self._counts[key] = ([0.0] * self.max_depth, [0.0] * self.max_depth, [0.0] * 2)
+        return found
+
+    def record(self, key: Hashable, drafted: int, accepted: int) -> None:
+        """A row's round drafted `drafted` tokens from `key`'s source and kept `accepted`."""
+        if drafted <= 0:
+            return
+        tried, kept, _ = self._of(key)
+        for i in range(self.max_depth):
+            tried[i] *= self.decay
+            kept[i] *= self.decay
+        for i in range(min(drafted, accepted + 1, self.max_depth)):
+            tried[i] += 1
+            kept[i] += i < accepted
+
+    def read(self, key: Hashable, hit: bool) -> None:
+        """A row that would have drafted from `key` read its pending token first; `hit`: it
+        drafted."""
+        reads = self._of(key)[2]
+        reads[0] = reads[0] * self.decay + 1
+        reads[1] = reads[1] * self.decay + hit
+
+    def rates(self, key: Hashable) -> list[float] | None:
+        """P(draft i+1 kept | drafts 1..i kept) per position for `key`'s source; None before
+        it drafted (a row then chains its own rates from the flat prior)."""
+        found = self._counts.get(key)
+        if found is None or not any(found[0]):  # none drafted yet (only read first)
+            return None
+        out, before = [], self.prior
+        for t, k in zip(found[0], found[1], strict=True):
+            before = (k + self.strength * before) / (t + self.strength)
+            out.append(before)
+        return out
+
+    def worth(self, source: str, evidence: int) -> float:
+        """The first draft's kept rate of a source with a match of this length (the flat
+        prior before it drafted)."""
+        rates = self.rates((source, evidence))
+        return self.prior if rates is None else rates[0]
+
+    def hit_rate(self, key: Hashable) -> float:
+        """The chance that a read-first of `key`'s source ended in a draft."""
+        found = self._counts.get(key)
+        reads, hits = found[2] if found is not None else (0.0, 0.0)
+        return (hits + self.strength * self.prior) / (reads + self.strength)
 
 
 def plan_width(

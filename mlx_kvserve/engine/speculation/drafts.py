@@ -20,7 +20,7 @@ on with, SuffixDecoding-style) implement the same `DraftSource` protocol and joi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,23 +158,45 @@ class Drafter:
             source.extend(tokens)
 
     def would_propose(self) -> bool:
-        """Whether some source has a draft now: a source that costs a forward (`ready`) says
-        so without running it, the others propose one token."""
+        """Whether some source has a draft now."""
+        return self.peek() is not None
+
+    def peek(self) -> tuple[str, int] | None:
+        """The source and evidence the proposal would have now: a source that costs a forward
+        (`ready`) says so without running it, the others propose one token."""
+        best: tuple[str, int] | None = None
         for source in self.sources:
             ready = getattr(source, "ready", None)
-            if ready() if ready is not None else source.propose(1):
-                return True
-        return False
+            if ready is not None:
+                found = (source.name, getattr(source, "evidence", 0)) if ready() else None
+            else:
+                draft = source.propose(1)
+                found = (draft.source, draft.evidence) if draft and draft.tokens else None
+            if found is not None and (best is None or found[1] > best[1]):
+                best = found
+        return best
 
-    def propose(self, limit: int) -> Draft | None:
+    def propose(self, limit: int, worth: Callable[[str, int], float] | None = None) -> Draft | None:
         """A source whose every proposal carries the same `evidence` (a model's heads, which
-        cost a forward) is not asked once an earlier one has proposed as much."""
+        cost a forward) is not asked once an earlier one has proposed as much. `worth`: what
+        drafts of a source with a match of that length were kept before, which decides
+        between equal evidence (else the first source wins)."""
         best: Draft | None = None
         for source in self.sources:
             fixed = getattr(source, "evidence", None)
             if best is not None and fixed is not None and best.evidence >= fixed:
                 continue
             draft = source.propose(limit)
-            if draft and draft.tokens and (best is None or draft.evidence > best.evidence):
+            if not draft or not draft.tokens:
+                continue
+            if (
+                best is None
+                or draft.evidence > best.evidence
+                or (
+                    draft.evidence == best.evidence
+                    and worth is not None
+                    and worth(draft.source, draft.evidence) > worth(best.source, best.evidence)
+                )
+            ):
                 best = draft
         return best

@@ -14,9 +14,10 @@ request that opted out (`SamplingParams.speculative` False) drafts nothing: it t
 verify pass with its one token, so its company still speculates.
 
 One speculative step (docs/speculation.md, "Where drafting, verify and rollback go"):
-1. each row's depth from its controller; if any is positive and some such row's lookup has a
-   match for its tokens so far, every row's pending token is read (speculating rows give up the
-   pipelining overlap: the drafter needs that token);
+1. each row's depth from its controller (its rates starting from what its draft source kept
+   before on this engine, `SourcePriors`; a read that may find no draft weighed); if any is
+   positive and some such row's lookup has a match for its tokens so far, every row's pending
+   token is read (speculating rows give up the pipelining overlap: the drafter needs it);
 2. each row's draft (its `Drafter`: `PromptLookup` and, given `continuations`, the prompt
    cache's continuations of its namespace, and, given `mtp`, the checkpoint's MTP heads fed
    the target's hidden states of every pass (mtp.py), synced with its tokens; a grammar row's
@@ -28,7 +29,8 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
 5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what
    all rows reject and holes for the rest (engine/speculation/holes.py); windows and recurrent
    states by snapshot and replay, the replay in the step's time.
-Steps are timed whole (plain ones too), so `VerifyCost` compares what a round really costs.
+Steps are timed whole (plain ones too, and plain ones after a read-first that drafted nothing,
+as `READ_FIRST`), so `VerifyCost` compares what each kind of round really costs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
-from mlx_kvserve.engine.speculation.depth import DepthController, VerifyCost, plan_width
+from mlx_kvserve.engine.speculation.depth import (
+    READ_FIRST,
+    DepthController,
+    SourcePriors,
+    VerifyCost,
+    plan_width,
+)
 from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
@@ -77,21 +85,28 @@ class Speculator:
 
     def __init__(
         self,
-        max_depth: int = 8,
+        max_depth: int = 16,
         continuations: Continuations | None = None,
         mtp: MTPHeads | None = None,
         draft_model: DraftModel | None = None,
+        short_depth: int = 8,
         cost: VerifyCost | None = None,
     ) -> None:
         """`continuations`: finished requests' tokens by namespace, a second draft source;
         `mtp`: the checkpoint's MTP heads, a third (the batch's model is then their `Tap`);
-        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py);
-        `cost`: the verify cost to weigh depths with (in a job, rank 0's: job.py)."""
-        self.max_depth = max_depth
+        `draft_model`: a small model of the same tokenizer, a fourth (draft_model.py).
+        `max_depth`: the most a lone row drafts from copies (free: a source that keeps
+        matching is followed that far, as its controller finds it pays); `short_depth`: the
+        most a merged row drafts (a wide pass of many rows is bound by compute), and a row
+        with a source that costs a forward per draft; `cost`: the verify cost to weigh
+        depths with (in a job, rank 0's: job.py)."""
+        self.max_depth, self.short_depth = max_depth, short_depth
         self.continuations = continuations
         self.mtp = mtp
         self.draft_model = draft_model
         self.cost = cost if cost is not None else VerifyCost()
+        self.priors = SourcePriors(max_depth)  # what each source's drafts kept, shared by rows
+        self.read_first = False  # the last step read its rows' pending tokens to draft
         self.rows: dict[int, RowState] = {}  # id(sequence) -> its state, while it decodes
         self.passes = self.drafted = self.accepted = 0
         self.replays: bool | None = None  # merged window/recurrent rows replay exactly
@@ -106,6 +121,13 @@ class Speculator:
         return seq.decoder.walkable
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
+        """A step of `batch` rows took `seconds`: a plain one (width 1), a verify pass, or
+        (width -1) a plain one after its rows' pending tokens were read first to draft (timed
+        as `READ_FIRST`, what such a miss costs); a step that read nothing to draft, none."""
+        if width < 0:
+            if not self.read_first:
+                return
+            width = READ_FIRST
         if self.draft_model is not None:  # its passes are weighed apart (draft_model.py)
             seconds -= self.draft_model.take_seconds()
         self.cost.observe(batch, width, seconds)
@@ -129,6 +151,7 @@ class Speculator:
         """Run one speculative step if it pays: the pass's width; 0 if nothing ran, -1 if the
         rows' pending tokens were read but no draft paid (either way the caller runs the plain
         step). `read` and `leave` are the batch's own readback and departures."""
+        self.read_first = False
         if not seqs or not all(self.eligible(s) for s in seqs):
             return 0
         caches = merged if merged is not None else seqs[0].live.caches
@@ -145,25 +168,35 @@ class Speculator:
         # rows whose draft would be the draft model's: its passes are part of their cost
         uses = self._uses_draft_model(seqs, states)
         drafting = cost if self.draft_model is None else self.draft_model.cost(self.cost, batch)
-        depths = [
-            state.depth.depth(drafting if use else cost, self.max_depth)
-            if seq.req.params.speculative
-            else 0
-            for seq, state, use in zip(seqs, states, uses, strict=True)
-        ]  # a row that opted out feeds one token in the verify pass, as in a plain step
+        pipelined = any(seq.step is not None for seq in seqs)
+        miss = self.cost.read_first(batch)
+        peeks, depths = [], []
+        for seq, state, use in zip(seqs, states, uses, strict=True):
+            sync(seq, state.drafter)
+            # the source its draft would come from a token ago, and what that source was worth
+            peek = state.drafter.peek() if seq.req.params.speculative else None
+            peeks.append(peek)
+            if not seq.req.params.speculative:  # it feeds one token in the verify pass
+                depths.append(0)
+                continue
+            hit = state.depth.hit_rate(self.priors.hit_rate(peek)) if pipelined else 1.0
+            prior = None if peek is None else self.priors.rates(peek)
+            price = drafting if use else cost
+            cap = self._cap(state, batch)
+            depths.append(state.depth.depth(price, cap, prior=prior, hit=hit, miss=miss))
         if not any(depths):
             return 0
-        for seq, state in zip(seqs, states, strict=True):
-            sync(seq, state.drafter)
         # A pipelined row's pending token is still on the device: reading it gives up the
         # overlap, so that is done only if some row that wants a draft would have had one a
         # token ago (prose seldom does; a file being copied does; the draft model always has).
-        if any(seq.step is not None for seq in seqs) and not any(
-            depth and (use or state.drafter.would_propose())
-            for state, depth, use in zip(states, depths, uses, strict=True)
-        ):
+        wanting = [
+            bool(depth and (use or peek is not None))
+            for depth, use, peek in zip(depths, uses, peeks, strict=True)
+        ]
+        if pipelined and not any(wanting):
             return 0
         read([(seq, seq.step) for seq in seqs])  # the drafts follow each row's pending token
+        self.read_first = pipelined
         leave()
         if any(seq.done for seq in seqs):
             return -1  # a row ended on its pending token (and left): the plain step serves the rest
@@ -178,26 +211,31 @@ class Speculator:
             ]
             self.draft_model.draft(wanted, vocab)
         plans: list[Plan] = []
-        sources: list[str] = []  # where each row's draft came from
+        sources: list[tuple[str, int] | None] = []  # each row's draft's source and evidence
         for seq, state, depth in zip(seqs, states, depths, strict=True):
             assert seq.step is None and seq.feed
             sync(seq, state.drafter)
             left = seq.limit - seq.timings.completion_tokens
             if seq.decoder.constraint is None:
-                draft = state.drafter.propose(min(depth, left - 1))
+                draft = state.drafter.propose(min(depth, left - 1), self._worth(state))
                 plans.append(Plan(list(seq.feed), list(draft.tokens) if draft else []))
-                sources.append(draft.source if draft else "")
+                sources.append((draft.source, draft.evidence) if draft else None)
                 continue
             # the proposal runs through what the grammar forces, which costs no draft
-            draft = state.drafter.propose(min(2 * self.max_depth, left - 1)) if depth else None
+            limit = min(2 * self._cap(state, len(seqs)), left - 1)
+            draft = state.drafter.propose(limit, self._worth(state)) if depth else None
             proposal = list(draft.tokens) if draft else []
             walk = seq.decoder.walk(proposal, vocab, depth, left, seq.eos)
             plans.append(Plan(list(seq.feed), walk.drafts, walk.forced, walk.masks))
-            sources.append(draft.source if draft else "")
-        if not any(plan.drafts for plan in plans):
-            return -1
+            sources.append((draft.source, draft.evidence) if draft else None)
         curves = [s.depth.expected(len(p.drafts)) for s, p in zip(states, plans, strict=True)]
-        planned = plan_width(curves, cost, margin=0.0)  # drafts made are paid for: verify only
+        # drafts made are paid for: verify only
+        planned = plan_width(curves, cost, margin=0.0) if any(p.drafts for p in plans) else 1
+        if self.read_first:  # each row that read first to draft: did it get to?
+            for state, peek, want, plan in zip(states, peeks, wanting, plans, strict=True):
+                if want:
+                    state.depth.read(planned > 1 and bool(plan.drafts))
+                    self.priors.read(peek, planned > 1 and bool(plan.drafts))
         if planned == 1:
             return -1
         plans = [plan.cut(planned) for plan in plans]
@@ -205,21 +243,38 @@ class Speculator:
         for seq, state, plan, kept, source in zip(
             seqs, states, plans, accepted, sources, strict=True
         ):
-            state.depth.record(len(plan.drafts), kept)
+            state.depth.record(len(plan.drafts), kept, source)
+            if plan.drafts:
+                self.priors.record(source, len(plan.drafts), kept)
             seq.timings.drafted += len(plan.drafts)
             seq.timings.accepted += kept
             seq.timings.verify_passes += bool(plan.drafts)
-            if plan.drafts:
-                counts = seq.timings.by_source.setdefault(source, [0, 0, 0])
+            if plan.drafts and source is not None:
+                counts = seq.timings.by_source.setdefault(source[0], [0, 0, 0])
                 counts[0] += len(plan.drafts)
                 counts[1] += kept
                 counts[2] += 1
-                if source == DRAFT_MODEL and self.draft_model is not None:
+                if source[0] == DRAFT_MODEL and self.draft_model is not None:
                     self.draft_model.record(len(plan.drafts), kept)
             self.drafted += len(plan.drafts)
             self.accepted += kept
         self.passes += 1
         return width
+
+    def _worth(self, state: RowState) -> Callable[[str, int], float]:
+        """What a source's first drafts of a match length were worth, for choosing between
+        equal matches: the row's own rounds over the engine's (`SourcePriors`)."""
+
+        def worth(source: str, evidence: int) -> float:
+            return state.depth.worth((source, evidence), self.priors.worth(source, evidence))
+
+        return worth
+
+    def _cap(self, state: RowState, batch: int) -> int:
+        """The deepest draft of a row: a model's drafts cost a forward each, copies none; a
+        merged batch's wide pass is bound by compute (8 agents lost a third at 16)."""
+        costed = state.mtp is not None or state.model_row is not None
+        return self.short_depth if costed or batch > 1 else self.max_depth
 
     def _replays(self, model: nn.Module) -> bool:
         """Whether this model's merged rows replay exactly (asked once: snapshot.py)."""
@@ -246,7 +301,8 @@ class Speculator:
             mtp = None if self.mtp is None else MTPDraft(self.mtp)
             row = self.draft_model.row() if self.draft_model is not None else None
             own = [s for s in (mtp, row) if s is not None]
-            state = RowState(Drafter(sources + own), mtp=mtp, model_row=row)
+            depth = DepthController(self.max_depth)
+            state = RowState(Drafter(sources + own), depth, mtp=mtp, model_row=row)
             self.rows[id(seq)] = state
         return state
 
