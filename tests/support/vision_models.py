@@ -22,21 +22,25 @@ IMAGE_TOKEN = "<image_soft_token>"
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 8, 4  # a 4 x 4 patch grid pooled to 2 x 2
 
 
-def _add_tokens(model_dir: Path, tokens: tuple[str, ...], extra: dict[str, str]) -> dict[str, int]:
-    """Add `tokens` as special tokens to the tokenizer files, `extra` the tokenizer's named
+def _add_tokens(
+    model_dir: Path, tokens: tuple[str, ...], extra: dict[str, str], plain: tuple[str, ...] = ()
+) -> dict[str, int]:
+    """Add `tokens` as special tokens to the tokenizer files, `plain` as added tokens that are
+    not special (Qwen's `<think>`, as its real tokenizer has it), `extra` the tokenizer's named
     ones (Gemma 3's `boi_token`...); {token: id}."""
     from tokenizers import AddedToken, Tokenizer
 
     path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     tokenizer.save(str(path))
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config.pop("chat_template", None)
     config["extra_special_tokens"] = extra
     config_path.write_text(json.dumps(config, indent=2))
-    return {t: tokenizer.token_to_id(t) for t in tokens}
+    return {t: tokenizer.token_to_id(t) for t in tokens + plain}
 
 
 def gemma3_vision_dir(dest: Path, seed: int = 0, *, quantized: bool = False) -> Path:
@@ -310,7 +314,7 @@ def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
         "mrope_interleaved": True,
     }
     dest = make_model_dir(dest, "qwen3_5", seed=seed, rope_parameters=rope)
-    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    ids = _add_tokens(dest, QWEN_TOKENS, {}, plain=("<think>", "</think>"))
     (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen3.5.jinja").read_text())
     config = json.loads((dest / "config.json").read_text())
     config.update(

@@ -76,7 +76,10 @@ def chat(client: TestClient, image: bytes | None, text: str = "What is in the pi
 
 
 def answer(response: dict) -> str:
-    return response["choices"][0]["message"]["content"]
+    """All the model wrote: a template whose prompt opens `<think>` (Qwen3.5's) makes the
+    answer reasoning until the model closes it."""
+    message = response["choices"][0]["message"]
+    return (message.get("reasoning_content") or "") + (message["content"] or "")
 
 
 def reference(model_dir: Path, text: str, image: bytes) -> str:
