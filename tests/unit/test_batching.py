@@ -211,6 +211,7 @@ def serve_together(model, reqs, started=None, **engine_args) -> dict[str, int]:
     import threading
 
     from mlx_kvserve.engine.worker import Engine
+    from tests.unit.test_engine_failures import submit_together
 
     peaks: dict[str, int] = {}
     finished = threading.Semaphore(0)
@@ -229,16 +230,9 @@ def serve_together(model, reqs, started=None, **engine_args) -> dict[str, int]:
     if started is not None:
         started(engine)
     try:
-        # queued while the engine thread is held in a call, so it finds them all at once: on a
-        # loaded machine a submit loop could lose the race and the rows would never merge
-        hold, held = threading.Event(), threading.Event()
-        engine.call(lambda: (held.set(), hold.wait(60)))
-        assert held.wait(600)
-        try:
-            for req in reqs:
-                engine.submit(req)
-        finally:
-            hold.set()
+        # queued while the engine thread is held, so it finds them all at once: on a loaded
+        # machine a submit loop could lose the race and the rows would never merge
+        submit_together(engine, reqs)
         for _ in reqs:  # a hang detector, not a time limit: a niced run beside a full suite is slow
             assert finished.acquire(timeout=600)
     finally:
