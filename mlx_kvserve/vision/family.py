@@ -14,6 +14,9 @@ FAMILIES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_5": "qwen3_5",
+    # the MoE text models (mlx-lm's) with the same towers, rope and markup
+    "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_5_moe": "qwen3_5",
 }
 TOWER_PREFIXES = ("visual.", "vision_tower.")  # after a leading `model.` (tower.py)
 

@@ -129,8 +129,8 @@ class MRoPE(nn.Module):
 
 def install_mrope(model: nn.Module, family: str, text_config: dict) -> Positions:
     """Put an `MRoPE` in every attention layer of mlx-lm's text model of a Qwen vision
-    `family` (mlx-lm's `qwen2_vl`, `qwen3_vl` or `qwen3_5`); the `Positions` they share, also
-    kept as `model.mrope_positions` (engine/positions.py)."""
+    `family` (mlx-lm's `qwen2_vl`, `qwen3_vl` or `qwen3_5`, or their MoE models); the
+    `Positions` they share, also kept as `model.mrope_positions` (engine/positions.py)."""
     heads = int(text_config["num_attention_heads"])
     head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // heads)
     longest = int(text_config.get("max_position_embeddings", 128000))

@@ -38,11 +38,14 @@ class Qwen3VLVision(Qwen25VLVision):
 
     @staticmethod
     def vision_module(config: dict) -> nn.Module:
-        """mlx-vlm's Qwen3-VL tower for a `config.json` (weights not loaded)."""
+        """mlx-vlm's Qwen3-VL tower for a `config.json` (weights not loaded). Qwen3-VL-MoE's
+        (its `vision_config` names `qwen3_vl_moe`) is the same tower in transformers; mlx-vlm's
+        copy of it swaps the merger's and the MLP's GELUs, so Qwen3-VL's runs it."""
         from mlx_vlm.models.qwen3_vl.config import VisionConfig
         from mlx_vlm.models.qwen3_vl.vision import VisionModel
 
-        return VisionModel(VisionConfig.from_dict(config["vision_config"]))
+        vision = {**config["vision_config"], "model_type": "qwen3_vl"}
+        return VisionModel(VisionConfig.from_dict(vision))
 
     @staticmethod
     def image_processor(model_dir: Path, vision: dict):  # noqa: ANN205  (transformers')

@@ -125,6 +125,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
             },
         },
     },
+    # Qwen3.5/3.6's MoE (Qwen3.6-35B-A3B): qwen3_5's layers, every MLP routed over experts
+    # with a shared one (mlx-lm runs it as `qwen3_5`'s text model; float32 on the CPU's gather_mm)
+    "qwen3_5_moe": {
+        "text_config": {
+            **_QWEN_LINEAR,
+            "model_type": "qwen3_5_moe_text",
+            "eos_token_id": EOS_IDS[0],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_expert_intermediate_size": 64,
+            "moe_intermediate_size": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+            },
+        },
+    },
     "gemma3_text": dict(_GEMMA3_TEXT),
     "gemma3": {
         "text_config": {**_GEMMA3_TEXT, "model_type": "gemma3_text"},

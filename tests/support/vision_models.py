@@ -198,15 +198,18 @@ def qwen2_5_vl_dir(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
-def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
+def qwen3_vl_dir(dest: Path, seed: int = 0, *, moe: bool = False) -> Path:
     """A tiny Qwen3-VL checkpoint in Hugging Face's layout: `text_config` and `vision_config`
     nested, M-RoPE interleaved (`mrope_interleaved`), the text model under
     `model.language_model.` (mlx-lm's `qwen3_vl`), the tower with its learned position
-    embeddings and two deepstack mergers under `model.visual.` (mlx-vlm's), Qwen's vision
-    tokens, template and processor as `qwen2_5_vl_dir` writes them (mean and std 0.5)."""
+    embeddings and two deepstack mergers under `model.visual.` (mlx-vlm's), Qwen3-VL's
+    vision tokens, template and processor as `qwen2_5_vl_dir` writes them (mean and std 0.5).
+    `moe`: Qwen3-VL-MoE's (`qwen3_vl_moe`: every MLP routed over 4 experts, float32 as the
+    CPU's gather_mm needs)."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_vl
 
     from mlx_kvserve.vision.qwen2_5_vl import processor_config
     from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
@@ -221,7 +224,7 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
     ids = _add_tokens(dest, QWEN_TOKENS, {})
     (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
     text = {
-        "model_type": "qwen3_vl_text",
+        "model_type": "qwen3_vl_moe_text" if moe else "qwen3_vl_text",
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 3,
@@ -242,9 +245,19 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if moe:
+        text |= {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        }
+    kind = "qwen3_vl_moe" if moe else "qwen3_vl"
     config = {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
+        "architectures": [f"Qwen3VL{'Moe' if moe else ''}ForConditionalGeneration"],
+        "model_type": kind,
         "tie_word_embeddings": False,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
@@ -252,7 +265,7 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
         "vision_end_token_id": ids["<|vision_end|>"],
         "text_config": text,
         "vision_config": {
-            "model_type": "qwen3_vl",
+            "model_type": kind,
             "depth": 3,
             "hidden_size": 32,
             "intermediate_size": 64,
@@ -267,7 +280,8 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
         },
     }
     mx.random.seed(seed)
-    model = qwen3_vl.Model(qwen3_vl.ModelArgs.from_dict(dict(config)))
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    model = module.Model(module.ModelArgs.from_dict(dict(config)))
     for layer in model.layers:  # sharper attention: positions matter (qwen2_5_vl_dir)
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
             proj.weight = proj.weight * SHARPEN
@@ -292,13 +306,14 @@ def qwen3_vl_dir(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
-def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
+def qwen3_5_vision_dir(dest: Path, seed: int = 0, *, moe: bool = False) -> Path:
     """A tiny Qwen3.5 checkpoint with its vision, as mlx-vlm's conversions lay it out: the
     tiny `qwen3_5` text model of tiny_models.py (linear-attention layers and one full-attention
     layer, mlx-lm's classes and names) with three quarters of each head rotated here (a quarter
     in Qwen3.5's: 6 frequencies, 2 per section), Qwen3-VL's tower without deepstack under
     `vision_tower.` (mlx-vlm's `qwen3_5`) in a second file, Qwen's vision tokens, the real
-    Qwen3.5 chat template (tests/fixtures/templates) and a processor config."""
+    Qwen3.5 chat template (tests/fixtures/templates) and a processor config. `moe`: the tiny
+    `qwen3_5_moe` text model (Qwen3.6-35B-A3B's layout: experts and a shared one)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -313,7 +328,8 @@ def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
         "mrope_section": [2, 2, 2],
         "mrope_interleaved": True,
     }
-    dest = make_model_dir(dest, "qwen3_5", seed=seed, rope_parameters=rope)
+    kind = "qwen3_5_moe" if moe else "qwen3_5"
+    dest = make_model_dir(dest, kind, seed=seed, rope_parameters=rope)
     ids = _add_tokens(dest, QWEN_TOKENS, {}, plain=("<think>", "</think>"))
     (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen3.5.jinja").read_text())
     config = json.loads((dest / "config.json").read_text())
@@ -324,7 +340,7 @@ def qwen3_5_vision_dir(dest: Path, seed: int = 0) -> Path:
             "vision_start_token_id": ids["<|vision_start|>"],
             "vision_end_token_id": ids["<|vision_end|>"],
             "vision_config": {
-                "model_type": "qwen3_5",
+                "model_type": kind,
                 "depth": 2,
                 "hidden_size": 32,
                 "intermediate_size": 64,

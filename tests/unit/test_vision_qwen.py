@@ -1,10 +1,11 @@
-"""Qwen2.5-VL and Qwen3-VL checkpoints see images with their M-RoPE positions: an image's
-tokens at their (t, h, w) grid places, the text after it shifted, every pass of its row too
-(decode, a batch beside text rows, a prefix restored from the prompt cache, speculation's
-verify passes), and Qwen3-VL's deepstack rows added after its first layers. Greedy answers are
-mlx-vlm's own forward on the same weights (its processor, `get_rope_index` and language model)
-(docs/images.md). Tiny random-weight checkpoints (tests/support/vision_models.py), real PNGs
-made with Pillow, the real app and engine in this process."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints (dense and MoE) see images with their M-RoPE
+positions: an image's tokens at their (t, h, w) grid places, the text after it shifted, every
+pass of its row too (decode, a batch beside text rows, a prefix restored from the prompt cache,
+speculation's verify passes), and Qwen3-VL's deepstack rows added after its first layers.
+Greedy answers are mlx-vlm's own forward on the same weights (its processor, `get_rope_index`
+and language model) (docs/images.md). Tiny random-weight checkpoints
+(tests/support/vision_models.py), real PNGs made with Pillow, the real app and engine in this
+process."""
 
 from __future__ import annotations
 
@@ -33,16 +34,23 @@ TOKENS = 8
 BEFORE, AFTER = "Look at this:", "What is in the picture? Answer briefly."
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(
+    scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"]
+)
 def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """Each Qwen family's tiny checkpoint (Qwen3-VL: interleaved sections and deepstack;
-    Qwen3.5: linear-attention layers, M-RoPE on part of each head of its full-attention one)."""
+    Qwen3.5: linear-attention layers, M-RoPE on part of each head of its full-attention one;
+    their MoE text models, as Qwen3-VL-30B-A3B and Qwen3.6-35B-A3B)."""
+    from functools import partial
+
     from tests.support import vision_models
 
     build = {
         "qwen2_5_vl": vision_models.qwen2_5_vl_dir,
         "qwen3_vl": vision_models.qwen3_vl_dir,
         "qwen3_5": vision_models.qwen3_5_vision_dir,
+        "qwen3_vl_moe": partial(vision_models.qwen3_vl_dir, moe=True),
+        "qwen3_5_moe": partial(vision_models.qwen3_5_vision_dir, moe=True),
     }[request.param]
     return build(tmp_path_factory.mktemp("vision") / request.param)
 
@@ -120,6 +128,8 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
     from mlx_vlm.utils import load_model, load_processor
     from PIL import Image as PILImage
 
+    model = load_model(model_dir)  # first: its package installs its processor (the MoE's)
+    _transformers_gelus(model)
     processor = load_processor(model_dir)
     rendered, images = theirs(messages)
     prompt = processor.tokenizer.apply_chat_template(
@@ -127,7 +137,6 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
     )
     pictures = [PILImage.open(io.BytesIO(data)).convert("RGB") for data in images]
     inputs = processor(text=[prompt], images=pictures or None, add_special_tokens=False)
-    model = load_model(model_dir)
     ids = mx.array(inputs["input_ids"])
     kwargs = {}
     if pictures:
@@ -157,6 +166,21 @@ def reference(model_dir: Path, messages: list[dict]) -> str:
         out.append(token)
         logits = lm(mx.array([[token]]), cache=cache).logits
     return processor.tokenizer.decode(out)
+
+
+def _transformers_gelus(model) -> None:  # noqa: ANN001  (mlx-vlm's model or tower)
+    """mlx-vlm's Qwen3-VL-MoE tower swaps the GELUs of transformers' (and of its own Qwen3-VL
+    tower, which serves it here: vision/qwen3_vl.py): put them back, exact in the mergers and
+    tanh in the blocks' MLPs."""
+    import mlx.nn as nn
+
+    tower = getattr(model, "vision_tower", model)
+    if tower.model_type != "qwen3_vl_moe":
+        return
+    for merger in [tower.merger, *tower.deepstack_merger_list]:
+        merger.act_fn = nn.GELU()
+    for block in tower.blocks:
+        block.mlp.act_fn = nn.GELU(approx="tanh")
 
 
 def same(ours: dict, want: str) -> None:
@@ -329,3 +353,34 @@ def test_a_text_only_conversion_is_served_as_text(tmp_path: Path) -> None:
     without = qwen3_5_vision_dir(tmp_path / "without")
     (without / "vision.safetensors").unlink()
     assert vision_family(without) is None
+
+
+def test_qwen3_vl_moes_tower_runs_transformers_gelus(tmp_path: Path) -> None:
+    """Qwen3-VL-MoE's image features are those of mlx-vlm's tower with transformers' GELUs
+    (exact in the mergers, tanh in the MLPs), not of its copy as shipped (swapped)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_vlm.utils import load_model
+
+    from mlx_kvserve.images.pixels import ImageLimits, decode_image
+    from mlx_kvserve.vision.encoder import load_vision
+    from tests.support.vision_models import qwen3_vl_dir
+
+    model_dir = qwen3_vl_dir(tmp_path / "moe", moe=True)
+    model, tokenizer = load(str(model_dir))
+    vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
+    assert vision is not None
+    image = decode_image(SQUARE, ImageLimits(1 << 24, 1 << 24), "image")
+    ours = np.asarray(vision.family.features(image, mx.float32))
+    patches, grid = vision.family.pixels(image)
+    tower = load_model(model_dir).vision_tower
+
+    def theirs() -> np.ndarray:
+        hidden, deepstack = tower(mx.array(patches), mx.array(grid))
+        return np.asarray(mx.concatenate([hidden, *deepstack], axis=-1))
+
+    shipped = theirs()
+    _transformers_gelus(tower)
+    assert np.allclose(ours, theirs(), atol=1e-5)
+    assert not np.allclose(ours, shipped, atol=1e-5)
