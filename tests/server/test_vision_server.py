@@ -37,9 +37,11 @@ def served(
     # RED and GREEN, whose 8 image tokens sit among ~200 of tool text; seed 1 does not)
     seed = 1 if request.param == "qwen3_vl" else 0
     model = build(tmp_path_factory.mktemp("vision") / "tiny-vision", seed=seed)
-    # --no-cache: until the prompt cache keys image spans by their pixels, answers are compared
-    # across images with nothing reused between requests
-    yield from serve_model(model, "--no-cache")
+    # --no-cache: these tests compare the protocols' plumbing, each answer prefilled whole
+    # (the cache's image keys are tests/unit/test_vision*.py's); Qwen3.5's template would open
+    # `<think>` and its answer would be reasoning, which each protocol carries its own way
+    off = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    yield from serve_model(model, "--no-cache", *(off if request.param == "qwen3_5" else []))
 
 
 def openai_chat(served: ServerProcess, image: bytes) -> str:
@@ -143,6 +145,7 @@ def ollama_chat(served: ServerProcess, image: bytes) -> str:
         model="tiny-vision",
         messages=[{"role": "user", "content": TEXT, "images": [b64(image)]}],
         options={"num_predict": TOKENS, "temperature": 0},
+        think=False,  # Ollama's absent `think` turns reasoning on (Qwen3.5's template has it)
     )
     return out.message.content or ""
 
