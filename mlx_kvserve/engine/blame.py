@@ -47,6 +47,7 @@ from mlx_kvserve.cache.exceptions import out_of_memory
 from mlx_kvserve.cache.state import StateError
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.live import Timings
+from mlx_kvserve.engine.positions import Shift
 from mlx_kvserve.engine.prompt_state import Start
 from mlx_kvserve.images.spans import ImageSpan
 
@@ -67,7 +68,12 @@ class States(Protocol):
     """What recovery asks of `PromptStates` (or a job's `JobStates`)."""
 
     def acquire(
-        self, prompt: list[int], *, at_most: int | None = None, spans: Sequence[ImageSpan] = ()
+        self,
+        prompt: list[int],
+        *,
+        at_most: int | None = None,
+        spans: Sequence[ImageSpan] = (),
+        shift: Shift | None = None,
     ) -> Start: ...
     def newest_link(self, start: Start) -> tuple[str, int] | None: ...
     def evict_link(self, key: str, why: str) -> None: ...
@@ -101,11 +107,17 @@ class Recovery:
     """One request's tries at a prefill: where each starts, what each failure blames."""
 
     def __init__(
-        self, states: States, prompt: list[int], who: str, spans: Sequence[ImageSpan] = ()
+        self,
+        states: States,
+        prompt: list[int],
+        who: str,
+        spans: Sequence[ImageSpan] = (),
+        shift: Shift | None = None,
     ) -> None:
         self.states = states
         self.prompt = prompt
         self.spans = spans  # where the prompt's images sit (the cache keys them by content)
+        self.shift = shift  # the rope shift at a position (Qwen's M-RoPE after an image)
         self.who = who  # "request <id>", for the log
         self.at_most: int | None = None  # the next try starts at most here (0: cold)
         self.blamed: list[Blamed] = []  # newest first; evicted once a try succeeds
@@ -114,7 +126,9 @@ class Recovery:
         self.failed_source: str | None = None  # where the first failed try started from
 
     def start(self) -> Start:
-        return self.states.acquire(self.prompt, at_most=self.at_most, spans=self.spans)
+        return self.states.acquire(
+            self.prompt, at_most=self.at_most, spans=self.spans, shift=self.shift
+        )
 
     def failed(self, start: Start | None, exc: Exception) -> None:
         """Decide the next try after `exc` ended the one from `start` (None: it failed
@@ -169,10 +183,11 @@ def recover(
     attempt: Callable[[Start], Generator_[int, None, T]],
     timings: Timings | None = None,
     spans: Sequence[ImageSpan] = (),
+    shift: Shift | None = None,
 ) -> Generator_[int, None, T]:
     """Run `attempt(start)` (a prefill, resumed chunk by chunk) until one succeeds, each time
     from the start `Recovery` chooses; `timings` notes that it was retried, and from where."""
-    recovery = Recovery(states, prompt, who, spans)
+    recovery = Recovery(states, prompt, who, spans, shift)
     while True:
         start = None
         try:

@@ -42,6 +42,7 @@ from mlx_kvserve.engine.chunks import Checkpoints, plan_chunks
 from mlx_kvserve.engine.decode import Cancelled
 from mlx_kvserve.engine.live import Live, Timings
 from mlx_kvserve.engine.namespaces import States
+from mlx_kvserve.engine.positions import Shift
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
@@ -226,6 +227,7 @@ class Generator:
                 lambda start: self._attempt(req, timings, states, start),
                 timings,
                 req.image_spans,
+                self.rope_shift(req),
             )
             return timings, seq
         except Cancelled:
@@ -306,6 +308,20 @@ class Generator:
         if self.vision is None or not req.image_spans:
             return 0
         return self.vision.rope_delta(req.image_spans, req.images)
+
+    def rope_shift(self, req: GenerationRequest) -> Shift | None:
+        """The rope shift at each position of `req`'s prompt: the images wholly before it
+        (a restored entry's probe runs there), None where every position's is 0."""
+        if not self.rope_delta(req):
+            return None
+        vision, pairs = self.vision, list(zip(req.image_spans, req.images, strict=True))
+        assert vision is not None
+
+        def shift(pos: int) -> int:
+            before = [(s, i) for s, i in pairs if s.start + s.length <= pos]
+            return vision.rope_delta([s for s, _ in before], [i for _, i in before])
+
+        return shift
 
     def _fork(
         self, req: GenerationRequest, live: Live, logits: mx.array, states: PromptStates

@@ -32,6 +32,7 @@ import mlx.nn as nn
 
 from mlx_kvserve.cache import CacheRestoreError, Match
 from mlx_kvserve.cache.exceptions import out_of_memory
+from mlx_kvserve.engine.positions import Shift
 from mlx_kvserve.engine.prompt_state import Prompt, PromptStates, Start
 from mlx_kvserve.engine.protocols import PromptCacheView
 from mlx_kvserve.images.spans import ImageSpan
@@ -68,6 +69,7 @@ class JobStates(PromptStates):
         *,
         at_most: int | None = None,
         spans: Sequence[ImageSpan] = (),
+        shift: Shift | None = None,  # a job's requests hold no images: always None
     ) -> Start:
         if not self.enabled or at_most == 0:
             return self.cold()

@@ -5,11 +5,13 @@ by 0, and a model without M-RoPE, or a batch with no image row, runs its rope un
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import mlx.nn as nn
+
+Shift = Callable[[int], int]  # a prompt's rope shift at a position (0 before any image)
 
 
 class RowPositions(Protocol):
@@ -24,8 +26,12 @@ class Shifted(Protocol):
 
 def shifted(model: nn.Module, rows: Sequence[Shifted]) -> AbstractContextManager[None]:
     """The context of one pass over `rows` (the batch's order) on `model`."""
+    return shifted_by(model, [row.rope_delta for row in rows])
+
+
+def shifted_by(model: nn.Module, deltas: Sequence[int]) -> AbstractContextManager[None]:
+    """The context of one pass whose rows sit `deltas` away from their offsets."""
     positions: RowPositions | None = getattr(model, "mrope_positions", None)
-    deltas = [row.rope_delta for row in rows]
     if positions is None or not any(deltas):
         return nullcontext()
     return positions.rows(deltas)

@@ -39,6 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
 from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
 from mlx_kvserve.engine import faults
+from mlx_kvserve.engine.positions import Shift, shifted_by
 from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
 from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
 
@@ -64,10 +65,12 @@ class Start:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's ids as the model is fed them (`tokens`) and as the cache keys them (`key`)."""
+    """A prompt's ids as the model is fed them (`tokens`) and as the cache keys them (`key`);
+    `shift`: the rope shift of a position (Qwen's M-RoPE after an image), None where all are 0."""
 
     tokens: list[int]
     spans: tuple[ImageSpan, ...] = ()
+    shift: Shift | None = None
     key: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,13 +131,14 @@ class PromptStates:
         *,
         at_most: int | None = None,
         spans: Sequence[ImageSpan] = (),
+        shift: Shift | None = None,
     ) -> Start:
-        """Best starting state for `prompt` (whose images sit at `spans`), holding at most
-        `at_most` tokens if given (a try again below a link that failed; 0: cold). The caller
-        owns the returned caches."""
+        """Best starting state for `prompt` (whose images sit at `spans`, `shift` their rope
+        shift at a position), holding at most `at_most` tokens if given (a try again below a
+        link that failed; 0: cold). The caller owns the returned caches."""
         if not self.enabled or at_most == 0:
             return self.cold()
-        p = Prompt(prompt, tuple(spans))
+        p = Prompt(prompt, tuple(spans), shift)
         match = self._lookup(p, at_most)
         live = self._take_live(p, match, at_most)
         if live is not None and live.usable >= match.usable:
@@ -289,7 +293,7 @@ class PromptStates:
         start = Start(caches, prompt.tokens[: target.usable], source, match)
         start.restore_seconds = time.perf_counter() - started
         if suspect:
-            if not self._behaves(prompt.tokens, start, target):
+            if not self._behaves(prompt, start, target):
                 self.cache.evict(
                     match.key,
                     "behaviour check failed after an unclean shutdown",
@@ -309,14 +313,17 @@ class PromptStates:
                 return self._restore(prompt, match, at_most, again=False)
         return self.cold()
 
-    def _behaves(self, prompt: list[int], start: Start, target: Match) -> bool:
-        """Prefill the probe position of a suspect entry again and compare with its logits."""
+    def _behaves(self, prompt: Prompt, start: Start, target: Match) -> bool:
+        """Prefill the probe position of a suspect entry again (at its rope position) and
+        compare with its logits."""
         if target.probe is None or target.usable >= start.match.usable:
             return True  # nothing to compare: the cache's checksums were the check
         pos = target.usable
-        row = self.model(mx.array(prompt[pos : pos + 1])[None], cache=start.caches)[:, -1, :]
+        fed = mx.array(prompt.tokens[pos : pos + 1])[None]
+        with shifted_by(self.model, [prompt.shift(pos) if prompt.shift else 0]):
+            row = self.model(fed, cache=start.caches)[:, -1, :]
         mx.eval(row)
-        start.tokens = prompt[: pos + 1]
+        start.tokens = prompt.tokens[: pos + 1]
         return bool(probe_matches(target.probe, row))
 
 
