@@ -132,7 +132,7 @@ class JobStates(PromptStates):
         start = Start(caches, prompt.tokens[: target.usable], match.source or "disk", match)
         start.restore_seconds = time.perf_counter() - started
         if match.suspect:
-            behaves = self._behaves(prompt.tokens, start, target)  # a pass on every rank together
+            behaves = self._behaves(prompt, start, target)  # a pass on every rank together
             if not self.job.all_true(behaves, "a behaviour check"):
                 self.cache.evict(
                     match.key,
