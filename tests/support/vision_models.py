@@ -43,6 +43,21 @@ def _add_tokens(
     return {t: tokenizer.token_to_id(t) for t in tokens + plain}
 
 
+def _qwen_vl_tokenizer(dest: Path) -> dict[str, int]:
+    """The default model's tokenizer files in `dest` with Qwen's vision tokens added, and the
+    real Qwen2/2.5-VL chat template; {token: id}."""
+    from tests.support.tiny_models import TOKENIZER_FILES, default_tokenizer_dir
+
+    dest.mkdir(parents=True, exist_ok=True)
+    source = default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    ids = _add_tokens(dest, QWEN_TOKENS, {})
+    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    return ids
+
+
 def gemma3_vision_dir(dest: Path, seed: int = 0, *, quantized: bool = False) -> Path:
     """`quantized`: the tower's linear layers stored 4-bit (group 32), as mlx-vlm's
     conversions quantize them, the text model left in float32."""
@@ -128,16 +143,10 @@ def qwen2_5_vl_dir(dest: Path, seed: int = 0) -> Path:
     from mlx_lm.models import qwen2_vl
 
     from mlx_kvserve.vision.qwen2_5_vl import processor_config, vision_module
-    from tests.support.tiny_models import ROWS, TOKENIZER_FILES, default_tokenizer_dir
+    from tests.support.tiny_models import ROWS
 
     dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    source = default_tokenizer_dir()
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (dest / name).write_bytes((source / name).read_bytes())
-    ids = _add_tokens(dest, QWEN_TOKENS, {})
-    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    ids = _qwen_vl_tokenizer(dest)
     config = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "model_type": "qwen2_5_vl",
@@ -213,16 +222,10 @@ def qwen3_vl_dir(dest: Path, seed: int = 0, *, moe: bool = False) -> Path:
 
     from mlx_kvserve.vision.qwen2_5_vl import processor_config
     from mlx_kvserve.vision.qwen3_vl import Qwen3VLVision
-    from tests.support.tiny_models import ROWS, TOKENIZER_FILES, default_tokenizer_dir
+    from tests.support.tiny_models import ROWS
 
     dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    source = default_tokenizer_dir()
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (dest / name).write_bytes((source / name).read_bytes())
-    ids = _add_tokens(dest, QWEN_TOKENS, {})
-    (dest / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-vl.jinja").read_text())
+    ids = _qwen_vl_tokenizer(dest)
     text = {
         "model_type": "qwen3_vl_moe_text" if moe else "qwen3_vl_text",
         "hidden_size": 64,
