@@ -20,31 +20,25 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
+
+from mlx_kvserve.models.mtp_families import (
+    FAMILIES,
+    Stack,
+    from_nemotron,
+    from_nextn,
+    nemotron_pattern,
+    stack,
+)
 
 log = logging.getLogger("mlx_kvserve.models")
 
-# model_type -> the config field stating its MTP layers: `mtp.*` tensors (Qwen), or DeepSeek's
-# nextn layer `model.layers.{num_hidden_layers}` (one, with its own enorm/hnorm/eh_proj)
-FAMILIES = {
-    "qwen3_5": "mtp_num_hidden_layers",
-    "qwen3_5_moe": "mtp_num_hidden_layers",
-    "qwen3_next": "mtp_num_hidden_layers",
-    "deepseek_v3": "num_nextn_predict_layers",
-    "glm4_moe": "num_nextn_predict_layers",  # GLM-4.5/4.6: DeepSeek's layout, GLM's layer
-}
-# a nextn layer's names -> the block's (its embed_tokens and shared_head.head: the target's)
-_NEXTN = {
-    "enorm.": "pre_fc_norm_embedding.",
-    "hnorm.": "pre_fc_norm_hidden.",
-    "eh_proj.": "fc.",
-    "shared_head.norm.": "norm.",
-}
 _NORMS = (
     ".input_layernorm.weight",
     ".post_attention_layernorm.weight",
@@ -59,35 +53,50 @@ _NORMS = (
 class MTPBlock(nn.Module):
     """fc(norm_e(embedding of t_{p+1}) ++ norm_h(h_p)), the MTP decoder layers, a final norm."""
 
-    def __init__(self, layers: list[nn.Module], hidden_size: int, eps: float) -> None:
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        hidden_size: int,
+        eps: float,
+        cached: list[bool] | None = None,
+    ) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
         self.layers = layers
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        # which layers take a cache (Nemotron-H's expert blocks attend nowhere)
+        self._cached = cached if cached is not None else [True] * len(layers)
 
-    def __call__(self, embedded: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, embedded: mx.array, hidden: mx.array, cache: list) -> mx.array:
         h = mx.concatenate(
             [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
         h = self.fc(h)
-        mask = create_attention_mask(h, cache[0], return_array=True)  # MLA takes arrays only
-        for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, mask=mask, cache=c)
+        first = cache[0][0] if isinstance(cache[0], CacheList) else cache[0]
+        mask = create_attention_mask(h, first, return_array=True)  # MLA takes arrays only
+        caches = iter(cache)
+        for layer, cached in zip(self.layers, self._cached, strict=True):
+            h = layer(h, mask=mask, cache=next(caches) if cached else None)
         return self.norm(h)
 
 
 class MTPHeads:
     """A target model's MTP block, bound to the target's embedding and output head."""
 
-    def __init__(self, target: nn.Module, block: MTPBlock) -> None:
+    def __init__(
+        self, target: nn.Module, block: MTPBlock, caches: list[Callable[[], object]] | None = None
+    ) -> None:
         lm = getattr(target, "language_model", target)
-        self.inner: nn.Module = lm.model  # returns the hidden states after the final norm
-        self.embed: nn.Embedding = self.inner.embed_tokens
+        # returns the hidden states after the final norm (Nemotron-H's is its `backbone`)
+        self.inner: nn.Module = lm.model if hasattr(lm, "model") else lm.backbone
+        embed = getattr(self.inner, "embed_tokens", None)
+        self.embed: nn.Embedding = embed if embed is not None else self.inner.embeddings
         head = getattr(lm, "lm_head", None)
         self.head = head if head is not None else self.embed.as_linear
         self.block = block
+        self.caches = caches if caches is not None else [KVCache] * len(block.layers)
 
     @property
     def depth(self) -> int:
@@ -99,10 +108,11 @@ class MTPHeads:
         hidden = self.inner(inputs, cache)
         return hidden, self.head(hidden)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.block.layers]
+    def make_cache(self) -> list:
+        """One cache per MTP layer that attends, of the target's kinds."""
+        return [make() for make in self.caches]
 
-    def step(self, tokens: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:
+    def step(self, tokens: mx.array, hidden: mx.array, cache: list) -> mx.array:
         """The block over pairs (h_p, t_{p+1}): `tokens` (1, L), `hidden` (1, L, H); its output
         predicts t_{p+2} through `head` and is the hidden state of the next MTP step."""
         return self.block(self.embed(tokens), hidden, cache)
@@ -110,11 +120,11 @@ class MTPHeads:
 
 def mtp_layers(config: dict) -> int:
     """The MTP layers a config.json states (0: none, or a family this does not know)."""
-    field = FAMILIES.get(config.get("model_type", ""))
-    if field is None:
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family is None:
         return 0
     text = config.get("text_config", config)
-    return int(text.get(field, 0) or 0)
+    return int(text.get(family.field, 0) or 0)
 
 
 def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
@@ -126,8 +136,9 @@ def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
     if not mtp_layers(config):
         known = ", ".join(sorted(FAMILIES))
         return (
-            f"its config.json states no MTP layers (mtp_num_hidden_layers, model_type "
-            f"{config.get('model_type')!r}; heads are loaded for {known})"
+            f"its config.json states no MTP layers (mtp_num_hidden_layers or "
+            f"num_nextn_predict_layers, model_type {config.get('model_type')!r}; heads are "
+            f"loaded for {known})"
         )
     prefix = _prefix(config)
     if not any(_names(path, prefix) for path in model_dir.glob("*.safetensors")):
@@ -140,9 +151,9 @@ def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
 
 def _prefix(config: dict) -> str:
     """Where a checkpoint keeps its heads' tensors."""
-    if FAMILIES[config["model_type"]] == "mtp_num_hidden_layers":
-        return "mtp."
-    return f"model.layers.{config['num_hidden_layers']}."
+    if FAMILIES[config["model_type"]].nextn:
+        return f"model.layers.{config['num_hidden_layers']}."
+    return "mtp."
 
 
 def _names(path: Path, prefix: str) -> list[str]:
@@ -171,14 +182,19 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
                 weights[key[len(prefix) :]] = value
             elif "conv1d.weight" in key and value.shape[-1] != 1:
                 hf_layout = True  # as mlx-lm's sanitize tells a Hugging Face checkpoint
-    if prefix != "mtp.":
-        weights = _from_nextn(weights)
+    family = FAMILIES[config["model_type"]]
+    if family.nextn:
+        weights = from_nextn(weights)
         layers = 1  # a second nextn layer would be a second block: not built
+    elif config["model_type"] == "nemotron_h":  # one module of several blocks
+        layers = len(nemotron_pattern(config))
+        weights = from_nemotron(weights, layers)
     if not weights:
         log.info("the model's config states %d MTP layer(s) but its weights hold none", layers)
         return None
-    block = _block(config, target, layers)
-    weights = _sanitize(weights, target, hf_layout)
+    layout = stack(config, target, layers)
+    block = _block_of(layout)
+    weights = _sanitize(weights, target, hf_layout and family.centred, family.target_prefix)
     quantization = config.get("quantization")
     if quantization and any(k.endswith(".scales") for k in weights):
         nn.quantize(
@@ -188,8 +204,8 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
             class_predicate=lambda path, _module: f"{path}.scales" in weights,
         )
     block.load_weights(list(weights.items()), strict=True)
-    heads = MTPHeads(target, block)
-    norm = getattr(heads.inner, "norm", None)
+    heads = MTPHeads(target, block, [make for make in layout.caches if make is not None])
+    norm = getattr(heads.inner, "norm", None) or getattr(heads.inner, "norm_f", None)
     if norm is not None:  # the dtype the target computes in (`--kv-dtype` may have cast it)
         block.set_dtype(norm.weight.dtype)
     block.eval()
@@ -198,53 +214,21 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
 
 
 def _block(config: dict, target: nn.Module, layers: int) -> MTPBlock:
-    """An empty block of `layers` full-attention decoder layers of the target's family."""
-    model_type = config["model_type"]
-    if model_type in ("qwen3_5", "qwen3_5_moe"):
-        from mlx_lm.models.qwen3_5 import DecoderLayer as Layer
-
-        args = target.language_model.args
-        index = args.full_attention_interval - 1  # an index whose layer attends (not linear)
-    elif model_type == "qwen3_next":
-        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer as Layer
-
-        args = target.args
-        index = args.full_attention_interval - 1
-    elif model_type == "glm4_moe":
-        from mlx_lm.models.glm4_moe import DecoderLayer as Layer
-
-        args = target.args
-        index = args.num_hidden_layers  # the nextn layer's own index: a MoE layer
-    else:
-        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer as Layer
-
-        args = target.args
-        index = args.num_hidden_layers
-    stack = [Layer(args, layer_idx=index) for _ in range(layers)]
-    return MTPBlock(stack, args.hidden_size, args.rms_norm_eps)
+    """An empty block of `layers` decoder layers of the target's family (tests build theirs)."""
+    return _block_of(stack(config, target, layers))
 
 
-def _from_nextn(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """A DeepSeek nextn layer's tensors in the block's names: its decoder layer as layer 0."""
-    out = {}
-    for key, value in weights.items():
-        if key.startswith(("embed_tokens.", "shared_head.head.")):
-            continue  # copies of the target's embedding and output head
-        for theirs, ours in _NEXTN.items():
-            if key.startswith(theirs):
-                out[ours + key[len(theirs) :]] = value
-                break
-        else:
-            out["layers.0." + key] = value
-    return out
+def _block_of(layout: Stack) -> MTPBlock:
+    cached = [make is not None for make in layout.caches]
+    return MTPBlock(layout.layers, layout.hidden_size, layout.eps, cached)
 
 
-def _sanitize(weights: dict[str, mx.array], target: nn.Module, hf_layout: bool) -> dict:
-    """The `mtp.*` tensors (prefix cut) in the block's names: the layers through the target's
-    own `sanitize` (its experts' layout), zero-centred norms shifted in a Hugging Face layout
-    (Qwen3-Next's `sanitize` shifts its layers' itself)."""
-    own_shift = not hasattr(target, "language_model")  # qwen3_next (and no shift for DeepSeek)
-    if hf_layout:
+def _sanitize(weights: dict[str, mx.array], target: nn.Module, shift: bool, prefix: str) -> dict:
+    """The heads' tensors (prefix cut) in the block's names: the layers through the target's
+    own `sanitize` (its experts' layout, MLA's split kv_b_proj), zero-centred norms shifted in a
+    Hugging Face layout of Qwen's (Qwen3-Next's `sanitize` shifts its layers' itself)."""
+    own_shift = prefix == "model."  # qwen3_next (no shift for the others: `shift` is False)
+    if shift:
         weights = {
             k: v + 1.0
             if v.ndim == 1
@@ -253,7 +237,6 @@ def _sanitize(weights: dict[str, mx.array], target: nn.Module, hf_layout: bool) 
             else v
             for k, v in weights.items()
         }
-    prefix = "model." if own_shift else "language_model.model."
     as_target = {prefix + k: v for k, v in weights.items() if k.startswith("layers.")}
     out = {k: v for k, v in weights.items() if not k.startswith("layers.")}
     for key, value in target.sanitize(as_target).items():

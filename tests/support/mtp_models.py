@@ -1,7 +1,9 @@
 """Tiny Qwen3.5 checkpoints that carry MTP heads, as Qwen3.5/3.6 ship them (`mtp.*` tensors in
 the model's safetensors, `mtp_num_hidden_layers` in its `text_config`); Qwen3.5-MoE and
-Qwen3-Next too, and DeepSeek-V3 and GLM-4 MoE (their nextn layer
-`model.layers.{num_hidden_layers}`).
+Qwen3-Next too; DeepSeek-V3, DeepSeek-V3.2, GLM-4 MoE, GLM-4.7-Flash (`glm4_moe_lite`) and GLM-5
+(`glm_moe_dsa`) with their nextn layer `model.layers.{num_hidden_layers}` and the copies of the
+embedding and head it ships; Nemotron-H with its `mtp.layers.{i}` module of an attention and an
+experts block, as each family's real checkpoints name them.
 
 `mtp_model_dir(dest)` writes `tiny_models.make_model_dir(dest, "qwen3_5")` plus one random MTP
 layer: random heads guess badly, so they show exactness (every guess checked) but not
@@ -23,7 +25,7 @@ from typing import Any
 from tests.support.tiny_models import make_model_dir
 
 # the projections whose output joins the residual stream
-_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "fc2.weight")
 
 
 # Qwen3.5-MoE is Qwen3.5's classes with experts (mlx-lm's qwen3_5_moe differs in `sanitize`)
@@ -45,8 +47,8 @@ def mtp_model_dir(
     seed: int = 0,
     **overrides: Any,
 ) -> Path:
-    """A tiny `family` (qwen3_5, qwen3_5_moe, qwen3_next) directory whose safetensors also
-    hold `layers` MTP layers."""
+    """A tiny `family` (qwen3_5, qwen3_5_moe, qwen3_next, or one of `TINY`) directory whose
+    safetensors also hold `layers` MTP layers."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
@@ -56,10 +58,12 @@ def mtp_model_dir(
     moe = family == "qwen3_5_moe"
     base = "qwen3_5" if moe else family
     extra: dict[str, Any] = dict(MOE) if moe else {}
-    nextn = family in ("deepseek_v3", "glm4_moe")
-    extra["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = layers
-    if family == "glm4_moe":
-        _glm_dir(dest, seed, {**extra, **overrides})
+    nextn = family in NEXTN_FAMILIES
+    nemotron = family == "nemotron_h"
+    own = nextn or nemotron  # DeepSeek's config field (Nemotron-H's too: one module)
+    extra["num_nextn_predict_layers" if own else "mtp_num_hidden_layers"] = layers
+    if family in TINY:
+        _family_dir(dest, family, seed, {**extra, **overrides})
     else:
         make_model_dir(dest, base, seed=seed, **extra, **overrides)
     config = json.loads((dest / "config.json").read_text())
@@ -69,6 +73,7 @@ def mtp_model_dir(
     mx.random.seed(seed + 1)
     block = _block(config, target, layers)
     heads = {f"mtp.{k}": v for k, v in tree_flatten(block.parameters())}
+    width = len(block.layers)
     path = dest / "model.safetensors"
     weights = dict(mx.load(str(path)))
     if predictable:
@@ -83,6 +88,8 @@ def mtp_model_dir(
         heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
     if nextn:  # DeepSeek's names, with the copies of the embedding and head it ships
         heads = _as_nextn(heads, config["num_hidden_layers"], weights)
+    elif nemotron:
+        heads = _as_nemotron(heads, width)
     weights.update(heads)
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
@@ -115,22 +122,101 @@ GLM = {
     "attention_bias": True,
     "tie_word_embeddings": False,
 }
+# DeepSeek's MLA and experts, shrunk (tiny_models.py's deepseek_v3 shape, without YaRN)
+MLA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+# DeepSeek-V3.2's sparse attention: an indexer keeps `index_topk` positions (few here, so the
+# tests' answers outgrow it and the sparse path runs, in the target and in the MTP layer)
+DSA = {"index_head_dim": 16, "index_n_heads": 2, "index_topk": 12}
+TINY = {
+    "glm4_moe": GLM,
+    "glm4_moe_lite": {**MLA, "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    "deepseek_v32": {**MLA, **DSA, "rope_theta": 10000.0},
+    # GLM-5 as its config.json states it: transformers' rope_parameters, no rope_theta
+    "glm_moe_dsa": {
+        **MLA,
+        **DSA,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    # Nemotron-H (Nemotron 3): Mamba, attention and experts blocks; its MTP module an attention
+    # and an experts block (`mtp_hybrid_override_pattern`)
+    "nemotron_h": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": "ME*E",
+        "mtp_hybrid_override_pattern": "*E",
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "n_group": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False,
+    },
+}
+NEXTN_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 
 
-def _glm_dir(dest: Path, seed: int, overrides: dict) -> None:
-    """A tiny random GLM-4 MoE directory, as `make_model_dir` writes its families."""
+def _family_dir(dest: Path, family: str, seed: int, overrides: dict) -> None:
+    """A tiny random `family` directory (a `TINY` shape), as `make_model_dir` writes its
+    families."""
+    import importlib
     import shutil
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import glm4_moe
 
     from tests.support.tiny_models import EOS_IDS, ROWS, TOKENIZER_FILES, default_tokenizer_dir
 
-    config = {"model_type": "glm4_moe", **GLM, "vocab_size": ROWS, **overrides}
+    config = {"model_type": family, **TINY[family], "vocab_size": ROWS, **overrides}
     config["eos_token_id"] = EOS_IDS
+    module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
-    model = glm4_moe.Model(glm4_moe.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     dest.mkdir(parents=True, exist_ok=True)
@@ -141,11 +227,30 @@ def _glm_dir(dest: Path, seed: int, overrides: dict) -> None:
             shutil.copyfile(default_tokenizer_dir() / name, dest / name)
 
 
+def _as_nemotron(heads: dict, depth: int) -> dict:
+    """The block's tensors as Nemotron-H ships its MTP module: `mtp.layers.{i}.*`, the fc and
+    its norms on the first block, the final norm on the last."""
+    names = {
+        "mtp.pre_fc_norm_embedding.": "mtp.layers.0.enorm.",
+        "mtp.pre_fc_norm_hidden.": "mtp.layers.0.hnorm.",
+        "mtp.fc.": "mtp.layers.0.eh_proj.",
+        "mtp.norm.": f"mtp.layers.{depth - 1}.final_layernorm.",
+    }
+    out = {}
+    for key, value in heads.items():
+        for ours, theirs in names.items():
+            if key.startswith(ours):
+                key = theirs + key[len(ours) :]
+                break
+        out[key] = value
+    return out
+
+
 def _as_nextn(heads: dict, index: int, weights: dict) -> dict:
     """The block's tensors as DeepSeek-V3 ships its nextn layer: `model.layers.{index}.*`."""
-    from mlx_kvserve.models.mtp_heads import _NEXTN
+    from mlx_kvserve.models.mtp_families import NEXTN
 
-    theirs = {ours: name for name, ours in _NEXTN.items()}
+    theirs = {ours: name for name, ours in NEXTN.items()}
     out = {}
     for key, value in heads.items():
         key = key.removeprefix("mtp.")

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mlx_lm.models.cache import CacheList
 from mlx_lm.utils import load_model
 
 from mlx_kvserve.engine.batch import DecodeBatch
@@ -100,7 +101,8 @@ def test_the_heads_are_kept_at_load_and_passes_return_the_models_logits(qwen):
 def test_other_families_heads_load_and_draft_exactly(tmp_path: Path, family):
     """Qwen3.5-MoE (experts in the MTP layer too), Qwen3-Next, DeepSeek-V3's nextn layer (MLA
     attention, experts) and GLM-4 MoE's: the heads load, and with heads that guess right every
-    draft is kept and the tokens are plain decoding's."""
+    draft is kept and the tokens are plain decoding's (test_speculation_mtp_families.py: the
+    families added since)."""
     path = mtp_model_dir(tmp_path / family, family=family, predictable=True)
     # mlx-lm drops Qwen3-Next's `mtp.*` only from a Hugging Face layout (per-expert weights, as
     # real checkpoints ship) and DeepSeek-V3's nextn layer only at index 61 (the real one's):
@@ -245,7 +247,9 @@ def assert_fed_afresh(heads: MTPHeads, source: MTPDraft, first: int) -> None:
     forward of the row's tokens."""
     source.propose(1)  # feeds what is pending
     assert source.fed == len(source.tokens) - 2
-    assert source.cache[0].offset == source.fed - first + 1
+    kv = source.cache[0]
+    kv = kv[0] if isinstance(kv, CacheList) else kv  # DeepSeek-V3.2's: KV and indexer keys
+    assert kv.offset == source.fed - first + 1
     fresh = MTPDraft(heads)
     fresh.extend(source.tokens)
     hidden = heads.inner(mx.array([source.tokens[: source.fed + 1]]), None)[0]
