@@ -175,6 +175,8 @@ def from_nextn(weights: dict) -> dict:
     for key, value in weights.items():
         if key.startswith(("embed_tokens.", "shared_head.head.")):
             continue  # copies of the target's embedding and output head
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some exports keep (GLM-4.7-Flash's): RoPE is recomputed
         for theirs, ours in NEXTN.items():
             if key.startswith(theirs):
                 out[ours + key[len(theirs) :]] = value

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import CacheList, KVCache
 
@@ -207,10 +208,22 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
     heads = MTPHeads(target, block, [make for make in layout.caches if make is not None])
     norm = getattr(heads.inner, "norm", None) or getattr(heads.inner, "norm_f", None)
     if norm is not None:  # the dtype the target computes in (`--kv-dtype` may have cast it)
-        block.set_dtype(norm.weight.dtype)
+        _cast(block, norm.weight.dtype, getattr(target, "cast_predicate", lambda _path: True))
     block.eval()
     mx.eval(block.parameters())
     return heads
+
+
+def _cast(block: MTPBlock, dtype: mx.Dtype, keep: Callable[[str], bool]) -> None:
+    """Cast the block's floating weights to `dtype` but those the target keeps in their own
+    (`cast_predicate`: a router's score-correction bias stays float32, or routing changes)."""
+
+    def cast(path: str, value: mx.array) -> mx.array:
+        if keep(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(dtype)
+        return value
+
+    block.update(tree_map_with_path(cast, block.parameters()))
 
 
 def _block(config: dict, target: nn.Module, layers: int) -> MTPBlock:

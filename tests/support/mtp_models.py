@@ -87,7 +87,7 @@ def mtp_model_dir(
         eye = mx.eye(hidden, dtype=heads["mtp.fc.weight"].dtype)
         heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
     if nextn:  # DeepSeek's names, with the copies of the embedding and head it ships
-        heads = _as_nextn(heads, config["num_hidden_layers"], weights)
+        heads = _as_nextn(heads, config["num_hidden_layers"], weights, family)
     elif nemotron:
         heads = _as_nemotron(heads, width)
     weights.update(heads)
@@ -246,8 +246,10 @@ def _as_nemotron(heads: dict, depth: int) -> dict:
     return out
 
 
-def _as_nextn(heads: dict, index: int, weights: dict) -> dict:
+def _as_nextn(heads: dict, index: int, weights: dict, family: str) -> dict:
     """The block's tensors as DeepSeek-V3 ships its nextn layer: `model.layers.{index}.*`."""
+    import mlx.core as mx
+
     from mlx_kvserve.models.mtp_families import NEXTN
 
     theirs = {ours: name for name, ours in NEXTN.items()}
@@ -261,6 +263,8 @@ def _as_nextn(heads: dict, index: int, weights: dict) -> dict:
         else:
             key = key.removeprefix("layers.0.")
         out[f"model.layers.{index}.{key}"] = value
+    if family == "glm4_moe_lite":  # a RoPE buffer mlx-vlm's splitter skips in GLM-4.7-Flash's
+        out[f"model.layers.{index}.self_attn.rotary_emb.inv_freq"] = mx.ones((4,))
     out[f"model.layers.{index}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
     out[f"model.layers.{index}.shared_head.head.weight"] = weights["lm_head.weight"]
     return out

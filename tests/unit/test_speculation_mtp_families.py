@@ -119,3 +119,23 @@ def test_a_conversion_without_the_heads_is_refused_naming_them(tmp_path: Path, f
     assert load_heads(stripped, model) is None
     prefix = "mtp." if name == "nemotron_h" else "model.layers.2."
     assert f"hold no {prefix}* tensors" in heads_problem(stripped)
+
+
+def test_the_heads_compute_in_the_targets_dtype_but_the_router_bias_in_float32(tmp_path: Path):
+    """A target cast to bfloat16 as mlx-lm casts (its `cast_predicate` keeps the experts'
+    score-correction bias float32): the heads follow it, the bias too."""
+    from mlx.utils import tree_map_with_path
+
+    path = mtp_model_dir(tmp_path / "v32", family="deepseek_v32")
+    model, _ = load_model(path)
+
+    def cast(key: str, value: mx.array) -> mx.array:
+        return value.astype(mx.bfloat16) if model.cast_predicate(key) else value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    heads = load_heads(path, model)
+    assert heads is not None
+    assert heads.block.fc.weight.dtype == mx.bfloat16
+    gate = heads.block.layers[0].mlp.gate
+    assert gate.e_score_correction_bias.dtype == mx.float32
+    assert gate.weight.dtype == mx.bfloat16
