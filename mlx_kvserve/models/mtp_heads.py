@@ -1,16 +1,17 @@
 """A checkpoint's own multi-token-prediction (MTP) heads, kept at load (issue 31, item 2).
 
-Qwen3.5/3.6 (dense and MoE) and Qwen3-Next ship `mtp.*` tensors beside the model, DeepSeek-V3
-and GLM-4 MoE a nextn layer (`model.layers.{num_hidden_layers}`): decoder layers that take the
-target's last hidden state h_p (after its final norm) and the embedding of the next token
-t_{p+1}, and predict t_{p+2} through the target's own output head. mlx-lm drops them in
-`sanitize`; here they are read from the same safetensors, after the model loaded, into
-`MTPBlock`, built from mlx-lm's own decoder layer of the family (a full-attention one; DeepSeek's
-MLA and experts), so the block runs on the target's kernels and RoPE. The shape of the block (fc
-over the normed [embedding, hidden] pair, the layers, a final norm) and the zero-centred norms
-of Hugging Face checkpoints (+1, as mlx-lm shifts the target's) follow mlx-vlm's
-`speculative/drafters/qwen3_5_mtp` (MIT). The embedding and the output head are the target's:
-nothing is loaded twice.
+Qwen3.5/3.6 and Qwen3-Next ship `mtp.*` tensors beside the model, the DeepSeek-V3 and GLM MoE
+families a nextn layer (`model.layers.{num_hidden_layers}`), Nemotron-H an `mtp.layers.{i}`
+module (models/mtp_families.py: where each keeps them, which layers hold them): decoder layers
+that take the target's last hidden state h_p (after its final norm) and the embedding of the
+next token t_{p+1}, and predict t_{p+2} through the target's own output head. mlx-lm drops them
+in `sanitize`; here they are read from the same safetensors, after the model loaded, into
+`MTPBlock`, built from mlx-lm's own decoder layers of the family (a full-attention one; MLA and
+experts where the family has them), so the block runs on the target's kernels and RoPE. The
+shape of the block (fc over the normed [embedding, hidden] pair, the layers, a final norm) and
+the zero-centred norms of Qwen's Hugging Face checkpoints (+1, as mlx-lm shifts the target's)
+follow mlx-vlm's `speculative/drafters/qwen3_5_mtp` (MIT). The embedding and the output head are
+the target's: nothing is loaded twice.
 
 `MTPHeads` is what the decode batch uses (engine/speculation/mtp.py): the target's hidden
 states and logits from one call (`forward`, the same logits as `model(...)`), and one MTP step.
