@@ -150,15 +150,19 @@ def _nemotron(config: dict, target: nn.Module) -> Stack:
     )
 
 
-def from_nemotron(weights: dict, depth: int) -> dict:
-    """Nemotron-H's `mtp.*` tensors (prefix cut) in the block's names: the first layer's
-    enorm/hnorm/eh_proj and the last's final_layernorm move to the block."""
-    names = {
+def nemotron_names(depth: int) -> dict[str, str]:
+    """Nemotron-H's MTP names (prefix cut) -> the block's: the first layer's enorm/hnorm/eh_proj
+    and the last's final_layernorm are the block's own."""
+    return {
         "layers.0.enorm.": "pre_fc_norm_embedding.",
         "layers.0.hnorm.": "pre_fc_norm_hidden.",
         "layers.0.eh_proj.": "fc.",
         f"layers.{depth - 1}.final_layernorm.": "norm.",
     }
+
+
+def renamed(weights: dict, names: dict[str, str]) -> dict:
+    """`weights` with each key's first matching prefix in `names` replaced by its value."""
     out = {}
     for key, value in weights.items():
         for theirs, ours in names.items():

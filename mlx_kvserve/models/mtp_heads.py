@@ -33,9 +33,10 @@ from mlx_lm.models.cache import CacheList, KVCache
 from mlx_kvserve.models.mtp_families import (
     FAMILIES,
     Stack,
-    from_nemotron,
     from_nextn,
+    nemotron_names,
     nemotron_pattern,
+    renamed,
     stack,
 )
 
@@ -190,7 +191,7 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
         layers = 1  # a second nextn layer would be a second block: not built
     elif config["model_type"] == "nemotron_h":  # one module of several blocks
         layers = len(nemotron_pattern(config))
-        weights = from_nemotron(weights, layers)
+        weights = renamed(weights, nemotron_names(layers))
     if not weights:
         log.info("the model's config states %d MTP layer(s) but its weights hold none", layers)
         return None

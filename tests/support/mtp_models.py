@@ -96,14 +96,13 @@ def mtp_model_dir(
     return dest
 
 
-# GLM-4.5's shape, shrunk (tiny_models.py has no GLM family; the rest as its models are built)
-GLM = {
+# a small MoE stack, as GLM's and DeepSeek's configs spell it (tiny_models.py has neither GLM
+# family; the rest as its models are built)
+MOE_STACK = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "moe_intermediate_size": 32,
     "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
     "num_hidden_layers": 2,
     "first_k_dense_replace": 1,
     "n_routed_experts": 4,
@@ -113,40 +112,31 @@ GLM = {
     "topk_group": 1,
     "routed_scaling_factor": 1.0,
     "norm_topk_prob": True,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+# GLM-4.5's shape, shrunk
+GLM = {
+    **MOE_STACK,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
     "use_qk_norm": True,
     "partial_rotary_factor": 0.5,
     "rope_theta": 10000.0,
     "rope_scaling": None,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 4096,
     "attention_bias": True,
-    "tie_word_embeddings": False,
 }
-# DeepSeek's MLA and experts, shrunk (tiny_models.py's deepseek_v3 shape, without YaRN)
+# DeepSeek's MLA (tiny_models.py's deepseek_v3 shape, without YaRN)
 MLA = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_attention_heads": 4,
+    **MOE_STACK,
     "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "first_k_dense_replace": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "norm_topk_prob": True,
     "kv_lora_rank": 32,
     "q_lora_rank": 48,
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 4096,
     "attention_bias": False,
-    "tie_word_embeddings": False,
 }
 # DeepSeek-V3.2's sparse attention: an indexer keeps `index_topk` positions (few here, so the
 # tests' answers outgrow it and the sparse path runs, in the target and in the MTP layer)
@@ -230,20 +220,10 @@ def _family_dir(dest: Path, family: str, seed: int, overrides: dict) -> None:
 def _as_nemotron(heads: dict, depth: int) -> dict:
     """The block's tensors as Nemotron-H ships its MTP module: `mtp.layers.{i}.*`, the fc and
     its norms on the first block, the final norm on the last."""
-    names = {
-        "mtp.pre_fc_norm_embedding.": "mtp.layers.0.enorm.",
-        "mtp.pre_fc_norm_hidden.": "mtp.layers.0.hnorm.",
-        "mtp.fc.": "mtp.layers.0.eh_proj.",
-        "mtp.norm.": f"mtp.layers.{depth - 1}.final_layernorm.",
-    }
-    out = {}
-    for key, value in heads.items():
-        for ours, theirs in names.items():
-            if key.startswith(ours):
-                key = theirs + key[len(ours) :]
-                break
-        out[key] = value
-    return out
+    from mlx_kvserve.models.mtp_families import nemotron_names, renamed
+
+    theirs = {f"mtp.{ours}": f"mtp.{name}" for name, ours in nemotron_names(depth).items()}
+    return renamed(heads, theirs)
 
 
 def _as_nextn(heads: dict, index: int, weights: dict, family: str) -> dict:
