@@ -33,9 +33,10 @@ from mlx_lm.models.cache import CacheList, KVCache
 from mlx_kvserve.models.mtp_families import (
     FAMILIES,
     Stack,
-    from_nextn,
+    hidden_first,
     nemotron_names,
     nemotron_pattern,
+    one_layer,
     renamed,
     stack,
 )
@@ -154,9 +155,7 @@ def heads_problem(model_dir: Path, speculation: str = "auto") -> str | None:
 
 def _prefix(config: dict) -> str:
     """Where a checkpoint keeps its heads' tensors."""
-    if FAMILIES[config["model_type"]].nextn:
-        return f"model.layers.{config['num_hidden_layers']}."
-    return "mtp."
+    return FAMILIES[config["model_type"]].prefix.format(n=config.get("num_hidden_layers"))
 
 
 def _names(path: Path, prefix: str) -> list[str]:
@@ -186,9 +185,11 @@ def load_heads(model_dir: Path, target: nn.Module) -> MTPHeads | None:
             elif "conv1d.weight" in key and value.shape[-1] != 1:
                 hf_layout = True  # as mlx-lm's sanitize tells a Hugging Face checkpoint
     family = FAMILIES[config["model_type"]]
-    if family.nextn:
-        weights = from_nextn(weights)
-        layers = 1  # a second nextn layer would be a second block: not built
+    if family.single is not None:
+        weights = one_layer(weights, family.single)
+        layers = 1  # a second such layer would be a second block (a chain): not built
+        if family.hidden_first:
+            weights = hidden_first(weights)
     elif config["model_type"] == "nemotron_h":  # one module of several blocks
         layers = len(nemotron_pattern(config))
         weights = renamed(weights, nemotron_names(layers))

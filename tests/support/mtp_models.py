@@ -60,7 +60,7 @@ def mtp_model_dir(
     extra: dict[str, Any] = dict(MOE) if moe else {}
     nextn = family in NEXTN_FAMILIES
     nemotron = family == "nemotron_h"
-    own = nextn or nemotron  # DeepSeek's config field (Nemotron-H's too: one module)
+    own = nextn or family in ("nemotron_h", "mimo")  # DeepSeek's config field (theirs too)
     extra["num_nextn_predict_layers" if own else "mtp_num_hidden_layers"] = layers
     if family in TINY:
         _family_dir(dest, family, seed, {**extra, **overrides})
@@ -88,6 +88,8 @@ def mtp_model_dir(
         heads["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
     if nextn:  # DeepSeek's names, with the copies of the embedding and head it ships
         heads = _as_nextn(heads, config["num_hidden_layers"], weights, family)
+    elif family == "mimo":
+        heads = _as_mimo(heads)
     elif nemotron:
         heads = _as_nemotron(heads, width)
     weights.update(heads)
@@ -188,6 +190,17 @@ TINY = {
         "tie_word_embeddings": False,
     },
 }
+TINY["mimo"] = {  # MiMo-7B's shape (Qwen2's layers), shrunk; one MTP layer as it ships
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 NEXTN_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 
 
@@ -226,23 +239,38 @@ def _as_nemotron(heads: dict, depth: int) -> dict:
     return renamed(heads, theirs)
 
 
+def _as_single(heads: dict, prefix: str, names: dict[str, str]) -> dict:
+    """The block's tensors as a family ships its single MTP layer: under `prefix`, its own fc
+    and norms named `names` (theirs -> ours), its decoder layer's tensors beside them."""
+    out = {}
+    for key, value in heads.items():
+        key = key.removeprefix("mtp.")
+        for name, ours in names.items():
+            if key.startswith(ours):
+                key = name + key[len(ours) :]
+                break
+        else:
+            key = key.removeprefix("layers.0.")
+        out[prefix + key] = value
+    return out
+
+
+def _as_mimo(heads: dict) -> dict:
+    """The block's tensors as MiMo ships its MTP layer: `model.mtp_layers.0.*`, its fc reading
+    [hidden, embedding] (the block's halves swapped)."""
+    from mlx_kvserve.models.mtp_families import MIMO, hidden_first
+
+    ours = hidden_first({k.removeprefix("mtp."): v for k, v in heads.items()})
+    return _as_single(ours, "model.mtp_layers.0.", MIMO)
+
+
 def _as_nextn(heads: dict, index: int, weights: dict, family: str) -> dict:
     """The block's tensors as DeepSeek-V3 ships its nextn layer: `model.layers.{index}.*`."""
     import mlx.core as mx
 
     from mlx_kvserve.models.mtp_families import NEXTN
 
-    theirs = {ours: name for name, ours in NEXTN.items()}
-    out = {}
-    for key, value in heads.items():
-        key = key.removeprefix("mtp.")
-        for ours, name in theirs.items():
-            if key.startswith(ours):
-                key = name + key[len(ours) :]
-                break
-        else:
-            key = key.removeprefix("layers.0.")
-        out[f"model.layers.{index}.{key}"] = value
+    out = _as_single(heads, f"model.layers.{index}.", NEXTN)
     if family == "glm4_moe_lite":  # a RoPE buffer mlx-vlm's splitter skips in GLM-4.7-Flash's
         out[f"model.layers.{index}.self_attn.rotary_emb.inv_freq"] = mx.ones((4,))
     out[f"model.layers.{index}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]

@@ -1,11 +1,12 @@
 """The MTP heads of the families added after Qwen and DeepSeek-V3/GLM-4 MoE (models/
 mtp_families.py): DeepSeek-V3.2 (`deepseek_v32`, MLA with its indexer, each layer's cache a
 `CacheList`), GLM-4.7-Flash (`glm4_moe_lite`), GLM-5 (`glm_moe_dsa`, transformers'
-`rope_parameters`) and Nemotron-H (an MTP module of an attention and an experts block, beside a
-Mamba target). Per family, a tiny checkpoint with its heads in its safetensors, named as its real
-checkpoints name them (tests/support/mtp_models.py): the heads load strictly; greedy tokens
-equal plain decoding's with random heads (drafts rejected) and with heads made to guess right
-(every draft kept); seeded sampled rows give the same tokens."""
+`rope_parameters`), Nemotron-H (an MTP module of an attention and an experts block, beside a
+Mamba target) and MiMo (`model.mtp_layers.0`, its fc reading [hidden, embedding]). Per family,
+a tiny checkpoint with its heads in its safetensors, named as its real checkpoints name them
+(tests/support/mtp_models.py): the heads load strictly; greedy tokens equal plain decoding's
+with random heads (drafts rejected) and with heads made to guess right (every draft kept);
+seeded sampled rows give the same tokens; the MTP cache equals one fed afresh."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import reference, request, tokens_of
 from tests.unit.test_speculation_mtp import PROMPTS, assert_fed_afresh, decode, mtp_counts
 
-FAMILIES = ["deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "nemotron_h"]
+FAMILIES = ["deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "nemotron_h", "mimo"]
 N = 28  # past the tiny DeepSeek-V3.2 indexer's 12 positions: its sparse path runs too
 
 
@@ -117,7 +118,7 @@ def test_a_conversion_without_the_heads_is_refused_naming_them(tmp_path: Path, f
     model, _ = load_model(path)
     mx.save_safetensors(str(stripped / "model.safetensors"), dict(model.sanitize(weights)))
     assert load_heads(stripped, model) is None
-    prefix = "mtp." if name == "nemotron_h" else "model.layers.2."
+    prefix = {"nemotron_h": "mtp.", "mimo": "model.mtp_layers.0."}.get(name, "model.layers.2.")
     assert f"hold no {prefix}* tensors" in heads_problem(stripped)
 
 
