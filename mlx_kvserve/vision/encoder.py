@@ -9,38 +9,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_kvserve.engine.image_prefill import Markup
 from mlx_kvserve.engine.protocols import ImageFeatures
 from mlx_kvserve.images.image import Image
 from mlx_kvserve.images.spans import ImageSpan
+from mlx_kvserve.vision.base import Family
 from mlx_kvserve.vision.family import vision_family
 from mlx_kvserve.vision.mrope import Grid, Positions, prompt_positions, rope_delta
 
 log = logging.getLogger("mlx_kvserve.vision")
 
 FEATURES_BYTES = 256 << 20  # the features kept in RAM (a Gemma 3 27B image: 2.7 MB)
-
-
-class Family(Markup, Protocol):
-    """A family's vision (vision/gemma3.py, gemma4.py): its markup, an image's features, and
-    the forward of a prefill chunk that holds images (`blocks`: each one's [start, end) in
-    the chunk)."""
-
-    def features(self, image: Image, dtype: mx.Dtype) -> mx.array: ...
-
-    def forward(
-        self,
-        model: nn.Module,
-        ids: mx.array,
-        rows: mx.array,
-        blocks: Sequence[tuple[int, int]],
-        caches: list,
-    ) -> mx.array: ...
 
 
 class Vision:
