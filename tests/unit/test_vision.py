@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.engine import Engine
-from mlx_kvserve.engine.loading import Loaded
 from tests.support.concurrently import concurrently
 from tests.support.images import b64, data_url, encoded
+from tests.support.in_process import serve_vision
 from tests.support.vision_models import TOKENS_PER_IMAGE
 
 pytest.importorskip("mlx_vlm")
 
-LOCAL = "http://localhost"
 RED = encoded("PNG", 64, 40, (200, 30, 30))
 GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
 TOKENS = 8
@@ -33,30 +31,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gemma3_vision_dir(tmp_path_factory.mktemp("vision") / "gemma3")
 
 
-def vision_loader(model_dir: Path):  # noqa: ANN201
-    def load() -> Loaded:
-        from mlx_lm import load
-
-        from mlx_kvserve.vision.encoder import load_vision
-
-        model, tokenizer = load(str(model_dir))
-        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
-        return Loaded(model, tokenizer, vision=vision)
-
-    return load
-
-
 @pytest.fixture(scope="module")
 def client(model_dir: Path) -> Iterator[TestClient]:
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
     # The prompt cache keys image spans by pixel hash only once the cache does (images/spans.py):
     # these tests compare answers across images, so no state is reused between requests.
-    engine = Engine(vision_loader(model_dir), cache_enabled=False)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+    with serve_vision(model_dir, "tiny-vision", cache_enabled=False) as c:
         yield c
 
 
@@ -184,13 +163,7 @@ def test_a_repeated_image_runs_the_tower_once(client: TestClient) -> None:
 def test_chunks_never_split_an_image(model_dir: Path) -> None:
     """A prefill step of 3 would cut every image in two; the chunks end at its edges instead,
     and the answer is mlx-vlm's still."""
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    engine = Engine(vision_loader(model_dir), cache_enabled=False, prefill_step=3)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as small_steps:
+    with serve_vision(model_dir, "tiny-vision", cache_enabled=False, prefill_step=3) as small_steps:
         got = answer(chat(small_steps, GREEN, "Describe it."))
     want = reference(model_dir, "Describe it.", GREEN)
     assert got.strip() == want.strip()
@@ -231,15 +204,10 @@ def test_fuzzed_image_fields_on_a_vision_model(client: TestClient, protocol: str
 def test_a_quantized_tower_answers_as_mlx_vlm(tmp_path: Path) -> None:
     """A checkpoint whose tower is stored 4-bit: its layers are quantized as stored (the text
     model stays as it is), and the answer is mlx-vlm's on the same files."""
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
     from tests.support.vision_models import gemma3_vision_dir
 
     quantized = gemma3_vision_dir(tmp_path / "q", quantized=True)
-    engine = Engine(vision_loader(quantized), cache_enabled=False)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = quantized
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+    with serve_vision(quantized, "tiny-vision", cache_enabled=False) as c:
         got = answer(chat(c, RED, "Describe it."))
     assert got.strip() == reference(quantized, "Describe it.", RED).strip()
 
@@ -343,15 +311,10 @@ def test_the_prompt_and_pixels_are_mlx_vlms(model_dir: Path) -> None:
 
 def cached_client(model_dir: Path, cache_dir: Path) -> TestClient:
     """The vision app with a prompt cache on `cache_dir` (a new one each call: a restart)."""
-    from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import PromptCache
-    from mlx_kvserve.models.pool import ModelPool
 
     cache = PromptCache(cache_dir, "tiny-vision", disk_budget=256 << 20, ram_budget=64 << 20)
-    engine = Engine(vision_loader(model_dir), prompt_cache=cache)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+    return serve_vision(model_dir, "tiny-vision", prompt_cache=cache)
 
 
 def converse(client: TestClient, image: bytes, turns: list[str]) -> list[dict]:
