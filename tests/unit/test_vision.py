@@ -169,16 +169,19 @@ def test_chunks_never_split_an_image(model_dir: Path) -> None:
     assert got.strip() == want.strip()
 
 
-def test_whole_chunks_moves_cuts_to_an_images_start() -> None:
-    from mlx_kvserve.engine.image_prefill import whole_chunks
+def test_chunk_ends_move_to_an_images_start() -> None:
+    from mlx_kvserve.engine.chunks import Checkpoints, plan_chunks
     from mlx_kvserve.images.spans import ImageSpan
 
-    spans = [ImageSpan(4, 4, "00" * 32), ImageSpan(9, 4, "11" * 32)]
-    chunks = [(0, 3), (3, 6), (6, 9), (9, 12)]
-    assert whole_chunks(chunks, 12, spans) == ([(0, 3), (3, 4), (4, 9)], 9)
-    assert whole_chunks(chunks, 12, []) == (chunks, 12)
+    spans = (ImageSpan(4, 4, "00" * 32), ImageSpan(9, 4, "11" * 32))
+    with_images = Checkpoints({}, 0, lambda *a, **k: None, spans=spans)
+    assert with_images.cuts(0, 12, 3) == [3, 4, 9]  # 12 is inside the second image
+    assert Checkpoints({}, 0, lambda *a, **k: None).cuts(0, 12, 3) == [3, 6, 9, 12]
+    # no checkpoint, folded into the last pass or not, inside an image: it moves to its start
+    marked = Checkpoints({6: "anchor"}, 10, lambda *a, **k: None, spans=spans)
+    assert marked.for_prompt(0, 14, foldable=True).boundaries == {4: "anchor", 9: "interval"}
     # a start inside an image (state reused up to there) keeps its place
-    assert whole_chunks([(5, 6)], 6, spans) == ([], 5)
+    assert plan_chunks(5, 6, 3, with_images, foldable=True) == ([], 5)
 
 
 def test_text_posing_as_image_tokens_is_a_400(client: TestClient) -> None:
