@@ -380,3 +380,22 @@ def test_another_image_in_the_same_place_never_reuses_the_first_ones_kv(
     assert usage["prompt_tokens_details"]["cached_tokens"] <= (
         usage["prompt_tokens"] - TOKENS_PER_IMAGE - 1
     )
+
+
+def test_an_images_features_are_kept_by_the_prompt_cache_alone(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The prompt cache's features tier is the one place an image's features are kept (counted
+    in /v1/cache and the memory ledger): dropped from its RAM, as memory pressure drops them,
+    a repeated image's features come from its file, not from another copy, and the tower does
+    not run again."""
+    with cached_client(model_dir, tmp_path) as c:
+        chat(c, RED)
+        engine = c.app.state.pool.slots[0].engine
+        stats = c.get("/v1/cache").json()
+        assert stats["features_ram_entries"] == 1 and stats["features_disk_entries"] == 1
+        engine.prompt_cache.flush()
+        engine.prompt_cache.features.release_ram(stats["features_ram_bytes"])
+        chat(c, RED, "Something else entirely?")  # another text before it: its KV is not reused
+        assert c.get("/v1/cache").json()["features_disk_hits"] == 1
+        assert engine.vision.encoded == 1
