@@ -66,14 +66,14 @@ def prefill_steps(
     run other work (decode steps, another request's chunk) in between; it returns the last
     position's logits (`logits = yield from prefill_steps(...)`). `check()` runs after every
     resumption: it raises to abandon the prefill (a cancelled request). `images`: the
-    prompt's images, fed as embeddings; no chunk ends inside one (engine/image_prefill.py).
+    prompt's images, fed as embeddings (engine/image_prefill.py).
     """
     start, end = len(live.tokens), len(prompt)
     foldable = checkpoints.sliceable and is_sliceable(live.caches)
     checkpoints = checkpoints.for_prompt(start, end, foldable)
+    # `checkpoints` carries the prompt's image spans: no chunk ends, and no checkpoint is
+    # taken, inside an image (engine/chunks.py)
     chunks, last_from = plan_chunks(start, end, step, checkpoints, foldable=foldable)
-    if images is not None:
-        chunks, last_from = image_prefill.whole_chunks(chunks, last_from, images.spans)
     for lo, hi in chunks:
         yield end - lo
         check()
@@ -94,7 +94,7 @@ def prefill_steps(
     live.tokens.extend(prompt[last_from:end])
     for position in range(last_from + 1, end):  # checkpoints folded into the last pass
         reason = checkpoints.reason_at(position)
-        if reason and not image_prefill.inside_image(position, images):
+        if reason:
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]

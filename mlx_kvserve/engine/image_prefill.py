@@ -1,6 +1,7 @@
 """ENGINE THREAD. A prompt with images, prefilled: the chunks that hold an image are fed as
-input embeddings (the text's rows, and the vision features in each image's span), and no chunk
-ends inside an image (`ImageSpan`, images/spans.py), so every chunk boundary, and the
+input embeddings (the text's rows, and the vision features in each image's span). No chunk
+ends inside an image (`ImageSpan`, images/spans.py; the prefill's `Checkpoints` move every
+cut and checkpoint to an image's start, engine/chunks.py), so every chunk boundary, and the
 checkpoints taken there, are places the prompt cache may key and reuse."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_kvserve.images.image import Image
-from mlx_kvserve.images.spans import ImageSpan, whole_spans
+from mlx_kvserve.images.spans import ImageSpan
 
 
 class ImageRows(Protocol):
@@ -67,32 +68,6 @@ def request_rows(
     if vision is None or not spans:
         return None
     return vision.rows(model, spans, images)
-
-
-def whole_chunks(
-    chunks: list[tuple[int, int]], last_from: int, spans: Sequence[ImageSpan]
-) -> tuple[list[tuple[int, int]], int]:
-    """`plan_chunks`' plan with each boundary inside an image moved back to the image's start
-    (a chunk left empty goes)."""
-    if not spans:
-        return chunks, last_from
-    start = chunks[0][0] if chunks else last_from
-    bounds = [start]
-    for cut in [hi for _, hi in chunks]:
-        moved = whole_spans(cut, spans)
-        if moved > bounds[-1]:
-            bounds.append(moved)
-    moved = whole_spans(last_from, spans)
-    if moved < bounds[-1]:  # the last pass may not start before a chunk that already ended
-        moved = bounds[-1]
-    if moved > bounds[-1]:
-        bounds.append(moved)
-    return list(zip(bounds[:-1], bounds[1:], strict=True)), bounds[-1]
-
-
-def inside_image(position: int, images: ImageRows | None) -> bool:
-    """Whether a checkpoint at `position` would end inside an image (none is taken there)."""
-    return images is not None and whole_spans(position, images.spans) != position
 
 
 def forward(

@@ -163,7 +163,7 @@ class NamespacedStates:
     @property
     def features(self) -> ImageFeatures | None:
         """None: with a cache per key, which key's directory would hold an image seen by two
-        keys? Features stay in the vision model's RAM (vision/encoder.py)."""
+        keys? Features stay in RAM of the vision model's own (vision/encoder.py)."""
         return None
 
     def reusable(

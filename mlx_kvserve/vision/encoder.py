@@ -1,71 +1,47 @@
 """ENGINE THREAD. Images to input embeddings: each image's features computed once per pixel
-hash (`Image.digest`) and kept in RAM, and a prefill chunk's embeddings with its image rows
-replaced by them."""
+hash (`Image.digest`) and kept where the prompt cache keeps them, and a prefill chunk's
+embeddings with its image rows replaced by them."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_kvserve.engine.image_prefill import Markup
+from mlx_kvserve.cache.features import FeatureCache
 from mlx_kvserve.engine.protocols import ImageFeatures
 from mlx_kvserve.images.image import Image
 from mlx_kvserve.images.spans import ImageSpan
+from mlx_kvserve.vision.base import Family
 from mlx_kvserve.vision.family import vision_family
 from mlx_kvserve.vision.mrope import Grid, Positions, prompt_positions, rope_delta
 
 log = logging.getLogger("mlx_kvserve.vision")
 
-FEATURES_BYTES = 256 << 20  # the features kept in RAM (a Gemma 3 27B image: 2.7 MB)
-
-
-class Family(Markup, Protocol):
-    """A family's vision (vision/gemma3.py, gemma4.py): its markup, an image's features, and
-    the forward of a prefill chunk that holds images (`blocks`: each one's [start, end) in
-    the chunk)."""
-
-    def features(self, image: Image, dtype: mx.Dtype) -> mx.array: ...
-
-    def forward(
-        self,
-        model: nn.Module,
-        ids: mx.array,
-        rows: mx.array,
-        blocks: Sequence[tuple[int, int]],
-        caches: list,
-    ) -> mx.array: ...
+FEATURES_BYTES = 256 << 20  # RAM for features no prompt cache keeps (a Gemma 3 27B image: 2.7 MB)
 
 
 class Vision:
-    """A loaded model's vision: its family, and the features of the images seen lately (here,
-    and in the model's prompt cache, which keeps them on disk across restarts). `positions`:
-    the M-RoPE context of the text model's attention layers, for a family with grids."""
+    """A loaded model's vision: its family, and where the features of the images it has seen
+    are kept (`store`). `positions`: the M-RoPE context of the text model's attention layers,
+    for a family with grids."""
 
-    def __init__(
-        self,
-        family: Family,
-        capacity: int = FEATURES_BYTES,
-        positions: Positions | None = None,
-    ) -> None:
+    def __init__(self, family: Family, positions: Positions | None = None) -> None:
         self.family = family
         self.positions = positions
-        self.capacity = capacity
-        self._features: OrderedDict[str, mx.array] = OrderedDict()
-        self._bytes = 0
-        self._store: ImageFeatures | None = None
+        self.store: ImageFeatures = ram_features()
         self.encoded = 0  # images run through the tower (a repeat image is not)
 
     def keep_in(self, store: ImageFeatures | None) -> None:
-        """Where features outlive this process (cache/features.py, beside the KV entries;
-        None with `--no-cache`): a restarted server does not run the tower on an image again."""
-        self._store = store
+        """Keep features in the prompt cache's features tier (cache/features.py: counted in
+        /v1/cache, /metrics and the memory ledger, and on disk, so a restarted server does not
+        run the tower on an image again); None (`--no-cache`, per-key caches): in RAM of its
+        own."""
+        self.store = store if store is not None else ram_features()
 
     @property
     def image_token(self) -> int:
@@ -75,21 +51,14 @@ class Vision:
         return self.family.markup(image)
 
     def features(self, image: Image, dtype: mx.Dtype) -> mx.array:
-        """The image's rows, from the cache when its pixels were seen before."""
-        kept = self._features.get(image.digest)
+        """The image's rows, from the store when its pixels were seen before."""
+        kept = self.store.get(image.digest)
         if kept is not None and kept.dtype == dtype:
-            self._features.move_to_end(image.digest)
             return kept
-        stored = self._store.get(image.digest) if self._store is not None else None
-        if stored is not None and stored.dtype == dtype:
-            self._keep(image.digest, stored)
-            return stored
         rows = self.family.features(image, dtype)
         mx.eval(rows)
         self.encoded += 1
-        self._keep(image.digest, rows)
-        if self._store is not None:
-            self._store.put(image.digest, rows)
+        self.store.put(image.digest, rows)
         return rows
 
     @property
@@ -100,44 +69,6 @@ class Vision:
     def main(self, rows: mx.array) -> mx.array:
         """An image's features as input embeddings (without its deepstack sets)."""
         return rows[:, : rows.shape[-1] // (1 + self.deepstack_layers)]
-
-    def deepstack(
-        self,
-        model: nn.Module,
-        lo: int,
-        hi: int,
-        spans: Sequence[ImageSpan],
-        images: Sequence[Image],
-    ) -> list[mx.array] | None:
-        """What each of the first text layers adds to prompt positions [lo, hi): (1, L,
-        hidden) each, an image's deepstack rows in its span, zero elsewhere; None without
-        deepstack or an image there."""
-        layers = self.deepstack_layers
-        inside = [
-            (span, image)
-            for span, image in zip(spans, images, strict=True)
-            if span.start < hi and lo < span.end
-        ]
-        if not layers or not inside:
-            return None
-        dtype = embedding_dtype(text_embeddings(model))
-        out = []
-        for k in range(1, layers + 1):
-            pieces: list[mx.array] = []
-            at = lo
-            for span, image in inside:
-                rows = self.features(image, dtype)
-                width = rows.shape[-1] // (1 + layers)
-                start, end = max(span.start, lo), min(span.end, hi)
-                if at < start:
-                    pieces.append(mx.zeros((start - at, width), dtype))
-                part = rows[start - span.start : end - span.start, k * width : (k + 1) * width]
-                pieces.append(part)
-                at = end
-            if at < hi:
-                pieces.append(mx.zeros((hi - at, width), dtype))
-            out.append(mx.concatenate(pieces, axis=0)[None])
-        return out
 
     def grids(self, images: Sequence[Image]) -> list[Grid]:
         """Each image's merged-patch grid (a family with M-RoPE: vision/qwen2_5_vl.py)."""
@@ -157,51 +88,11 @@ class Vision:
         """A prompt's images for its prefill."""
         return PromptImages(self, model, spans, images)
 
-    def _keep(self, digest: str, rows: mx.array) -> None:
-        old = self._features.pop(digest, None)
-        if old is not None:
-            self._bytes -= old.nbytes
-        self._features[digest] = rows
-        self._bytes += rows.nbytes
-        while self._bytes > self.capacity and len(self._features) > 1:
-            _, dropped = self._features.popitem(last=False)
-            self._bytes -= dropped.nbytes
-
-    def embeddings(
-        self,
-        model: nn.Module,
-        tokens: Sequence[int],
-        lo: int,
-        hi: int,
-        spans: Sequence[ImageSpan],
-        images: Sequence[Image],
-    ) -> mx.array | None:
-        """The input embeddings of prompt positions [lo, hi), (1, hi - lo, hidden), with each
-        image's rows in its span; None when no image lies there (the model embeds the ids)."""
-        inside = [
-            (span, image)
-            for span, image in zip(spans, images, strict=True)
-            if span.start < hi and lo < span.end
-        ]
-        if not inside:
-            return None
-        table = text_embeddings(model)
-        pieces: list[mx.array] = []
-        at = lo
-        for span, image in inside:
-            start, end = max(span.start, lo), min(span.end, hi)
-            if at < start:
-                pieces.append(table(mx.array(tokens[at:start])))
-            rows = self.main(self.features(image, embedding_dtype(table)))
-            pieces.append(rows[start - span.start : end - span.start])
-            at = end
-        if at < hi:
-            pieces.append(table(mx.array(tokens[at:hi])))
-        return mx.concatenate(pieces, axis=0)[None]
-
 
 class PromptImages:
-    """One prompt's images for its prefill (engine/image_prefill.py: `ImageRows`)."""
+    """One prompt's images for its prefill (engine/image_prefill.py: `ImageRows`). Each
+    image's features are looked up once and held while the prefill runs, whatever the store
+    drops meanwhile."""
 
     def __init__(
         self,
@@ -211,9 +102,67 @@ class PromptImages:
         images: tuple[Image, ...],
     ) -> None:
         self.vision, self.model, self.spans, self.images = vision, model, spans, images
+        self._rows: dict[str, mx.array] = {}
+
+    def features(self, image: Image) -> mx.array:
+        """The image's features, in the text embeddings' dtype."""
+        rows = self._rows.get(image.digest)
+        if rows is None:
+            dtype = embedding_dtype(text_embeddings(self.model))
+            rows = self._rows[image.digest] = self.vision.features(image, dtype)
+        return rows
+
+    def inside(self, lo: int, hi: int) -> list[tuple[ImageSpan, Image]]:
+        """The images that lie in prompt positions [lo, hi), with their spans."""
+        pairs = zip(self.spans, self.images, strict=True)
+        return [(span, image) for span, image in pairs if span.start < hi and lo < span.end]
 
     def embeddings(self, tokens: Sequence[int], lo: int, hi: int) -> mx.array | None:
-        return self.vision.embeddings(self.model, tokens, lo, hi, self.spans, self.images)
+        """The input embeddings of prompt positions [lo, hi), (1, hi - lo, hidden), with each
+        image's rows in its span; None when no image lies there (the model embeds the ids)."""
+        inside = self.inside(lo, hi)
+        if not inside:
+            return None
+        table = text_embeddings(self.model)
+        pieces: list[mx.array] = []
+        at = lo
+        for span, image in inside:
+            start, end = max(span.start, lo), min(span.end, hi)
+            if at < start:
+                pieces.append(table(mx.array(tokens[at:start])))
+            rows = self.vision.main(self.features(image))
+            pieces.append(rows[start - span.start : end - span.start])
+            at = end
+        if at < hi:
+            pieces.append(table(mx.array(tokens[at:hi])))
+        return mx.concatenate(pieces, axis=0)[None]
+
+    def deepstack(self, lo: int, hi: int) -> list[mx.array] | None:
+        """What each of the first text layers adds to prompt positions [lo, hi): (1, L,
+        hidden) each, an image's deepstack rows in its span, zero elsewhere; None without
+        deepstack or an image there."""
+        layers = self.vision.deepstack_layers
+        inside = self.inside(lo, hi)
+        if not layers or not inside:
+            return None
+        dtype = embedding_dtype(text_embeddings(self.model))
+        out = []
+        for k in range(1, layers + 1):
+            pieces: list[mx.array] = []
+            at = lo
+            for span, image in inside:
+                rows = self.features(image)
+                width = rows.shape[-1] // (1 + layers)
+                start, end = max(span.start, lo), min(span.end, hi)
+                if at < start:
+                    pieces.append(mx.zeros((start - at, width), dtype))
+                part = rows[start - span.start : end - span.start, k * width : (k + 1) * width]
+                pieces.append(part)
+                at = end
+            if at < hi:
+                pieces.append(mx.zeros((hi - at, width), dtype))
+            out.append(mx.concatenate(pieces, axis=0)[None])
+        return out
 
     def forward(
         self, model: nn.Module, ids: mx.array, rows: mx.array, lo: int, caches: list
@@ -235,7 +184,7 @@ class PromptImages:
             return nullcontext()
         length = max(hi, self.spans[-1].end)  # every image placed, though the chunk ends first
         ids = prompt_positions(length, self.spans, self.vision.grids(self.images))
-        deepstack = self.vision.deepstack(self.model, lo, hi, self.spans, self.images)
+        deepstack = self.deepstack(lo, hi)
         return positions.chunk(ids[:, lo:hi], lo, deepstack)
 
 
@@ -262,6 +211,12 @@ def family_class(family: str) -> Callable[[Path, Callable[[int], str]], Family]:
     from mlx_kvserve.vision.gemma3 import Gemma3Vision
 
     return Gemma3Vision
+
+
+def ram_features() -> FeatureCache:
+    """Where features are kept while no prompt cache keeps them: RAM only, FEATURES_BYTES at
+    most, the least recently used out first."""
+    return FeatureCache(None, "", ram_budget=FEATURES_BYTES, disk_budget=lambda: 0)
 
 
 def load_vision(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,10 +21,11 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_kvserve.images.image import Image
+from mlx_kvserve.vision.base import Family
 from mlx_kvserve.vision.tower import install, under, vision_weights
 
 
-class Gemma3Vision:
+class Gemma3Vision(Family):
     """Images to the rows of their `<image_soft_token>`s, and the markup that holds them."""
 
     def __init__(self, model_dir: Path, token_text: Callable[[int], str]) -> None:
@@ -67,17 +68,6 @@ class Gemma3Vision:
         x = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
         hidden, _, _ = self.tower(x, output_hidden_states=True)
         return (self.projector(hidden) / self.scale)[0]
-
-    def forward(
-        self,
-        model: nn.Module,
-        ids: mx.array,
-        rows: mx.array,
-        blocks: Sequence[tuple[int, int]],
-        caches: list,
-    ) -> mx.array:
-        """A chunk with images: the text model fed their rows, causal as mlx-vlm runs it."""
-        return model(ids, cache=caches, input_embeddings=rows)
 
 
 def tokens_per_image(config: dict) -> int:

@@ -31,13 +31,14 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_kvserve.images.image import Image
+from mlx_kvserve.vision.base import Family
 from mlx_kvserve.vision.tower import install, under, vision_weights
 
 MAX_SOFT_TOKENS = 280  # the processor's default, as Gemma 4's configs state it
 _CLIPS = ("input_max", "input_min", "output_max", "output_min")
 
 
-class Gemma4Vision:
+class Gemma4Vision(Family):
     """Images to the rows of their `<|image|>` tokens, the markup that holds them, and the
     prefill forward of a chunk that holds them."""
 

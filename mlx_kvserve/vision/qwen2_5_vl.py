@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,12 +22,13 @@ import numpy as np
 
 from mlx_kvserve.chat.invalid_request import InvalidRequest
 from mlx_kvserve.images.image import Image
+from mlx_kvserve.vision.base import Family
 from mlx_kvserve.vision.tower import install, under, vision_weights
 
 Grid = tuple[int, int, int]  # (t, h, w) of an image's merged patches: one token each
 
 
-class Qwen25VLVision:
+class Qwen25VLVision(Family):
     """Images to the rows of their `<|image_pad|>`s, their markup and their grids."""
 
     deepstack = 0  # the tower's extra feature sets, added after the first text layers
@@ -91,18 +92,6 @@ class Qwen25VLVision:
         patches, grid = self.pixels(image)
         x = mx.array(patches).astype(self.tower.patch_embed.proj.weight.dtype)
         return self.tower(x, mx.array(grid), output_hidden_states=False).astype(dtype)
-
-    def forward(
-        self,
-        model: nn.Module,
-        ids: mx.array,
-        rows: mx.array,
-        blocks: Sequence[tuple[int, int]],
-        caches: list,
-    ) -> mx.array:
-        """A chunk with images: the text model fed their rows, causal as mlx-vlm runs it (at
-        the positions `Positions` holds for the chunk)."""
-        return model(ids, cache=caches, input_embeddings=rows)
 
     @staticmethod
     def vision_module(config: dict) -> nn.Module:

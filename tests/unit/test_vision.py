@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
 from mlx_kvserve.engine import Engine
-from mlx_kvserve.engine.loading import Loaded
 from tests.support.concurrently import concurrently
 from tests.support.images import b64, data_url, encoded
+from tests.support.in_process import serve_vision
 from tests.support.vision_models import TOKENS_PER_IMAGE
 
 pytest.importorskip("mlx_vlm")
 
-LOCAL = "http://localhost"
 RED = encoded("PNG", 64, 40, (200, 30, 30))
 GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
 TOKENS = 8
@@ -33,30 +31,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gemma3_vision_dir(tmp_path_factory.mktemp("vision") / "gemma3")
 
 
-def vision_loader(model_dir: Path):  # noqa: ANN201
-    def load() -> Loaded:
-        from mlx_lm import load
-
-        from mlx_kvserve.vision.encoder import load_vision
-
-        model, tokenizer = load(str(model_dir))
-        vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
-        return Loaded(model, tokenizer, vision=vision)
-
-    return load
-
-
 @pytest.fixture(scope="module")
 def client(model_dir: Path) -> Iterator[TestClient]:
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
     # The prompt cache keys image spans by pixel hash only once the cache does (images/spans.py):
     # these tests compare answers across images, so no state is reused between requests.
-    engine = Engine(vision_loader(model_dir), cache_enabled=False)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+    with serve_vision(model_dir, "tiny-vision", cache_enabled=False) as c:
         yield c
 
 
@@ -184,28 +163,25 @@ def test_a_repeated_image_runs_the_tower_once(client: TestClient) -> None:
 def test_chunks_never_split_an_image(model_dir: Path) -> None:
     """A prefill step of 3 would cut every image in two; the chunks end at its edges instead,
     and the answer is mlx-vlm's still."""
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    engine = Engine(vision_loader(model_dir), cache_enabled=False, prefill_step=3)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as small_steps:
+    with serve_vision(model_dir, "tiny-vision", cache_enabled=False, prefill_step=3) as small_steps:
         got = answer(chat(small_steps, GREEN, "Describe it."))
     want = reference(model_dir, "Describe it.", GREEN)
     assert got.strip() == want.strip()
 
 
-def test_whole_chunks_moves_cuts_to_an_images_start() -> None:
-    from mlx_kvserve.engine.image_prefill import whole_chunks
+def test_chunk_ends_move_to_an_images_start() -> None:
+    from mlx_kvserve.engine.chunks import Checkpoints, plan_chunks
     from mlx_kvserve.images.spans import ImageSpan
 
-    spans = [ImageSpan(4, 4, "00" * 32), ImageSpan(9, 4, "11" * 32)]
-    chunks = [(0, 3), (3, 6), (6, 9), (9, 12)]
-    assert whole_chunks(chunks, 12, spans) == ([(0, 3), (3, 4), (4, 9)], 9)
-    assert whole_chunks(chunks, 12, []) == (chunks, 12)
+    spans = (ImageSpan(4, 4, "00" * 32), ImageSpan(9, 4, "11" * 32))
+    with_images = Checkpoints({}, 0, lambda *a, **k: None, spans=spans)
+    assert with_images.cuts(0, 12, 3) == [3, 4, 9]  # 12 is inside the second image
+    assert Checkpoints({}, 0, lambda *a, **k: None).cuts(0, 12, 3) == [3, 6, 9, 12]
+    # no checkpoint, folded into the last pass or not, inside an image: it moves to its start
+    marked = Checkpoints({6: "anchor"}, 10, lambda *a, **k: None, spans=spans)
+    assert marked.for_prompt(0, 14, foldable=True).boundaries == {4: "anchor", 9: "interval"}
     # a start inside an image (state reused up to there) keeps its place
-    assert whole_chunks([(5, 6)], 6, spans) == ([], 5)
+    assert plan_chunks(5, 6, 3, with_images, foldable=True) == ([], 5)
 
 
 def test_text_posing_as_image_tokens_is_a_400(client: TestClient) -> None:
@@ -231,15 +207,10 @@ def test_fuzzed_image_fields_on_a_vision_model(client: TestClient, protocol: str
 def test_a_quantized_tower_answers_as_mlx_vlm(tmp_path: Path) -> None:
     """A checkpoint whose tower is stored 4-bit: its layers are quantized as stored (the text
     model stays as it is), and the answer is mlx-vlm's on the same files."""
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
     from tests.support.vision_models import gemma3_vision_dir
 
     quantized = gemma3_vision_dir(tmp_path / "q", quantized=True)
-    engine = Engine(vision_loader(quantized), cache_enabled=False)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = quantized
-    with TestClient(create_app(Settings(), pool), base_url=LOCAL) as c:
+    with serve_vision(quantized, "tiny-vision", cache_enabled=False) as c:
         got = answer(chat(c, RED, "Describe it."))
     assert got.strip() == reference(quantized, "Describe it.", RED).strip()
 
@@ -343,15 +314,10 @@ def test_the_prompt_and_pixels_are_mlx_vlms(model_dir: Path) -> None:
 
 def cached_client(model_dir: Path, cache_dir: Path) -> TestClient:
     """The vision app with a prompt cache on `cache_dir` (a new one each call: a restart)."""
-    from mlx_kvserve.api.app import create_app
     from mlx_kvserve.cache import PromptCache
-    from mlx_kvserve.models.pool import ModelPool
 
     cache = PromptCache(cache_dir, "tiny-vision", disk_budget=256 << 20, ram_budget=64 << 20)
-    engine = Engine(vision_loader(model_dir), prompt_cache=cache)
-    pool = ModelPool.single(engine, "tiny-vision")
-    pool.slots[0].model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+    return serve_vision(model_dir, "tiny-vision", prompt_cache=cache)
 
 
 def converse(client: TestClient, image: bytes, turns: list[str]) -> list[dict]:
@@ -414,3 +380,22 @@ def test_another_image_in_the_same_place_never_reuses_the_first_ones_kv(
     assert usage["prompt_tokens_details"]["cached_tokens"] <= (
         usage["prompt_tokens"] - TOKENS_PER_IMAGE - 1
     )
+
+
+def test_an_images_features_are_kept_by_the_prompt_cache_alone(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The prompt cache's features tier is the one place an image's features are kept (counted
+    in /v1/cache and the memory ledger): dropped from its RAM, as memory pressure drops them,
+    a repeated image's features come from its file, not from another copy, and the tower does
+    not run again."""
+    with cached_client(model_dir, tmp_path) as c:
+        chat(c, RED)
+        engine = c.app.state.pool.slots[0].engine
+        stats = c.get("/v1/cache").json()
+        assert stats["features_ram_entries"] == 1 and stats["features_disk_entries"] == 1
+        engine.prompt_cache.flush()
+        engine.prompt_cache.features.release_ram(stats["features_ram_bytes"])
+        chat(c, RED, "Something else entirely?")  # another text before it: its KV is not reused
+        assert c.get("/v1/cache").json()["features_disk_hits"] == 1
+        assert engine.vision.encoded == 1

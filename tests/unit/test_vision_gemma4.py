@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
-from mlx_kvserve.engine import Engine
 from tests.support.concurrently import concurrently
 from tests.support.images import data_url, encoded
-from tests.unit.test_vision import LOCAL, answer, vision_loader
+from tests.support.in_process import serve_vision
+from tests.unit.test_vision import answer
 
 pytest.importorskip("mlx_vlm")
 
@@ -38,13 +37,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def app(model_dir: Path, **engine: object) -> TestClient:
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    built = Engine(vision_loader(model_dir), **engine)  # type: ignore[arg-type]
-    pool = ModelPool.single(built, "tiny-gemma4")
-    pool.slots[0].model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+    return serve_vision(model_dir, "tiny-gemma4", **engine)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,13 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from mlx_kvserve.config.settings import Settings
-from mlx_kvserve.engine import Engine
 from tests.support.concurrently import concurrently
 from tests.support.images import data_url, encoded
-from tests.unit.test_vision import answer, vision_loader
+from tests.support.in_process import serve_vision
+from tests.unit.test_vision import answer
 
 pytest.importorskip("mlx_vlm")
 
-LOCAL = "http://localhost"
 # merged-patch grids (rows x columns), tokens, and how far the text after them shifts
 RED = encoded("PNG", 64, 40, (200, 30, 30))  # 2 x 4, 8 tokens, -4
 GREEN = encoded("PNG", 64, 40, (20, 220, 40))  # RED's size: only the pixels differ
@@ -56,13 +54,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
 
 
 def app(model_dir: Path, **engine: object) -> TestClient:
-    from mlx_kvserve.api.app import create_app
-    from mlx_kvserve.models.pool import ModelPool
-
-    built = Engine(vision_loader(model_dir), **engine)  # type: ignore[arg-type]
-    pool = ModelPool.single(built, "tiny-qwen-vl")
-    pool.slots[0].model_dir = model_dir
-    return TestClient(create_app(Settings(), pool), base_url=LOCAL)
+    return serve_vision(model_dir, "tiny-qwen-vl", **engine)
 
 
 @pytest.fixture(scope="module")
