@@ -200,8 +200,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": False,
     },
-    # DeepSeek-V4: mlx-lm keeps each layer's window and compressed groups in its own
-    # `LayerCache`, whose `state` is read-only (the prompt cache turns itself off for it).
+    # DeepSeek-V4.1's architecture without its engram layers (mlx-lm refuses those): mlx-lm
+    # keeps each layer's window and compressed groups in its own `LayerCache`, whose `state` is
+    # read-only (the prompt cache turns itself off for it).
     "deepseek_v41": {
         "vocab_size": ROWS,
         "hidden_size": 64,
