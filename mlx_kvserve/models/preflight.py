@@ -3,7 +3,8 @@
 The model itself loads on the engine thread after the server is up (so /health can say
 "loading"); a directory that can never load would leave a server that answers 503 for ever. The
 checks here are the cheap ones `mlx_lm.load` would fail on first: a readable config.json with a
-`model_type`, an architecture the installed mlx-lm implements, no custom code to run, weights;
+`model_type`, an architecture the installed mlx-lm implements whose arguments accept the
+config, no custom code to run, weights;
 and two it would not: an embedding model whose vectors mlx-lm's causal models cannot compute
 (embed/kind.py: BERT's family, EmbeddingGemma) unless mlx-vlm's embedding models serve it
 (embed/encoder.py), and a tokenizer that writes more ids than the embedding has rows (the
@@ -44,14 +45,29 @@ def model_dir_problem(model_dir: Path) -> str | None:
 
     try:
         if not encoder:  # mlx-vlm's, not mlx-lm's (embed/encoder.py)
-            _get_classes(config)
+            _, args_class = _get_classes(config)
     except (ValueError, ImportError, AttributeError) as exc:
         return (
             f"mlx-lm {mlx_lm.__version__} cannot load model_type {config['model_type']!r} ({exc})"
         )
+    if not encoder and (problem := arguments_problem(Path(model_dir), args_class)):
+        return f"mlx-lm {mlx_lm.__version__} cannot build {config['model_type']!r}: {problem}"
     if not any(Path(model_dir).glob("model*.safetensors")):
         return f"no model*.safetensors weights in {model_dir}"
     return vocabulary_problem(Path(model_dir), config)
+
+
+def arguments_problem(model_dir: Path, args_class: type) -> str | None:
+    """Why the architecture's arguments refuse this config, or None: what `mlx_lm.load` does
+    before it reads a weight (DeepSeek-V4.1's configs name engram layers mlx-lm does not
+    implement, and its `ModelArgs` says so only then, after the server looked healthy)."""
+    from mlx_lm.utils import load_config
+
+    try:
+        args_class.from_dict(load_config(model_dir))
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 NESTED = ("text_config", "language_config", "llm_config")  # as models/context.py reads them

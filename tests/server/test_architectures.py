@@ -230,7 +230,7 @@ def test_a_config_without_a_context_length_is_said_at_start(tmp_path):
 
 
 def test_a_cache_that_cannot_be_restored_turns_the_prompt_cache_off(tmp_path):
-    """DeepSeek-V4's layer cache has a read-only `state`: a checkpoint of it could never be
+    """DeepSeek-V4.1's layer cache has a read-only `state`: a checkpoint of it could never be
     restored, so the server says so at start-up, writes none, and answers like `--no-cache`
     (rather than write every turn and fail every restore); the session resident in memory
     still serves the next turn."""

@@ -202,3 +202,20 @@ def test_added_tokens_count_toward_the_tokenizer(tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB + 1}))
     problem = model_dir_problem(model)
     assert problem is not None and f"writes {VOCAB + 2} token ids" in problem
+
+
+# -- a config the architecture's arguments refuse: refused before the server looks healthy ----
+def test_a_config_the_architecture_refuses_is_refused_before_it_loads(tmp_path):
+    """DeepSeek-V4.1's released configs name engram layers mlx-lm's deepseek_v41 does not
+    implement: its ModelArgs raises, which mlx_lm.load would only do after the server started
+    and said it was loading."""
+    from mlx_kvserve.models.preflight import model_dir_problem
+    from tests.support.tiny_models import make_model_dir
+
+    model = make_model_dir(tmp_path / "v41", "deepseek_v41")
+    assert model_dir_problem(model) is None
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "engram_layer_ids": [1]}))
+    problem = model_dir_problem(model)
+    assert problem is not None
+    assert "cannot build 'deepseek_v41'" in problem and "engram" in problem
