@@ -215,6 +215,40 @@ def test_a_request_cancelled_while_held_for_room_leaves_no_hold(model, caplog):
         engine.stop()
 
 
+def test_a_request_cancelled_while_queued_ends_with_its_log_line(model, caplog):
+    """A streamed request's first chunk goes out before the engine takes it, so its client can
+    leave while it is still queued: it gives its place back at once (`queued` drops it), and it
+    still ends, on the engine thread, with a cancelled Done and its one log line. (The queue
+    used to drop it silently: no line, and a non-streaming reader waited forever.) The engine
+    is held in a `call()` meanwhile, so the request is certainly still queued."""
+    caplog.set_level("INFO", logger="mlx_kvserve.engine")
+    engine = started(model)
+    left = request(PROMPT, max_tokens=20)
+    hold, held = threading.Event(), threading.Event()
+    try:
+        engine.call(lambda: (held.set(), hold.wait(30)))
+        assert held.wait(30)
+        try:
+            engine.submit(left)
+            left.cancel()  # the client leaves
+            assert engine.queued == 0  # its place is free at once
+        finally:
+            hold.set()
+        end = final(left, timeout=30)
+        assert isinstance(end, Done) and end.finish_reason == "cancelled", left.events
+        lines = [
+            r.getMessage() for r in caplog.records if f"id={left.request_id} " in r.getMessage()
+        ]
+        assert len(lines) == 1 and "finish=cancelled" in lines[0], lines
+        assert "completion_tokens=0 " in lines[0]
+        assert holds(engine) == {}
+        after = request(PROMPT, max_tokens=3)
+        engine.submit(after)
+        assert isinstance(final(after), Done) and after.done.completion_tokens == 3
+    finally:
+        engine.stop()
+
+
 # -- the resident a returning conversation takes ----------------------------------------------
 def test_under_contention_the_resident_a_request_reuses_is_not_shed(model):
     """Conversation A's turn comes back while B decodes and memory is short: the other
