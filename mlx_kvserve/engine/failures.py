@@ -156,7 +156,7 @@ class Failures:
         if self.room is not None:
             self.room.paused.clear()
             self.room.ledger.holds.clear()
-        for req in reqs + self._queue.drain():
+        for req in reqs + self._queue.drain() + self._queue.take_cancelled():
             self._observe(req, None)
             req.emit(error)
         self._calls.fail_all(EngineNotReady(cause))

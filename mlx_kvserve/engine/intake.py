@@ -6,7 +6,8 @@ stopping or has failed; the queue is full; a prompt no KV budget could hold) and
 rest. The engine thread takes the next request when there is room by count and by KV memory
 (engine/room.py), holding it at the head of the line meanwhile. A request whose client leaves
 while it waits ends there, holding nothing: it is never admitted, so no reservation is left
-behind.
+behind; one that leaves while still queued gives its place back at once (engine/waitlist.py)
+and is ended at the engine's next turn. Either way it gets its Done and its log line.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class Intake:
 
     def _next(self) -> Item:
         """The next request if there is room for it, STOP, or None (run work / idle)."""
+        left = self._queue.take_cancelled()  # gave up while queued: never handed out
+        self._inflight.update((req.request_id, req) for req in left)
+        self._touched += left  # (a failure here fails them: they still end)
+        for req in left:
+            self._end_unstarted(req)
         if self._held is None:
             if self._busy() and not self._can_join():
                 return None  # full by count: leave the queue as it is

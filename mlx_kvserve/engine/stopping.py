@@ -109,3 +109,5 @@ class Stopping:
                     self._advance(task, turn)
         for item in self._queue.drain():
             item.emit(EngineError("the server is shutting down"))
+        for req in self._queue.take_cancelled():  # their clients left while they were queued
+            self._end_unstarted(req)

@@ -88,11 +88,17 @@ def test_full_queue_answers_503_with_retry_after(start_server):
         srv.base_url + "/v1/completions", json={**COUNTING, "max_tokens": 2}, timeout=120
     )
     assert ok.status_code == 200, ok.text
-    ran = [line for line in srv.log().splitlines() if " completion_tokens=" in line]
-    assert len(ran) == 2, ran  # the holder and this request; the queued stream never ran
-    holder_tokens = int(ran[0].split(" completion_tokens=")[1].split()[0])
-    assert "finish=cancelled" in ran[0] and holder_tokens < 4000, ran[0]
-    assert "finish=length" in ran[1] and " completion_tokens=2 " in ran[1], ran[1]
+    lines = [line for line in srv.log().splitlines() if " completion_tokens=" in line]
+    assert len(lines) == 3, lines  # one per request, the queued stream's too
+
+    def tokens(line: str) -> int:
+        return int(line.split(" completion_tokens=")[1].split()[0])
+
+    queued, holder = sorted(lines[:2], key=tokens)
+    # the queued stream never ran; the holder was cancelled well before its 4000 tokens
+    assert "finish=cancelled" in queued and tokens(queued) == 0, queued
+    assert "finish=cancelled" in holder and tokens(holder) < 4000, holder
+    assert "finish=length" in lines[2] and tokens(lines[2]) == 2, lines[2]
 
 
 def test_keepalive_comments_during_prefill(start_server):

@@ -179,7 +179,9 @@ def test_the_server_says_the_model_sees_images(
 
 def test_a_client_that_leaves_an_image_stream_cancels_it(served: ServerProcess) -> None:
     """The stream of an image request, left after its first chunk: the engine cancels the
-    request (its log line says so), and the next image request is answered."""
+    request (its log line says so), and the next image request is answered. The first chunk
+    (the role) goes out before the engine takes the request, so the client may leave while it
+    is still queued: it gets its line then too (tests/unit/test_engine_failures.py)."""
     import json
     import re
 

@@ -10,6 +10,8 @@ shed under contention, and loading a model on demand does not stall /health.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -213,6 +215,108 @@ def test_a_request_cancelled_while_held_for_room_leaves_no_hold(model, caplog):
         assert engine.room is not None and engine.room.pauses == 0
     finally:
         engine.stop()
+
+
+def test_a_request_cancelled_while_queued_ends_with_its_log_line(model, caplog):
+    """A streamed request's first chunk goes out before the engine takes it, so its client can
+    leave while it is still queued: it gives its place back at once (`queued` drops it), and it
+    still ends, on the engine thread, with a cancelled Done and its one log line. (The queue
+    used to drop it silently: no line, and a non-streaming reader waited forever.) The engine
+    is held in a `call()` meanwhile, so the request is certainly still queued."""
+    caplog.set_level("INFO", logger="mlx_kvserve.engine")
+    engine = started(model)
+    left = request(PROMPT, max_tokens=20)
+    hold, held = threading.Event(), threading.Event()
+    try:
+        engine.call(lambda: (held.set(), hold.wait(30)))
+        assert held.wait(30)
+        try:
+            engine.submit(left)
+            left.cancel()  # the client leaves
+            assert engine.queued == 0  # its place is free at once
+        finally:
+            hold.set()
+        end = final(left, timeout=30)
+        assert isinstance(end, Done) and end.finish_reason == "cancelled", left.events
+        lines = [
+            r.getMessage() for r in caplog.records if f"id={left.request_id} " in r.getMessage()
+        ]
+        assert len(lines) == 1 and "finish=cancelled" in lines[0], lines
+        assert "completion_tokens=0 " in lines[0]
+        assert holds(engine) == {}
+        after = request(PROMPT, max_tokens=3)
+        engine.submit(after)
+        assert isinstance(final(after), Done) and after.done.completion_tokens == 3
+    finally:
+        engine.stop()
+
+
+def test_a_non_streaming_request_whose_client_left_while_queued_returns(model_dir):
+    """The app itself, called with a client that disconnects as soon as its body is read,
+    while the engine is held in a `call()`: the request is cancelled while still queued. The
+    handler must return (a 499, its model lease given back), not wait for ever for an end the
+    engine never sent."""
+    from mlx_lm import load
+
+    from mlx_kvserve.api.app import create_app
+    from mlx_kvserve.models.pool import ModelPool
+
+    engine = Engine(lambda: load(str(model_dir)), cache_enabled=False)
+    pool = ModelPool.single(engine, "tiny")
+    app = create_app(Settings(), pool)
+    body = json.dumps({**CHAT, "max_tokens": 50}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"localhost"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("localhost", 80),
+    }
+    hold, held = threading.Event(), threading.Event()
+
+    async def leave() -> list[dict]:
+        sent: list[dict] = []
+        left = asyncio.Event()
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop(0)
+            left.set()  # read by the disconnect watch, once the request is queued
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        answered = asyncio.ensure_future(app({**scope, "state": {}}, receive, send))
+        await left.wait()
+        while engine.queued:  # the watch cancels it: the queue gives its place back
+            await asyncio.sleep(0.01)
+        hold.set()  # only now may the engine look at its queue
+        await asyncio.wait_for(answered, 30)  # a hang guard
+        return sent
+
+    with TestClient(app, base_url=LOCAL) as client:
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # loaded
+        engine.call(lambda: (held.set(), hold.wait(30)))
+        assert held.wait(30)
+        try:
+            sent = client.portal.call(leave)
+        finally:
+            hold.set()
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+        assert pool.default.leases == 0
 
 
 # -- the resident a returning conversation takes ----------------------------------------------
