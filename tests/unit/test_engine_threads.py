@@ -25,13 +25,15 @@ def model():
 
 
 class SlowClose:
-    """A stand-in prompt cache whose close (the shutdown flush) takes a while."""
+    """A stand-in prompt cache whose close (the shutdown flush) lasts until the event loop has
+    ticked 10 times (or 30 s): a loop the flush blocked could not tick meanwhile."""
 
     def __init__(self) -> None:
         self.closed_on: str | None = None
+        self.loop_ran = threading.Event()
 
     def close(self) -> None:
-        time.sleep(0.5)
+        self.loop_ran.wait(30)
         self.closed_on = threading.current_thread().name
 
 
@@ -93,6 +95,8 @@ def test_stop_async_keeps_the_event_loop_running(model):
         nonlocal ticks
         while cache.closed_on is None:
             ticks += 1
+            if ticks >= 10:
+                cache.loop_ran.set()
             await asyncio.sleep(0.01)
 
     async def main() -> None:
@@ -100,7 +104,7 @@ def test_stop_async_keeps_the_event_loop_running(model):
 
     asyncio.run(main())
     assert cache.closed_on is not None and cache.closed_on != "mlx-engine"
-    assert ticks >= 10  # the loop ran through the 0.5 s flush
+    assert cache.loop_ran.is_set()  # the loop ran while the flush waited for it (no timing)
 
 
 def test_pending_writes_count_in_the_ram_budget(model, tmp_path, monkeypatch):
