@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
 
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.generate import PrefillTask
+from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.lockstep import Turn
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.requests import STOP, EngineError, GenerationRequest
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.waitlist import WaitQueue
+
+log = logging.getLogger("mlx_kvserve.engine")
 
 
 class Stopping:
@@ -61,10 +65,17 @@ class Stopping:
         timer.start()
 
     def _cancel_all(self) -> None:
-        for pending in self._queue.drain():
-            pending.emit(EngineError("the server is shutting down"))
+        self._refuse_queued()
         for req in self._active():
             req.cancel()
+
+    def _refuse_queued(self) -> None:
+        """Whatever is still queued ends with the shutdown's error, each with its log line
+        (`finish=shutdown`): every request the server took shows in the log."""
+        for req in self._queue.drain():
+            timings = Timings(prompt_tokens=len(req.prompt_tokens), finish_reason="shutdown")
+            log.info(timings.log_line(req))
+            req.emit(EngineError("the server is shutting down"))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new work, fail queued requests, cancel the running one, join the thread."""
@@ -107,7 +118,6 @@ class Stopping:
             while task in self.schedule.tasks:
                 with self._start_turn() as turn:
                     self._advance(task, turn)
-        for item in self._queue.drain():
-            item.emit(EngineError("the server is shutting down"))
+        self._refuse_queued()
         for req in self._queue.take_cancelled():  # their clients left while they were queued
             self._end_unstarted(req)

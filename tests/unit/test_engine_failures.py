@@ -251,6 +251,30 @@ def test_a_request_cancelled_while_queued_ends_with_its_log_line(model, caplog):
         engine.stop()
 
 
+def test_a_request_still_queued_at_shutdown_ends_with_its_log_line(model, caplog):
+    """Stopping ends a request that is still queued with the shutdown's error, and it gets its
+    one log line (`finish=shutdown`) like every other request the server took. The engine is
+    held in a `call()`, so the request is certainly still queued when the stop comes."""
+    caplog.set_level("INFO", logger="mlx_kvserve.engine")
+    engine = started(model)
+    queued = request(PROMPT, max_tokens=20)
+    hold, held = threading.Event(), threading.Event()
+    engine.call(lambda: (held.set(), hold.wait(30)))
+    assert held.wait(30)
+    engine.submit(queued)
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    try:
+        end = final(queued, timeout=30)
+    finally:
+        hold.set()
+        stopper.join(60)
+    assert isinstance(end, EngineError) and "shutting down" in str(end), queued.events
+    lines = [r.getMessage() for r in caplog.records if f"id={queued.request_id} " in r.getMessage()]
+    assert len(lines) == 1 and "finish=shutdown" in lines[0], lines
+    assert "completion_tokens=0 " in lines[0]
+
+
 def test_a_non_streaming_request_whose_client_left_while_queued_returns(model_dir):
     """The app itself, called with a client that disconnects as soon as its body is read,
     while the engine is held in a `call()`: the request is cancelled while still queued. The
