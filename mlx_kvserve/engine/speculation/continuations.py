@@ -22,8 +22,10 @@ rolling hashes and a sort). Documents are joined with a separator no match cross
 continuation stops at its document's end. Bounded by `max_tokens`: the oldest documents go
 first (with their part of the chains); dict entries are checked away on use (a position
 before the kept tokens is no hit, and ends a chain) and rebuilt away when they outnumber the
-live ones. Memory is about 100 bytes per token and n for the dicts and 8 for the chains, so
-the default bound of 2^18 tokens costs some 60 MB per namespace at most (n = 3, 4).
+live ones. Memory: the tokens (a Python list, some 36 bytes each), the dicts (some 100 bytes
+per token and n, twice that just before a rebuild) and the chains (8 bytes per token and n):
+at the default bound of 2^18 tokens and n = 3, 4, some 70 MB per namespace, 120 MB at the
+peak (measured with every n-gram distinct).
 
 One index per model (the engine's) and per prompt-cache namespace (engine/namespaces.py): a
 request drafts only from its own key's tokens, as it only reuses its own key's KV.
