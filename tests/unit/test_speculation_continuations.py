@@ -204,7 +204,8 @@ def test_a_requests_cached_prefix_is_not_added_again() -> None:
 
 
 def test_a_query_does_not_scan_the_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A proposal touches O(n_max + k) tokens, however many the index holds."""
+    """A proposal touches O(n_max + CHOICES x REACH + k) tokens, however many the index holds:
+    it hashes the row's tail and extends at most CHOICES occurrences at most REACH back."""
     rng = random.Random(4)
     index = TokenIndex(n_max=4, n_min=2)
     for _ in range(20):
