@@ -8,12 +8,13 @@ import random
 import pytest
 
 from mlx_kvserve.engine.speculation import drafts
-from mlx_kvserve.engine.speculation.drafts import Draft, Drafter, PromptLookup
+from mlx_kvserve.engine.speculation.drafts import LONG, Draft, Drafter, PromptLookup
 
 
-def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> tuple[int, ...] | None:
+def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> Draft | None:
     """The specification, by scanning: for n from n_max down, the latest earlier occurrence of
-    the last n tokens, and what followed it (read on into the draft itself past the end)."""
+    the last n tokens, and what followed it (read on into the draft itself past the end); its
+    evidence, how far back it matches the row's last tokens (at most `LONG`)."""
     end = len(tokens)
     for n in range(min(n_max, end - 1), n_min - 1, -1):
         suffix = tokens[end - n :]
@@ -22,7 +23,14 @@ def reference(tokens: list[int], n_max: int, n_min: int, limit: int) -> tuple[in
                 full = list(tokens)
                 for i in range(limit):
                     full.append(full[start + n + i])
-                return tuple(full[end:])
+                span = n
+                while (
+                    span < LONG
+                    and start + n - span > 0
+                    and (tokens[start + n - span - 1] == tokens[end - span - 1])
+                ):
+                    span += 1
+                return Draft(tuple(full[end:]), "prompt_lookup", span)
     return None
 
 
@@ -31,7 +39,8 @@ def test_proposes_what_followed_the_longest_match() -> None:
     lookup = PromptLookup(n_max=3, n_min=2, tokens=[5, 6, 7, 8, 9, 0, 6, 7, 1, 2, 3, 5, 6, 7])
     assert lookup.propose(4) == Draft((8, 9, 0, 6), "prompt_lookup", 3)
     lookup.extend([8, 9])  # now "7 8 9"... the latest "8 9" was followed by 0
-    assert lookup.propose(2) == Draft((0, 6), "prompt_lookup", 3)
+    # ... and "5 6 7 8 9" went before both: the evidence is how far back the match goes
+    assert lookup.propose(2) == Draft((0, 6), "prompt_lookup", 5)
 
 
 def test_shorter_match_when_the_longest_is_unseen() -> None:
@@ -62,23 +71,27 @@ def test_a_continuation_that_runs_into_the_end_repeats() -> None:
 @pytest.mark.parametrize("bulk_first", [True, False])
 def test_matches_the_scanning_reference_on_random_streams(bulk_first: bool) -> None:
     rng = random.Random(7)
-    tokens = [rng.randrange(12) for _ in range(600)]  # a small alphabet: many matches
+    tokens = [rng.randrange(12) for _ in range(100)]  # a small alphabet: many matches
+    while len(tokens) < 600:  # and copies of earlier runs: matches longer than n_max
+        at = rng.randrange(len(tokens) - 20)
+        tokens += tokens[at : at + rng.randrange(3, 20)] + [rng.randrange(12)]
+    tokens = tokens[:600]
     lookup = PromptLookup(n_max=5, n_min=2)
     if bulk_first:
         lookup.extend(tokens[:200])  # the prompt, indexed in bulk with numpy
         fed = 200
     else:
         fed = 0
-    checked = 0
+    checked = longer = 0
     while fed < len(tokens):
         step = rng.choice([1, 1, 1, 3, 70])  # accepted runs, and one bulk append now and then
         lookup.extend(tokens[fed : fed + step])
         fed = min(fed + step, len(tokens))
         want = reference(tokens[:fed], 5, 2, 6)
-        got = lookup.propose(6)
-        assert (got.tokens if got else None) == want, fed
+        assert lookup.propose(6) == want, fed
         checked += want is not None
-    assert checked > 20
+        longer += want is not None and want.evidence > 5
+    assert checked > 15 and longer > 5, (checked, longer)
 
 
 def test_hash_collisions_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,3 +141,24 @@ def test_an_image_prompt_is_remembered_without_its_image(model, prior_cost, monk
         assert tokens_of(req.text) == answer
     assert second[SOURCE][1] >= 30
     assert indexes and not [t for t in indexes[-1].tokens if is_image_key(t) and t < 1 << 40]
+
+
+def test_a_replayed_conversation_drafts_its_own_earlier_answer(model, prior_cost) -> None:
+    """A conversation asked again (a replayed agent loop) after another request that holds the
+    same turn's opening and first answer token, then goes on otherwise (as the latest tool call
+    opens as the first did, then names another tool): the latest occurrence of the row's last
+    tokens is the other request's, but the first conversation's matches the row further back,
+    so its answer is drafted and every draft is kept (SuffixDecoding's longest match)."""
+    rng = random.Random(10)
+    opening = [rng.randrange(3, 500) for _ in range(6)]
+    first = [rng.randrange(3, 500) for _ in range(18)] + opening
+    answer = reference(model, first, 40)
+    assert len(set(answer)) > 30
+    other = [rng.randrange(3, 500) for _ in range(18)] + opening + answer[:1]
+    other += [rng.randrange(3, 500) for _ in range(12)]  # the other tool's name and arguments
+    reqs = [request(first, max_tokens=40), request(other, max_tokens=4)]
+    reqs.append(request(first, max_tokens=40))
+    _, _, replay = serve(model, reqs, cache_enabled=False)
+    assert tokens_of(reqs[2].text) == answer
+    drafted, accepted, passes = replay[SOURCE]
+    assert drafted == accepted >= 30  # no draft of what followed in the other request

@@ -12,6 +12,7 @@ import pytest
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.requests import TextChunk
 from mlx_kvserve.engine.speculation.depth import DepthController, SourcePriors, VerifyCost
+from mlx_kvserve.engine.speculation.drafts import LONG
 from mlx_kvserve.engine.speculation.step import Speculator, roll_back
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
@@ -426,7 +427,8 @@ def test_rows_teach_the_engine_what_their_source_kept():
     counts = priors._counts
     assert counts and {source for source, _ in counts} == {"prompt_lookup"}
     learnt = max(counts, key=lambda key: counts[key][0][0])
-    assert priors.rates(learnt)[0] > 0.75
+    assert learnt == ("prompt_lookup", LONG)  # a loop's copy: its match goes far back
+    assert priors.rates(learnt)[0] > 0.7
     assert all(priors.rates(key) is None for key in counts if not any(counts[key][0]))
     cost = driver.batch.speculator.cost
 

@@ -29,6 +29,8 @@ import numpy as np
 _MASK = (1 << 64) - 1
 _BASE = 0x100000001B3  # odd, so the rolling hash is a bijection of each token per position
 _BULK = 64  # appends at least this long are indexed with numpy
+REACH = 64  # how far back a match is extended to measure it (tokens past the n-gram)
+LONG = 8  # a draft's evidence is its match's length up to this: longer ones count alike
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Draft:
 
     tokens: tuple[int, ...]
     source: str
-    evidence: int = 0  # the matched n-gram's length (longer: likelier to be accepted)
+    evidence: int = 0  # the match's length, at most `LONG` (longer: likelier to be accepted)
 
 
 class DraftSource(Protocol):
@@ -82,7 +84,9 @@ class PromptLookup:
 
     def propose(self, limit: int) -> Draft | None:
         """The continuation of the longest earlier match of the last n tokens (n_max..n_min);
-        one that runs into the end continues the repetition it is part of (a loop, a list)."""
+        one that runs into the end continues the repetition it is part of (a loop, a list).
+        Its evidence is how far back the match goes (the n-gram and up to `LONG` - n before
+        it), so that a copy under way outweighs another source's shorter match."""
         tokens, end = self.tokens, len(self.tokens)
         if limit <= 0 or end < self.n_min + 1:
             return None
@@ -94,7 +98,8 @@ class PromptLookup:
             period = end - after  # a match ending at the end: the text repeats with this period
             while len(draft) < limit:
                 draft.append(draft[len(draft) - period])
-            return Draft(tuple(draft), self.name, n)
+            span = n + matched(tokens, after - n, tokens, end - n, LONG - n)
+            return Draft(tuple(draft), self.name, span)
         return None
 
     # ------------------------------------------------------------------------------------
@@ -117,6 +122,15 @@ class PromptLookup:
             keep = (after >= first) & (after < end)
             # later occurrences come later in the zip, so they win: the latest match
             self._after[n].update(zip(h[keep].tolist(), after[keep].tolist(), strict=True))
+
+
+def matched(a: Sequence[int], a_end: int, b: Sequence[int], b_end: int, reach: int) -> int:
+    """How many tokens before a[a_end] and b[b_end] agree, going back, at most `reach`."""
+    reach = max(0, min(reach, a_end, b_end))
+    for i in range(1, reach + 1):
+        if a[a_end - i] != b[b_end - i]:
+            return i - 1
+    return reach
 
 
 def suffix_hashes(tokens: Sequence[int], end: int, n_min: int, n_max: int) -> list[tuple[int, int]]:
