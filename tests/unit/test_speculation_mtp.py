@@ -334,6 +334,7 @@ def test_a_row_that_opted_out_feeds_no_mtp_source_and_its_company_drafts():
         driver.join(req)
         driver.step()
     quiet = next(s for s in driver.batch.seqs if s.req is reqs[0])
+    assert quiet.live.mtp is None  # its prefill fed none either
     driver.step()
     state = driver.batch.speculator.rows.get(id(quiet))
     assert state is None or (state.mtp is not None and not state.mtp.hidden)
