@@ -277,7 +277,10 @@ class Generator:
         """One try at the prefill from `start`; returns the sequence, first token sampled."""
         prompt = req.prompt_tokens
         live = Live(start.caches, list(start.tokens), req.image_spans)
-        live.mtp = prefill_source(self.model, live.tokens, req.params.speculative)
+        if start.mtp is not None and req.params.speculative:
+            live.mtp = start.mtp  # a resident session's: the whole conversation's pairs
+        else:
+            live.mtp = prefill_source(self.model, live.tokens, req.params.speculative)
         timings.cached_tokens, timings.cache_source = start.usable, start.source
         timings.restore_seconds = start.restore_seconds
 
@@ -369,4 +372,5 @@ class Generator:
             anchor = reason == "anchor"
             cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
         if reason in {"generation", "partial"} and (held := live.key()) is not None:
-            states.keep(held, live.caches)
+            mtp = live.mtp.cut(live.tokens) if live.mtp is not None else None
+            states.keep(held, live.caches, mtp)

@@ -523,6 +523,42 @@ def test_a_resumed_row_drafts_from_its_whole_context(qwen):
     assert tokens_of(req.text) == reference(model, LONG, 12)
 
 
+def test_the_next_turn_on_a_resident_session_drafts_from_the_whole_conversation(qwen):
+    """A finished row's session stays resident with its MTP source (cut to the tokens its
+    caches hold); the next turn, which extends it, takes both: after its prefill the MTP
+    cache holds every pair of the whole conversation, the previous answer's too."""
+    model, heads, _ = qwen["leaky"]
+    driver = Driver(model, live_budget=1 << 30)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
+    first = request(LONG, max_tokens=20)
+    driver.join(first)
+    driver.drain()
+    turn = LONG + tokens_of(first.text) + [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]
+    second = request(turn, max_tokens=12)
+    timings, seq = driver.gen.start(second)
+    assert timings.cache_source == "live" and timings.cached_tokens > len(LONG)
+    assert_prompt_fed(heads, seq.live.mtp, turn)
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(second.text) == reference(model, turn, 12)
+
+
+def test_a_resident_cut_back_keeps_only_the_pairs_of_the_common_prefix(qwen):
+    """An edited last message: the resident's MTP source cut to the common prefix keeps the
+    pairs whose next token is in it (the pair across the edit goes), as a source fed them."""
+    _, heads, _ = qwen["random"]
+    source = MTPDraft(heads)
+    mx.eval(source.chunk(0, LONG[:40], heads.inner(mx.array([LONG[:40]]), None)[0]))
+    edited = LONG[:30] + [1, 2, 3]
+    source.cut(edited[:31])  # the next prompt's first 31 tokens: 30 shared
+    fresh = fed_pair_by_pair(heads, LONG[:30])
+    assert source.fed == fresh.fed == 28 and not source.hidden
+    assert source.cache[0].offset == 29 and source.tokens == edited[:31]
+    a, b = source.cache[0].keys[..., :29, :], fresh.cache[0].keys[..., :29, :]
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
 def test_a_chunk_without_hidden_states_leaves_a_gap_not_a_wrong_pair(qwen):
     """An image chunk runs past the tap: its pairs are lost, and the next chunk's first
     token is not paired with a hidden state from before the gap."""

@@ -125,6 +125,8 @@ class MTPDraft:
         kept past that evaluation, so the step must run with it."""
         assert len(self.tokens) == start, (len(self.tokens), start)
         self.extend(tokens)
+        if any(p < start - 1 for p in self.hidden):  # a resident session's last decode pass
+            self._catch_up(until=start - 2)
         pending = self.hidden.pop(start - 1, None)  # none after a gap
         if hidden is None:
             return []
@@ -145,15 +147,35 @@ class MTPDraft:
         other.tokens, other.hidden = list(self.tokens), dict(self.hidden)
         return other
 
+    def cut(self, tokens: Sequence[int]) -> MTPDraft:
+        """This source over `tokens` instead (a resident session's, cut back to the common
+        prefix of the next prompt; or the tokens its row's caches hold when it ends): the
+        pairs and hidden states that only their common prefix made stay."""
+        same = 0
+        for mine, theirs in zip(self.tokens, tokens, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        keep = min(self.fed, same - 2)  # pair p holds t_{p+1}
+        if keep < self.fed:
+            for c in self.cache:  # after a gap (an image chunk) this gives back more: a loss
+                c.trim(self.fed - keep)
+            self.fed, self.out = keep, None
+        self.hidden = {p: h for p, h in self.hidden.items() if keep < p < same}
+        self.tokens, self._memo = list(tokens), (-1, [])
+        return self
+
     def adopted(self) -> MTPDraft:
         """Its tokens forgotten (the pairs fed and pending kept at their positions): a row's
         drafter gives every source the row's tokens from the first."""
         self.tokens, self._memo = [], (-1, [])
         return self
 
-    def _catch_up(self) -> None:
-        """Feed the block every recorded pair (h_p, t_{p+1}) whose next token is committed."""
-        ready = sorted(p for p in self.hidden if self.fed < p and p + 1 < len(self.tokens))
+    def _catch_up(self, until: int | None = None) -> None:
+        """Feed the block every recorded pair (h_p, t_{p+1}) whose next token is committed
+        (up to position `until`)."""
+        last = len(self.tokens) - 2 if until is None else until
+        ready = sorted(p for p in self.hidden if self.fed < p <= last)
         if not ready:
             return
         tokens = mx.array([[self.tokens[p + 1] for p in ready]], dtype=mx.uint32)
