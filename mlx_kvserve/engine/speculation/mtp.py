@@ -9,9 +9,10 @@ batch and returns its logits as before (the same computation, `MTPHeads.forward`
 hidden states they came from. A speculative request's prefill makes its row's `MTPDraft`
 (`prefill_source`, kept on its `Live`) and hands it every chunk's hidden states (`chunk`): one
 block step per chunk over the chunk's pairs, so after a cold prefill its cache holds every pair
-(h_p, t_{p+1}) of the prompt, the last hidden state waiting for the next token. The decode batch
-adopts that source; after each pass the batch (plain steps, engine/batch.py) or the speculator
-(verify passes, step.py) hands it the hidden states of the positions that stay in its caches: a
+(h_p, t_{p+1}) of the prompt, the last hidden state waiting for the next token (a resident
+session keeps its source for the next turn: `cut`). The decode batch adopts that source;
+after each pass the batch (plain steps, engine/batch.py) or the speculator (verify passes,
+step.py) hands it the hidden states of the positions that stay in its caches: a
 verify pass's kept prefix only, so the MTP never sees a rejected position.
 
 Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
