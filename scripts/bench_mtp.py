@@ -3,6 +3,7 @@
 
     python scripts/bench_mtp.py                       # a small Qwen3.5 shape and a tiny one
     python scripts/bench_mtp.py --shapes small --context 1024 --reps 9
+    python scripts/bench_mtp.py --prefill 512 --context 2048 --reps 3   # a prefill chunk's share
 
 One process, no server, random weights (no checkpoint with MTP heads is reachable here: the
 times depend on the shapes, not the values). For each shape it builds a Qwen3.5 model (mlx-lm's,
@@ -14,6 +15,11 @@ of the family), prefills `--context` tokens, and times, median of `--reps` after
   then k - 1 more MTP steps, each through the target's output head, and the drafting steps
   trimmed: what a row pays for k drafts per verify pass.
 
+With `--prefill N` it times instead what the MTP source adds to a prefill: a chunk of N prompt
+tokens after `--context` ones through the target (its caches only, as engine/generate.py
+evaluates a chunk: no output head), and `MTPDraft.chunk` over the same N pairs (one block step,
+its cache holding the context's pairs; no output head either).
+
 A draft pays when the tokens it saves outweigh it: with acceptance a per position and a verify
 pass of k+1 tokens costing c(k+1) decode passes, one round yields 1 + a + ... + a^k tokens for
 c(k+1) + cost(k). The output head is most of an MTP step on a small model (a 248k vocabulary),
@@ -23,6 +29,7 @@ so the share of a pass an MTP draft costs falls as the model grows.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -111,14 +118,58 @@ def bench(name: str, context: int, reps: int) -> None:
         print(f"  MTP draft of {k}      {seconds * 1000:8.1f} ms  {seconds / unit:.2f}")
 
 
+def bench_prefill(name: str, context: int, step: int, reps: int) -> None:
+    model, heads = build(SHAPES[name])
+    vocab = SHAPES[name]["vocab_size"]
+    prompt = mx.random.randint(0, vocab, (1, context + step))
+    cache = model.make_cache()
+    hidden = heads.inner(prompt[:, :context], cache)[0]
+    source = MTPDraft(heads)
+    tokens = prompt[0].tolist()
+    mx.eval(source.chunk(0, tokens[:context], hidden))
+    chunk = prompt[:, context:]
+    before = [list(c.state) for c in cache]  # copies: an ArraysCache's state is its own list
+
+    def target() -> None:
+        mx.eval([c.state for c in cache] + [heads.inner(chunk, cache)])
+        for c, state in zip(cache, before, strict=True):  # back to the context
+            c.state = list(state) if isinstance(c.state, list) else tuple(state)
+
+    unit = median_seconds(target, reps)
+    hidden = heads.inner(chunk, [copy.deepcopy(c) for c in cache])[0]
+    mx.eval(hidden)
+    saved = (list(source.tokens), dict(source.hidden), source.fed, source.out)
+
+    def mtp() -> None:
+        source.tokens, source.hidden, source.fed, source.out = (
+            list(saved[0]),
+            dict(saved[1]),
+            saved[2],
+            saved[3],
+        )
+        mx.eval(source.chunk(context, tokens[context:], hidden))
+        for c in source.cache:
+            c.trim(step)
+
+    seconds = median_seconds(mtp, reps)
+    print(f"{name}: hidden {SHAPES[name]['hidden_size']}, layers "
+          f"{SHAPES[name]['num_hidden_layers']}, a chunk of {step} after {context}")  # fmt: skip
+    print(f"  target chunk        {unit * 1000:8.1f} ms  1.00")
+    print(f"  MTP chunk           {seconds * 1000:8.1f} ms  {seconds / unit:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "small"], choices=list(SHAPES))
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--prefill", type=int, default=0, help="time a prefill chunk this long")
     args = parser.parse_args()
     for name in args.shapes:
-        bench(name, args.context, args.reps)
+        if args.prefill:
+            bench_prefill(name, args.context, args.prefill, args.reps)
+        else:
+            bench(name, args.context, args.reps)
 
 
 if __name__ == "__main__":

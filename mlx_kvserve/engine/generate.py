@@ -46,6 +46,7 @@ from mlx_kvserve.engine.positions import Shift
 from mlx_kvserve.engine.prompt_state import PromptStates, Start
 from mlx_kvserve.engine.requests import Done, GenerationRequest, Prefilled
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.mtp import chunk_hidden, prefill_source, untap
 from mlx_kvserve.vocabulary import vocabulary_size
 
 Result = tuple[Timings, "Sequence | None"]  # a prefill's end: its timings, the sequence or None
@@ -78,10 +79,12 @@ def prefill_steps(
         yield end - lo
         check()
         faults.maybe_fail("prefill_chunk")
+        untap(model)
         out = image_prefill.forward(model, prompt, lo, hi, live.caches, images)
         reason = checkpoints.reason_at(hi)
         last = out[:, -1, :] if reason else None
-        mx.eval([c.state for c in live.caches] + ([last] if reason else []))
+        fed = _mtp(model, live, prompt, lo, hi)  # its MTP step runs in the same evaluation
+        mx.eval([c.state for c in live.caches] + ([last] if reason else []) + fed)
         live.tokens.extend(prompt[lo:hi])
         if reason:
             checkpoints.store(live, last, reason=reason)
@@ -89,8 +92,9 @@ def prefill_steps(
     check()
     faults.maybe_fail("prefill_chunk")
     faults.maybe_fail("prefill")
+    untap(model)
     out = image_prefill.forward(model, prompt, last_from, end, live.caches, images)
-    mx.eval(out)
+    mx.eval([out] + _mtp(model, live, prompt, last_from, end))
     live.tokens.extend(prompt[last_from:end])
     for position in range(last_from + 1, end):  # checkpoints folded into the last pass
         reason = checkpoints.reason_at(position)
@@ -98,6 +102,13 @@ def prefill_steps(
             row = out[:, position - last_from - 1, :]
             checkpoints.store(live, row, reason=reason, length=position)
     return out[:, -1, :]
+
+
+def _mtp(model: nn.Module, live: Live, prompt: list[int], lo: int, hi: int) -> list[mx.array]:
+    """The row's MTP source fed the pass over prompt[lo:hi] (what to evaluate with it)."""
+    if live.mtp is None:
+        return []
+    return live.mtp.chunk(lo, prompt[lo:hi], chunk_hidden(model, live.caches))
 
 
 class PrefillTask:
@@ -266,6 +277,10 @@ class Generator:
         """One try at the prefill from `start`; returns the sequence, first token sampled."""
         prompt = req.prompt_tokens
         live = Live(start.caches, list(start.tokens), req.image_spans)
+        if start.mtp is not None and req.params.speculative:
+            live.mtp = start.mtp  # a resident session's: the whole conversation's pairs
+        else:
+            live.mtp = prefill_source(self.model, live.tokens, req.params.speculative)
         timings.cached_tokens, timings.cache_source = start.usable, start.source
         timings.restore_seconds = start.restore_seconds
 
@@ -333,6 +348,8 @@ class Generator:
         timings = Timings(cache_source="fork")
         req.emit(Prefilled(len(req.prompt_tokens), len(req.prompt_tokens)))
         forked = Live(caches, list(live.tokens), live.spans)
+        if live.mtp is not None and req.params.speculative:
+            forked.mtp = live.mtp.copy()
         seq = Sequence(req, self.tokenizer, forked, logits, timings, states, self.vocab)
         seq.rope_delta = self.rope_delta(req)
         return seq
@@ -355,4 +372,5 @@ class Generator:
             anchor = reason == "anchor"
             cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
         if reason in {"generation", "partial"} and (held := live.key()) is not None:
-            states.keep(held, live.caches)
+            mtp = live.mtp.cut(live.tokens) if live.mtp is not None else None
+            states.keep(held, live.caches, mtp)

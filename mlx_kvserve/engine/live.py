@@ -7,10 +7,14 @@ why they live apart from both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
+
+if TYPE_CHECKING:
+    from mlx_kvserve.engine.speculation.mtp import MTPDraft
 
 
 @dataclass
@@ -64,11 +68,15 @@ class Timings:
 @dataclass
 class Live:
     """The KV caches being filled and the exact tokens they hold (the ids the model was fed);
-    `spans`: where the request's images sit among them, which the cache keys by content."""
+    `spans`: where the request's images sit among them, which the cache keys by content;
+    `mtp`: the MTP heads' own state over the same tokens, when it has one."""
 
     caches: list[LayerCache]
     tokens: list[int] = field(default_factory=list)
     spans: tuple[ImageSpan, ...] = ()
+    # The row's MTP source, fed every prefill chunk's hidden states (engine/speculation/mtp.py);
+    # None without heads, or for a row that drafts nothing
+    mtp: MTPDraft | None = None
 
     def key(self, length: int | None = None) -> list[int] | None:
         """The first `length` (default: all) tokens as the prompt cache keys them, or None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +44,9 @@ from mlx_kvserve.engine.positions import Shift, shifted_by
 from mlx_kvserve.engine.protocols import ImageFeatures, PromptCacheView
 from mlx_kvserve.images.spans import ImageSpan, key_tokens, whole_spans
 
+if TYPE_CHECKING:
+    from mlx_kvserve.engine.speculation.mtp import MTPDraft
+
 
 @dataclass
 class Start:
@@ -53,6 +57,7 @@ class Start:
     source: str  # "cold", "live", "ram" or "disk"
     match: Match = MISS
     restore_seconds: float = 0.0
+    mtp: MTPDraft | None = None  # a resident session's MTP source, over the same tokens
 
     @property
     def usable(self) -> int:
@@ -147,13 +152,16 @@ class PromptStates:
             return self.cold()
         return self._restore(p, match, at_most)
 
-    def keep(self, tokens: list[int], caches: list[LayerCache]) -> None:
+    def keep(
+        self, tokens: list[int], caches: list[LayerCache], mtp: MTPDraft | None = None
+    ) -> None:
         """Make `caches` (holding exactly `tokens`, as the cache keys them: `Live.key`) the
-        newest resident session; the oldest ones leave while the others exceed the live budget
-        (their KV is in the prompt cache)."""
+        newest resident session, with its row's MTP source if it had one (the next turn
+        drafts from the whole conversation); the oldest ones leave while the others exceed the
+        live budget (their KV is in the prompt cache)."""
         if not (self.enabled and tokens):
             return
-        self._residents.insert(0, Start(caches, list(tokens), "live"))
+        self._residents.insert(0, Start(caches, list(tokens), "live", mtp=mtp))
         older = self._residents[1:]
         while older and sum(_nbytes(r.caches) for r in older) > self.live_budget:
             older.pop()
@@ -253,7 +261,8 @@ class PromptStates:
         self._residents = [r for r in self._residents if r is not resident]
         if usable < resident.usable:
             trim_prompt_cache(resident.caches, resident.usable - usable)
-        return Start(resident.caches, prompt[:usable], "live")
+        mtp = resident.mtp.cut(prompt[:usable]) if resident.mtp is not None else None
+        return Start(resident.caches, prompt[:usable], "live", mtp=mtp)
 
     def _best_live(
         self, prompt: Prompt, match: Match, at_most: int | None = None

@@ -35,6 +35,7 @@ from mlx_kvserve.engine.namespaces import Caches, States, caches_of
 from mlx_kvserve.engine.prompt_state import Start
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sequence import Sequence
+from mlx_kvserve.engine.speculation.mtp import prefill_source
 
 log = logging.getLogger("mlx_kvserve.engine")
 
@@ -176,7 +177,7 @@ class Room:
         held = seq.live.key()  # the tokens as the cache keys them (images by their content)
         if cache is not None and held and not seq.req.choice:  # a fork: see finish
             cache.checkpoint(held, seq.live.caches, "pause", probe=seq.last_logits)
-        seq.live.caches = []
+        seq.live.caches, seq.live.mtp = [], None  # the MTP's too: its resumption feeds a new one
         self.paused.append((seq, order))
         self.pauses += 1
         log.info(
@@ -281,6 +282,7 @@ def _resume(
 
     def attempt(start: Start) -> Generator_[int, None, Live]:
         live = Live(start.caches, list(start.tokens), spans)
+        live.mtp = prefill_source(model, live.tokens, seq.req.params.speculative)
 
         def check() -> None:
             if seq.req.cancelled.is_set():

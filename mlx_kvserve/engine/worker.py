@@ -284,8 +284,8 @@ class Engine(Intake, Stopping, Failures, Loading):
             return
         self._touched.append(oldest.req)
         faults.maybe_fail("resume")
-        task = self.room.next_resume(
-            self.model, self.prefill_step, self._busy(), turn.decide, self.vision
+        task = self.room.next_resume(  # the generator's model: MTP heads' tap, if any
+            self.generator.model, self.prefill_step, self._busy(), turn.decide, self.vision
         )
         if task is not None:
             self.schedule.add(task)

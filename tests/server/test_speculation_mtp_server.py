@@ -2,8 +2,9 @@
 (tests/support/mtp_models.py, heads that guess right only sometimes) served with
 `--speculation auto` loads its heads (the log says so) and answers as with `off` and with
 `--mtp off` (no heads loaded), over the OpenAI SDK's completions, chat and JSON-schema chat (a
-grammar), streamed and not; `/metrics` has the `source="mtp"` series. `--mtp on` refuses at
-start a checkpoint without heads, naming why.
+grammar), streamed and not, and for a long prompt prefilled in many chunks (each feeding the
+MTP source) and its next turn served from the prompt cache; `/metrics` has the `source="mtp"`
+series. `--mtp on` refuses at start a checkpoint without heads, naming why.
 How much it drafts depends on the verify cost the server measures on this shared machine, so
 drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
 
@@ -33,8 +34,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     )
     flags = {"off": ["--speculation", "off"], "auto": ["--speculation", "auto"]}
     flags["mtp_off"] = ["--speculation", "auto", "--mtp", "off"]
-    procs = {
-        mode: ServerProcess(model.parent, "--model", str(model), *args)
+    procs = {  # chunks of 16: a long prompt's prefill feeds the MTP chunk by chunk
+        mode: ServerProcess(model.parent, "--model", str(model), "--prefill-step", "16", *args)
         for mode, args in flags.items()
     }
     try:
@@ -102,3 +103,28 @@ def test_mtp_on_refuses_at_start_what_cannot_draft(tmp_path, flags, cause):
     assert code != 0
     assert "--mtp on: cannot draft for" in proc.log() and cause in proc.log()
     assert "Traceback" not in proc.log()
+
+
+def test_a_long_prompt_and_its_next_turn_answer_as_without_mtp(servers):
+    """A prompt of many prefill chunks (every chunk's hidden states fed to the row's MTP
+    source), then the next turn on top of it (the prompt cache serves the first): greedy
+    answers are the same with MTP drafting, streamed and not."""
+    prompt = " ".join(f"item {i} costs {i * 7 % 13} coins;" for i in range(40))
+
+    def turns(server: ServerProcess, stream: bool) -> list[str]:
+        client = client_for(server)
+        out, text = [], prompt
+        for _ in range(2):
+            body = {"model": "default", "max_tokens": 32, "temperature": 0, "prompt": text}
+            if stream:
+                chunks = client.completions.create(**body, stream=True)
+                out.append("".join(c.choices[0].text for c in chunks))
+            else:
+                out.append(client.completions.create(**body).choices[0].text)
+            text += out[-1] + " and then item 41 costs"
+        return out
+
+    for stream in (False, True):
+        got = turns(servers["auto"], stream)
+        assert all(got) and got == turns(servers["off"], stream)
+        assert got == turns(servers["mtp_off"], stream)

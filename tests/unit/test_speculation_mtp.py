@@ -19,10 +19,12 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import CacheList
 from mlx_lm.utils import load_model
 
+from mlx_kvserve.cache.kinds import describe_model
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.loading import Loaded
+from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.speculation.depth import VerifyCost
-from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap
+from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap, prefill_source
 from mlx_kvserve.engine.worker import Engine
 from mlx_kvserve.models.mtp_heads import MTPHeads, heads_problem, load_heads
 from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
@@ -336,6 +338,7 @@ def test_a_row_that_opted_out_feeds_no_mtp_source_and_its_company_drafts():
         driver.join(req)
         driver.step()
     quiet = next(s for s in driver.batch.seqs if s.req is reqs[0])
+    assert quiet.live.mtp is None  # its prefill fed none either
     driver.step()
     state = driver.batch.speculator.rows.get(id(quiet))
     assert state is None or (state.mtp is not None and not state.mtp.hidden)
@@ -398,9 +401,10 @@ def test_the_heads_compute_in_the_targets_dtype(tmp_path: Path):
 
 
 def test_a_row_takes_only_its_own_prefills_hidden_states(qwen):
-    """A joining row's MTP source starts at its prefill's last pass, and only if that pass ran
-    on its own caches: after another row's pass (a prompt the cache served whole, a fork),
-    it takes nothing and starts at its first decode pass."""
+    """A joining row's MTP source is the one its own prefill fed (another row's pass in
+    between changes nothing); a row whose prefill ran past the tap (a generator on the plain
+    model) takes nothing from the last pass, which was another row's, and starts at its first
+    decode pass."""
     model, heads, _ = qwen["random"]
     driver = Driver(model)
     driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
@@ -408,12 +412,184 @@ def test_a_row_takes_only_its_own_prefills_hidden_states(qwen):
     driver.join(request(PROMPTS[0], max_tokens=8))
     (first,) = driver.batch.seqs
     mine = driver.batch.speculator.rows[id(first)].mtp
-    assert sorted(mine.hidden) == list(range(len(PROMPTS[0])))  # the prompt's, all of them
-    assert mine.propose(1) is not None  # before any decode pass: the prompt's pairs fed
-    assert mine.fed == len(PROMPTS[0]) - 2  # all but the last (its next token is unread)
+    assert mine is first.live.mtp
+    assert sorted(mine.hidden) == [len(PROMPTS[0]) - 1]  # the last waits for its next token
+    assert mine.fed == len(PROMPTS[0]) - 2  # every other pair fed in its prefill
     _, second = driver.gen.start(request(PROMPTS[1], max_tokens=8))
     tap(mx.array([[3]]), cache=model.make_cache())  # some other pass runs in between
     driver.batch.add(second)
-    theirs = driver.batch.speculator.rows.get(id(second))
+    assert_prompt_fed(heads, driver.batch.speculator.rows[id(second)].mtp, PROMPTS[1])
+    driver.gen.model = model  # a prefill past the tap: its row's source is the batch's
+    _, third = driver.gen.start(request(PROMPTS[2], max_tokens=8))
+    assert third.live.mtp is None
+    tap(mx.array([[3]]), cache=model.make_cache())
+    driver.batch.add(third)
+    theirs = driver.batch.speculator.rows.get(id(third))
     assert theirs is None or not (theirs.mtp and theirs.mtp.hidden)
     driver.drain()
+
+
+LONG = [(7 * i + 3) % 240 + 5 for i in range(150)]  # chunks of 8, then a last pass of 64
+
+
+def fed_pair_by_pair(heads: MTPHeads, tokens: list[int]) -> MTPDraft:
+    """An MTP source fed every pair (h_p, t_{p+1}) of `tokens` one step at a time, h from
+    one forward of them all."""
+    fresh = MTPDraft(heads)
+    fresh.extend(tokens)
+    hidden = heads.inner(mx.array([tokens]), None)[0]
+    for p in range(len(tokens) - 1):
+        fresh.out = heads.step(mx.array([[tokens[p + 1]]]), hidden[p][None, None], fresh.cache)
+        fresh.fed = p
+    fresh.hidden[len(tokens) - 1] = hidden[-1]
+    return fresh
+
+
+def assert_prompt_fed(heads: MTPHeads, source: MTPDraft, prompt: list[int]) -> None:
+    """`source`, a row's straight after its prefill, holds every pair of `prompt` in its
+    cache (KV equal to a source fed pair by pair) and its last hidden state pending."""
+    fresh = fed_pair_by_pair(heads, prompt)
+    assert source.fed == fresh.fed == len(prompt) - 2
+    assert sorted(source.hidden) == [len(prompt) - 1]
+    assert mx.allclose(source.hidden[len(prompt) - 1], fresh.hidden[len(prompt) - 1], atol=1e-4)
+    for mine, theirs in zip(source.cache, fresh.cache, strict=True):
+        assert mine.offset == theirs.offset == len(prompt) - 1
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            a, b = a[..., : mine.offset, :], b[..., : theirs.offset, :]
+            assert a.shape == b.shape
+            assert mx.allclose(a, b, atol=1e-4).item()
+    assert mx.allclose(source.out, fresh.out, atol=1e-4).item()
+
+
+def test_a_cold_prefill_of_many_chunks_feeds_the_mtp_every_pair_of_the_prompt(qwen):
+    """Each prefill chunk hands its hidden states to the row's MTP source, one block step a
+    chunk: after a cold prefill its cache holds every pair (h_p, t_{p+1}) of the prompt, as
+    a source fed them one by one (the pairs across chunk boundaries too)."""
+    model, heads, _ = qwen["random"]
+    driver = Driver(model)  # prefill_step 8: the prompt runs in many chunks
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    tap = driver.gen.model = driver.batch.model
+    passes = []
+    forward = heads.forward
+    heads.forward = lambda inputs, cache: passes.append(inputs.shape[1]) or forward(inputs, cache)
+    try:
+        _, seq = driver.gen.start(request(LONG, max_tokens=4))
+    finally:
+        del heads.forward
+    assert len(passes) > 5 and sum(passes) == len(LONG), passes
+    assert isinstance(tap, Tap)
+    assert_prompt_fed(heads, seq.live.mtp, LONG)
+    driver.batch.add(seq)
+    assert driver.batch.speculator.rows[id(seq)].mtp is seq.live.mtp
+    assert seq.live.mtp.ready()  # drafts on its first step: the pending pair is the next
+    driver.drain()
+
+
+@pytest.mark.parametrize("kind", ["right", "leaky"])
+def test_long_prompts_draft_from_their_whole_context_and_keep_plain_tokens(qwen, kind):
+    """Greedy tokens after a prefill of many chunks are plain decoding's; heads that guess
+    right have every draft kept from the first step."""
+    model, heads, _ = qwen[kind]
+    _, plain = decode(model, None, [LONG, LONG[40:]], 24, "off")
+    driver, spec = decode(model, heads, [LONG, LONG[40:]], 24)
+    assert [tokens_of(r.text) for r in spec] == [tokens_of(r.text) for r in plain]
+    counts = mtp_counts(driver)
+    assert all(drafted > 0 for drafted, _, _ in counts), counts
+    if kind == "right":
+        assert all(kept == drafted for drafted, kept, _ in counts), counts
+
+
+def test_a_resumed_row_drafts_from_its_whole_context(qwen):
+    """A row paused for memory (its KV freed, the MTP's too) and resumed by a prefill of its
+    tokens (no prompt cache here: all of them) gets an MTP source fed every pair of them, and
+    still answers as plain decoding."""
+    model, heads, _ = qwen["random"]
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    tap = driver.gen.model = driver.batch.model
+    req = request(LONG, max_tokens=12)
+    driver.join(req)
+    driver.step()
+    driver.step()
+    (seq,) = driver.batch.seqs
+    room = Room(describe_model(model).layers, 1 << 30, driver.gen.states, None, 16, True)
+    room._pause(seq, driver.batch, 0)
+    assert seq.live.mtp is None and not driver.batch.seqs
+    task = room.next_resume(tap, 8, busy=False)
+    assert task is not None
+    while not task.advance():
+        pass
+    assert len(seq.live.tokens) > len(LONG)
+    assert_prompt_fed(heads, seq.live.mtp, seq.live.tokens)
+    driver.batch.add(seq)
+    assert driver.batch.speculator.rows[id(seq)].mtp is seq.live.mtp
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, LONG, 12)
+
+
+def test_the_next_turn_on_a_resident_session_drafts_from_the_whole_conversation(qwen):
+    """A finished row's session stays resident with its MTP source (cut to the tokens its
+    caches hold); the next turn, which extends it, takes both: after its prefill the MTP
+    cache holds every pair of the whole conversation, the previous answer's too."""
+    model, heads, _ = qwen["leaky"]
+    driver = Driver(model, live_budget=1 << 30)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
+    first = request(LONG, max_tokens=20)
+    driver.join(first)
+    driver.drain()
+    turn = LONG + tokens_of(first.text) + [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]
+    second = request(turn, max_tokens=12)
+    timings, seq = driver.gen.start(second)
+    assert timings.cache_source == "live" and timings.cached_tokens > len(LONG)
+    assert_prompt_fed(heads, seq.live.mtp, turn)
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(second.text) == reference(model, turn, 12)
+
+
+def test_a_resident_cut_back_keeps_only_the_pairs_of_the_common_prefix(qwen):
+    """An edited last message: the resident's MTP source cut to the common prefix keeps the
+    pairs whose next token is in it (the pair across the edit goes), as a source fed them."""
+    _, heads, _ = qwen["random"]
+    source = MTPDraft(heads)
+    mx.eval(source.chunk(0, LONG[:40], heads.inner(mx.array([LONG[:40]]), None)[0]))
+    edited = LONG[:30] + [1, 2, 3]
+    source.cut(edited[:31])  # the next prompt's first 31 tokens: 30 shared
+    fresh = fed_pair_by_pair(heads, LONG[:30])
+    assert source.fed == fresh.fed == 28 and not source.hidden
+    assert source.cache[0].offset == 29 and source.tokens == edited[:31]
+    a, b = source.cache[0].keys[..., :29, :], fresh.cache[0].keys[..., :29, :]
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_a_chunk_without_hidden_states_leaves_a_gap_not_a_wrong_pair(qwen):
+    """An image chunk runs past the tap: its pairs are lost, and the next chunk's first
+    token is not paired with a hidden state from before the gap."""
+    _, heads, _ = qwen["random"]
+    tokens = LONG[:24]
+    hidden = heads.inner(mx.array([tokens]), None)[0]
+    source = MTPDraft(heads)
+    mx.eval(source.chunk(0, tokens[:8], hidden[:8]))
+    assert source.fed == 6 and sorted(source.hidden) == [7]
+    assert source.chunk(8, tokens[8:16], None) == []
+    assert not source.hidden and source.cache[0].offset == 7
+    mx.eval(source.chunk(16, tokens[16:], hidden[16:]))
+    assert source.fed == 22 and source.cache[0].offset == 7 + 7
+
+
+def test_a_fork_drafts_from_its_own_copy_of_the_prompts_pairs(qwen):
+    """Choices of one request (n > 1) each get a copy of the prompt's MTP source: one row's
+    pairs never reach another's cache."""
+    model, heads, _ = qwen["random"]
+    driver = Driver(model)
+    driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+    driver.gen.model = driver.batch.model
+    source = prefill_source(driver.gen.model, [], True)
+    hidden = heads.inner(mx.array([LONG[:16]]), None)[0]
+    mx.eval(source.chunk(0, LONG[:16], hidden))
+    other = source.copy()
+    assert other.tokens == source.tokens
+    mx.eval(other.chunk(16, LONG[16:24], heads.inner(mx.array([LONG[:24]]), None)[0][16:]))
+    assert source.cache[0].offset == 15 and other.cache[0].offset == 23
+    assert len(source.tokens) == 16 and sorted(source.hidden) == [15]

@@ -6,23 +6,26 @@ steps (one decoder layer each, and the target's output head) and no target pass.
 
 Where the hidden states come from: `Tap` stands in for the model in the prefill and the decode
 batch and returns its logits as before (the same computation, `MTPHeads.forward`), keeping the
-hidden states they came from. A row joining the batch takes those of its prefill's last pass
-(the tail of its prompt, when that pass ran on its own caches); after each pass the batch
-(plain steps, engine/batch.py) or the speculator (verify passes, step.py) hands each row's
-`MTPDraft` the hidden states of the positions that stay in its caches: a verify pass's kept
-prefix only, so the MTP never sees a rejected position.
+hidden states they came from. A speculative request's prefill makes its row's `MTPDraft`
+(`prefill_source`, kept on its `Live`) and hands it every chunk's hidden states (`chunk`): one
+block step per chunk over the chunk's pairs, so after a cold prefill its cache holds every pair
+(h_p, t_{p+1}) of the prompt, the last hidden state waiting for the next token (a resident
+session keeps its source for the next turn: `cut`). The decode batch adopts that source;
+after each pass the batch (plain steps, engine/batch.py) or the speculator (verify passes,
+step.py) hands it the hidden states of the positions that stay in its caches: a
+verify pass's kept prefix only, so the MTP never sees a rejected position.
 
 Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
 whose both halves are committed: pairs are fed when their next token is known, and the steps
 that draft (fed the MTP's own outputs) are trimmed off again as soon as the draft is read, so
-no rollback is ever owed after a verify pass. Its cache starts at the prefill's last pass (the
-prompt's tail; a prompt the cache served whole, or a resumed row, starts at its first decode
-pass): earlier positions it never sees, a source of lost acceptance, not of wrong tokens
-(verify.py decides what is kept, and the MTP only guesses).
+no rollback is ever owed after a verify pass. Positions it never saw (a prefix the prompt cache
+served, an image chunk, whose pass bypasses the tap) are a source of lost acceptance, not of
+wrong tokens (verify.py decides what is kept, and the MTP only guesses).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -114,9 +117,66 @@ class MTPDraft:
         self._memo = (end, tokens)
         return Draft(tuple(tokens), SOURCE, self.evidence)
 
-    def _catch_up(self) -> None:
-        """Feed the block every recorded pair (h_p, t_{p+1}) whose next token is committed."""
-        ready = sorted(p for p in self.hidden if self.fed < p and p + 1 < len(self.tokens))
+    def chunk(self, start: int, tokens: Sequence[int], hidden: mx.array | None) -> list[mx.array]:
+        """A prefill chunk: `tokens` at positions start.. and the target's hidden states there
+        (L, H), or None where its pass gave none (an image chunk: a gap, its pairs lost). One
+        block step feeds the pairs whose next token is now known: the last hidden state of the
+        chunk before, and the chunk's own but its last (which waits for the next chunk's first
+        token). Returns what to evaluate with the chunk's caches: the hidden states are not
+        kept past that evaluation, so the step must run with it."""
+        assert len(self.tokens) == start, (len(self.tokens), start)
+        self.extend(tokens)
+        if any(p < start - 1 for p in self.hidden):  # a resident session's last decode pass
+            self._catch_up(until=start - 2)
+        pending = self.hidden.pop(start - 1, None)  # none after a gap
+        if hidden is None:
+            return []
+        pairs = hidden[:-1] if pending is None else mx.concatenate([pending[None], hidden[:-1]])
+        first = start - (pending is not None)
+        if pairs.shape[0]:
+            ids = mx.array([self.tokens[first + 1 : start + len(tokens)]], dtype=mx.uint32)
+            self.out = self.heads.step(ids, pairs[None], self.cache)[:, -1:]
+            self.fed = start + len(tokens) - 2
+        self.hidden[start + len(tokens) - 1] = last = hidden[-1]
+        fed = [self.out] if self.out is not None else []
+        return fed + [last] + [a for c in self.cache for a in (c.keys, c.values) if a is not None]
+
+    def copy(self) -> MTPDraft:
+        """Another row's source over the same tokens (a fork of the prompt): its own cache."""
+        other = copy.copy(self)
+        other.cache = copy.deepcopy(self.cache)
+        other.tokens, other.hidden = list(self.tokens), dict(self.hidden)
+        return other
+
+    def cut(self, tokens: Sequence[int]) -> MTPDraft:
+        """This source over `tokens` instead (a resident session's, cut back to the common
+        prefix of the next prompt; or the tokens its row's caches hold when it ends): the
+        pairs and hidden states that only their common prefix made stay."""
+        same = 0
+        for mine, theirs in zip(self.tokens, tokens, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        keep = min(self.fed, same - 2)  # pair p holds t_{p+1}
+        if keep < self.fed:
+            for c in self.cache:  # after a gap (an image chunk) this gives back more: a loss
+                c.trim(self.fed - keep)
+            self.fed, self.out = keep, None
+        self.hidden = {p: h for p, h in self.hidden.items() if keep < p < same}
+        self.tokens, self._memo = list(tokens), (-1, [])
+        return self
+
+    def adopted(self) -> MTPDraft:
+        """Its tokens forgotten (the pairs fed and pending kept at their positions): a row's
+        drafter gives every source the row's tokens from the first."""
+        self.tokens, self._memo = [], (-1, [])
+        return self
+
+    def _catch_up(self, until: int | None = None) -> None:
+        """Feed the block every recorded pair (h_p, t_{p+1}) whose next token is committed
+        (up to position `until`)."""
+        last = len(self.tokens) - 2 if until is None else until
+        ready = sorted(p for p in self.hidden if self.fed < p <= last)
         if not ready:
             return
         tokens = mx.array([[self.tokens[p + 1] for p in ready]], dtype=mx.uint32)
@@ -125,3 +185,28 @@ class MTPDraft:
         self.fed = ready[-1]
         for p in [p for p in self.hidden if p <= self.fed]:
             del self.hidden[p]
+
+
+def prefill_source(model: object, tokens: Sequence[int], speculative: bool) -> MTPDraft | None:
+    """The MTP source a prefill through `model` feeds, over the `tokens` its caches already
+    hold (a prefix the prompt cache served: their pairs unknown); None without heads or for a
+    row that drafts nothing."""
+    if not speculative or not isinstance(model, Tap):
+        return None
+    source = MTPDraft(model.heads)
+    source.extend(tokens)
+    return source
+
+
+def chunk_hidden(model: object, caches: list) -> mx.array | None:
+    """The hidden states (L, H) of the pass just run on `caches`, None if it gave none (a
+    vision model's image chunk runs the language model past the tap)."""
+    if not isinstance(model, Tap) or model.hidden is None or model.cache is not caches:
+        return None
+    return model.hidden[0]
+
+
+def untap(model: object) -> None:
+    """Forget the last pass's hidden states, so a pass that bypasses the tap leaves none."""
+    if isinstance(model, Tap):
+        model.hidden = None

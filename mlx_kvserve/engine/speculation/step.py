@@ -298,7 +298,10 @@ class Speculator:
             sources: list[DraftSource] = [PromptLookup()]
             if self.continuations is not None:
                 sources.append(CacheLookup(self.continuations.index(seq.req.namespace)))
-            mtp = None if self.mtp is None else MTPDraft(self.mtp)
+            mtp = None
+            if self.mtp is not None:  # its prefill's own, fed the whole prompt, if it made one
+                own_mtp = seq.live.mtp
+                mtp = MTPDraft(self.mtp) if own_mtp is None else own_mtp.adopted()
             row = self.draft_model.row() if self.draft_model is not None else None
             own = [s for s in (mtp, row) if s is not None]
             depth = DepthController(self.max_depth)
@@ -307,11 +310,20 @@ class Speculator:
         return state
 
     def joined(self, seq: Sequence, model: object) -> None:
-        """A row joins: its MTP source takes the hidden states of its prefill's last pass, if
-        that pass ran on its own caches (the prompt's tail, positions before its end)."""
-        if self.mtp is None or not isinstance(model, Tap) or model.hidden is None:
+        """A row joins: its MTP source is the one its prefill fed chunk by chunk; a row whose
+        prefill made none (its model was not the tap) takes the hidden states of its
+        prefill's last pass, if that pass ran on its own caches (the prompt's tail)."""
+        if self.mtp is None or not seq.req.params.speculative:
             return
-        if model.cache is not seq.live.caches or not seq.req.params.speculative:
+        if seq.live.mtp is not None:
+            state = self.rows.get(id(seq))
+            if state is not None and state.mtp is not seq.live.mtp:
+                del self.rows[id(seq)]  # from before a pause: its prefill fed a new source
+            sync(seq, self._state(seq).drafter)
+            return
+        if not isinstance(model, Tap) or model.hidden is None:
+            return
+        if model.cache is not seq.live.caches:
             return  # another row's pass (a prompt the cache served whole, a fork, a resume)
         state = self._state(seq)
         assert state.mtp is not None
