@@ -57,6 +57,20 @@ class Tap:
         return getattr(self.model, name)  # make_cache, layers, args...
 
 
+def held(caches: Sequence[object]) -> list[mx.array]:
+    """The arrays the MTP layers' caches hold, a `CacheList`'s parts too (DeepSeek-V3.2's and
+    GLM-5's indexer keys beside the attention's), to evaluate with a prefill chunk."""
+    out: list[mx.array] = []
+    for c in caches:
+        parts = getattr(c, "caches", None)
+        if parts is not None:
+            out += held(parts)
+        elif c is not None:
+            arrays = (getattr(c, "keys", None), getattr(c, "values", None))
+            out += [a for a in arrays if a is not None]
+    return out
+
+
 class MTPDraft:
     """One row's MTP drafts: a `DraftSource` fed the target's hidden states as well."""
 
@@ -139,7 +153,7 @@ class MTPDraft:
             self.fed = start + len(tokens) - 2
         self.hidden[start + len(tokens) - 1] = last = hidden[-1]
         fed = [self.out] if self.out is not None else []
-        return fed + [last] + [a for c in self.cache for a in (c.keys, c.values) if a is not None]
+        return fed + [last] + held(self.cache)
 
     def copy(self) -> MTPDraft:
         """Another row's source over the same tokens (a fork of the prompt): its own cache."""
