@@ -262,7 +262,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory, models) -> Iterator[Server
     work = tmp_path_factory.mktemp("limited")
     broken = work / "broken"
     broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    # a config the preflight accepts (tiny-a's), weights that are not: it fails when it loads
+    (broken / "config.json").write_text((models["tiny-a"] / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"not weights")
     small = sum(p.stat().st_size for p in models["tiny-a"].glob("*.safetensors"))
     proc = ServerProcess(
