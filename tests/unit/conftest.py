@@ -17,6 +17,17 @@ if macos_surface.requested():
     macos_surface.apply()
 
 
+@pytest.fixture(autouse=True)
+def _verify_cost_on_its_prior(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Speculation's tests count drafts on tiny CPU models, where a wide pass timed against a
+    plain one seldom pays: a batch size whose plain pass was never timed keeps the cost prior
+    (`VerifyCost.retime` None, the named seam) unless a test is marked `timed_cost`."""
+    if request.node.get_closest_marker("timed_cost") is None:
+        from mlx_kvserve.engine.speculation.depth import VerifyCost
+
+        monkeypatch.setattr(VerifyCost, "retime", None)
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     if not macos_surface.removed:
         return None

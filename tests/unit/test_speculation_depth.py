@@ -7,9 +7,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import pytest
+
 from mlx_kvserve.engine.speculation.depth import (
     PROBE_DEPTH,
     READ_FIRST,
+    RETIME,
     DepthController,
     SourcePriors,
     VerifyCost,
@@ -102,6 +105,28 @@ def test_verify_cost_is_relative_to_a_plain_pass_and_interpolated() -> None:
     assert abs(cost.cost(4, 7) - (1.5 + 0.1 * 2 * 2)) < 1e-9  # past them: the prior slope
     cost.observe(4, 5, 0.040)  # smoothed, not replaced
     assert 1.5 < cost.cost(4, 5) < 2.0
+
+
+@pytest.mark.timed_cost
+def test_each_batch_sizes_plain_pass_is_timed_and_timed_again() -> None:
+    """A batch size whose plain pass was never timed asks for a plain step (else rows that
+    draft at every step would be priced on the prior for ever), and again after RETIME verify
+    passes; each batch size on its own; a read-first step is no plain pass."""
+    cost = VerifyCost()
+    assert cost.untimed(1) and cost.untimed(4)
+    cost.observe(4, READ_FIRST, 0.02)
+    assert cost.untimed(4)
+    cost.observe(4, 1, 0.01)
+    assert not cost.untimed(4) and cost.untimed(1)
+    for _ in range(RETIME - 1):
+        cost.observe(4, 5, 0.02)
+    assert not cost.untimed(4)
+    cost.observe(4, 5, 0.02)
+    assert cost.untimed(4)
+    cost.observe(4, 1, 0.01)
+    assert not cost.untimed(4)
+    cost.retime = None  # the seam the other unit tests pin the prior with
+    assert not cost.untimed(8)
 
 
 def test_the_batch_width_serves_the_rows_that_pay() -> None:

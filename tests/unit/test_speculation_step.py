@@ -438,3 +438,46 @@ def test_rows_teach_the_engine_what_their_source_kept():
     flat = DepthController(16).depth(price, 16)
     taught = DepthController(16).depth(price, 16, prior=priors.rates(learnt))
     assert flat <= 4 < 8 <= taught, (flat, taught)
+
+
+class TimedPriorCost(VerifyCost):
+    """Passes are timed (so each batch size's plain pass is asked for), but priced on the
+    prior: whether drafting pays on this machine must not decide the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: list[tuple[int, int]] = []  # (batch, width) of every observed step
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        self.widths.append((batch, width))
+        super().observe(batch, width, seconds)
+
+    def cost(self, batch: int, width: int) -> float:
+        return 1.0 + self.prior_slope * batch**0.5 * (width - 1) if width > 1 else 1.0
+
+    def read_first(self, batch: int) -> float:
+        return 1.0
+
+
+@pytest.mark.timed_cost
+@pytest.mark.parametrize("rows", [1, 4], ids=["solo", "merged"])
+def test_each_batch_size_is_timed_plainly_before_it_drafts(model, rows, monkeypatch):
+    """Rows that would draft at every step still run one plain step at each batch size first
+    (and again every RETIME verify passes), so the wide passes are priced against a timed plain
+    one; the tokens are still plain decoding's."""
+    monkeypatch.setattr(VerifyCost, "retime", 6)
+    driver = driver_for(model, "auto")
+    cost = driver.batch.speculator.cost = TimedPriorCost()
+    reqs = [request(LOOPY, max_tokens=60) for _ in range(rows)]
+    serve(driver, reqs)
+    _, plain = run(model, [LOOPY] * rows, [60] * rows, "off")
+    assert [tokens_of(r.text) for r in reqs] == [tokens_of(r.text) for r in plain]
+    assert driver.batch.speculator.accepted > 0
+    seen: dict[int, int] = {}  # batch size -> verify passes since its last plain step
+    for batch, width in cost.widths:
+        if width > 1:
+            assert batch in seen, f"a verify pass of {batch} rows before a plain one"
+            seen[batch] += 1
+            assert seen[batch] <= 6, cost.widths
+        elif width == 1:
+            seen[batch] = 0

@@ -38,10 +38,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 PROBE_DEPTH = 2
 READ_FIRST = 0  # VerifyCost's width for a plain step whose pending tokens were read first
+RETIME = 64  # verify passes at a batch size after which its plain pass is timed again
 
 
 class VerifyCost:
     """c(B, w): a pass of width w over a plain decode pass, per batch size, measured online."""
+
+    retime: int | None = RETIME  # None: never ask for a plain step (tests pin the prior so)
 
     def __init__(self, prior_slope: float = 0.06, decay: float = 0.8) -> None:
         """`prior_slope`: the cost of each extra position per row before any is measured (this
@@ -50,12 +53,28 @@ class VerifyCost:
         self.prior_slope = prior_slope
         self.decay = decay
         self._seconds: dict[int, dict[int, float]] = {}  # batch -> width -> smoothed seconds
+        self._wide: dict[int, int] = {}  # batch -> verify passes since its last plain pass
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         """A pass of `width` tokens per row over `batch` rows took `seconds`."""
         widths = self._seconds.setdefault(batch, {})
         old = widths.get(width)
         widths[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        if width == 1:
+            self._wide[batch] = 0
+        elif width > 1:
+            self._wide[batch] = self._wide.get(batch, 0) + 1
+
+    def untimed(self, batch: int) -> bool:
+        """Whether the next step of `batch` rows should be a plain one, to time it: its plain
+        pass never was (a lone row copying a file from its first token, or agents copying
+        together, draft at every step, and their wide passes would be priced on the prior for
+        ever: on a CPU a 17-wide pass of a 262k-vocabulary model costs several plain ones, not
+        the prior's 2), or not since `retime` verify passes (a plain pass grows dearer with the
+        context). One step in `retime` + 1 drafts nothing."""
+        if self.retime is None:
+            return False
+        return self.plain(batch) is None or self._wide.get(batch, 0) >= self.retime
 
     def read_first(self, batch: int) -> float:
         """c_0: a plain step whose rows' pending tokens were read first (no draft came of it),

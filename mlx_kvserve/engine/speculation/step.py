@@ -160,6 +160,8 @@ class Speculator:
         if merged is not None and needs_snapshot(caches) and not self._replays(model):
             return 0
         batch = len(seqs)
+        if self.cost.untimed(batch):  # the plain step that runs instead is timed
+            return 0
         states = [self._state(s) for s in seqs]
 
         def cost(width: int) -> float:
