@@ -22,9 +22,12 @@ from hypothesis import strategies as st
 from tests.server.test_disconnect import COUNTING, engine_lines, open_request, poll
 from tests.server.test_metrics import scrape, value
 from tests.server.test_tools import SCHEMAS, TOOLS
+from tests.support.seeded import PLAIN
 
 MODEL = "SmolLM2-135M-Instruct"
-RUN_ON = {"ignore_eos": True}  # every choice runs to max_tokens: exact counts
+# every choice runs to max_tokens (exact counts), decoded plainly: seeded answers compared
+# across requests must not hang on how wide speculation's passes were (tests/support/seeded.py)
+RUN_ON = {"ignore_eos": True, **PLAIN}
 
 
 def fresh(question: str = "Name a colour.") -> list[dict]:
@@ -68,7 +71,13 @@ def test_seeded_choices_reproduce_and_choice_i_uses_seed_plus_i(openai_client):
 
     def ask(n: int, seed: int) -> list[str]:
         reply = openai_client.chat.completions.create(
-            model=MODEL, messages=messages, temperature=1.0, seed=seed, max_tokens=8, n=n
+            model=MODEL,
+            messages=messages,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=8,
+            n=n,
+            extra_body=PLAIN,
         )
         return [c.message.content for c in reply.choices]
 
