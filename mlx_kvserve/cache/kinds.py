@@ -129,7 +129,7 @@ def can_cut_back(caches: Sequence[LayerCache], keep: int) -> bool:
     exactly their state. `is_trimmable()` says whether a layer can be trimmed at all; a
     `ChunkedKVCache` says True even after it dropped its oldest positions (`start_position`),
     when a cut below them would leave the attention of the next tokens without their keys."""
-    for c in _leaves(caches):
+    for c in leaves(caches):
         if not c.is_trimmable():
             return False
         if type(c) is mlx_cache.ChunkedKVCache and c.start_position > 0:
@@ -207,12 +207,12 @@ def kv_dtype(caches: Sequence[LayerCache]) -> mx.Dtype | None:
     The same rule serves the model (after a one-token pass) and a checkpoint (its live caches),
     so a stored snapshot's dtype can be compared with the model's.
     """
-    for c in _leaves(caches):
+    for c in leaves(caches):
         if _holds_positions(c):
             arrays = _arrays(c.state)
             if arrays:
                 return arrays[0].dtype
-    for c in _leaves(caches):
+    for c in leaves(caches):
         for a in _arrays(c.state):
             if mx.issubdtype(a.dtype, mx.floating):
                 return a.dtype
@@ -294,9 +294,10 @@ def _arrays(tree: ArrayTree) -> list[mx.array]:
     return []
 
 
-def _leaves(caches: Sequence[LayerCache]) -> list[LayerCache]:
+def leaves(caches: Sequence[LayerCache]) -> list[LayerCache]:
+    """The caches, a `CacheList`'s parts in its place (recursively)."""
     out: list[LayerCache] = []
     for c in caches:
         parts = getattr(c, "caches", None)
-        out.extend(_leaves(parts) if isinstance(parts, (list, tuple)) else [c])
+        out.extend(leaves(parts) if isinstance(parts, (list, tuple)) else [c])
     return out

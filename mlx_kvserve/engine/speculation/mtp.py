@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_kvserve.cache.kinds import LayerCache, leaves
 from mlx_kvserve.engine.speculation.drafts import Draft
 from mlx_kvserve.models.mtp_heads import MTPHeads
 
@@ -57,18 +58,12 @@ class Tap:
         return getattr(self.model, name)  # make_cache, layers, args...
 
 
-def held(caches: Sequence[object]) -> list[mx.array]:
+def held(caches: Sequence[LayerCache]) -> list[mx.array]:
     """The arrays the MTP layers' caches hold, a `CacheList`'s parts too (DeepSeek-V3.2's and
     GLM-5's indexer keys beside the attention's), to evaluate with a prefill chunk."""
-    out: list[mx.array] = []
-    for c in caches:
-        parts = getattr(c, "caches", None)
-        if parts is not None:
-            out += held(parts)
-        elif c is not None:
-            arrays = (getattr(c, "keys", None), getattr(c, "values", None))
-            out += [a for a in arrays if a is not None]
-    return out
+    parts = [c for c in leaves(caches) if c is not None]
+    arrays = [a for c in parts for a in (getattr(c, "keys", None), getattr(c, "values", None))]
+    return [a for a in arrays if a is not None]
 
 
 class MTPDraft:
