@@ -142,9 +142,13 @@ class Intake:
         it still gets its log line, so every request the server took shows in the log."""
         self._release(req)
         self._observe(req, None)
-        timings = Timings(prompt_tokens=len(req.prompt_tokens), finish_reason="cancelled")
-        log.info(timings.log_line(req))
+        self._log_unstarted(req, "cancelled")
         req.emit(Done("cancelled", len(req.prompt_tokens), 0, 0))
+
+    def _log_unstarted(self, req: GenerationRequest, finish: str) -> None:
+        """The log line of a request that ends before it reached the generator."""
+        timings = Timings(prompt_tokens=len(req.prompt_tokens), finish_reason=finish)
+        log.info(timings.log_line(req))
 
 
 __all__ = ["EngineBusy", "EngineNotReady", "Intake", "RequestTooLarge"]

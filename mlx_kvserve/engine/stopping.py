@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Callable
 
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.generate import PrefillTask
-from mlx_kvserve.engine.live import Timings
 from mlx_kvserve.engine.lockstep import Turn
 from mlx_kvserve.engine.namespaces import Caches
 from mlx_kvserve.engine.requests import STOP, EngineError, GenerationRequest
 from mlx_kvserve.engine.room import Room
 from mlx_kvserve.engine.schedule import Scheduler
 from mlx_kvserve.engine.waitlist import WaitQueue
-
-log = logging.getLogger("mlx_kvserve.engine")
 
 
 class Stopping:
@@ -44,6 +40,7 @@ class Stopping:
     _advance: Callable[[PrefillTask, Turn], None]
     _end_paused: Callable[[], None]
     _end_unstarted: Callable[[GenerationRequest], None]
+    _log_unstarted: Callable[[GenerationRequest, str], None]
 
     def _active(self) -> list[GenerationRequest]:
         """Requests the engine has taken: held for room, prefilling, decoding (any thread)."""
@@ -73,8 +70,7 @@ class Stopping:
         """Whatever is still queued ends with the shutdown's error, each with its log line
         (`finish=shutdown`): every request the server took shows in the log."""
         for req in self._queue.drain():
-            timings = Timings(prompt_tokens=len(req.prompt_tokens), finish_reason="shutdown")
-            log.info(timings.log_line(req))
+            self._log_unstarted(req, "shutdown")
             req.emit(EngineError("the server is shutting down"))
 
     def stop(self, timeout: float = 30.0) -> None:
