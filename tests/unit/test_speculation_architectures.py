@@ -1,6 +1,6 @@
 """Speculation's exactness across the architecture matrix, for the models it serves (every
 layer a `KVCache`): a verify-wide pass then a per-row rollback continues exactly as plain
-decoding of the kept tokens does, solo and merged (engine/speculation/step.py `roll_back`).
+decoding of the kept tokens does, solo and merged (engine/speculation/rewind.py `roll_back`).
 
 Rows of a merged batch are compared by their greedy next token and, loosely, their logits: a
 wide pass runs other kernels than a one-token pass (docs/speculation.md)."""
@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlx_kvserve.engine.merge_check import merged_decoding_agrees
+from mlx_kvserve.engine.speculation.rewind import roll_back
 from mlx_kvserve.engine.speculation.snapshot import (
     Snapshot,
     needs_snapshot,
@@ -20,7 +21,6 @@ from mlx_kvserve.engine.speculation.snapshot import (
     replay_agrees,
     restorable,
 )
-from mlx_kvserve.engine.speculation.step import roll_back
 from tests.support.every_architecture import VOCAB, architectures, build
 
 pytestmark = pytest.mark.slow
@@ -152,5 +152,62 @@ def test_merged_rows_snapshot_and_replay_continue_like_plain_decoding(model_type
     got = model(mx.array([[5], [5]]), cache=merged)[:, -1]
     for i, (prompt, row) in enumerate(zip(PROMPTS, kept, strict=True)):
         want = plain_next(model, prompt, [*row, 5])
+        assert mx.argmax(got[i]).item() == mx.argmax(want).item(), (model_type, i)
+        assert mx.allclose(got[i], want, atol=1e-3).item(), (model_type, i)
+
+
+# Two verify passes, each row rejecting its own amount, after prompts that wrap the window (32
+# positions) or not: the second pass starts from the first's rolled-back window.
+LONG = [int(t) for t in RNG.integers(3, VOCAB - 1, 45)]
+ROUNDS = [(FED, [1, 4]), ([[33, 35, 37, 39, 41], [43, 45, 47, 49, 51]], [4, 0])]
+
+
+def _plain_after_rounds(model, prompt: list[int], row: int) -> mx.array:
+    kept = [t for fed, rejected in ROUNDS for t in fed[row][: len(fed[row]) - rejected[row]]]
+    return plain_next(model, prompt, [*kept, 5])
+
+
+@pytest.mark.parametrize("model_type", architectures())
+def test_windows_roll_back_without_a_replay(model_type):
+    """Models whose every layer is plain KV or a sliding window (Gemma 3, gpt-oss...): a verify
+    pass's rejected positions are cut off the window, or merged rolled into each row's
+    padding (engine/speculation/rewind.py), with no snapshot and no replay, and decoding goes
+    on exactly as plain decoding of the kept tokens, solo and merged, wrapped or not."""
+    model = build(model_type)
+    if isinstance(model, str):
+        pytest.skip(f"no generic tiny {model_type}")
+    try:
+        cache = make_prompt_cache(model)
+        model(mx.array(LONG)[None], cache=cache)
+    except Exception as exc:  # the generic dimensions break the model's own forward pass
+        pytest.skip(f"generic tiny {model_type} does not run: {exc!r}"[:200])
+    if not cache or needs_snapshot(cache) or all(type(c) is KVCache for c in cache):
+        pytest.skip(f"{model_type}: no window, or a layer that takes a snapshot")
+    if model_type in WIDE_PASS_DIFFERS:
+        pytest.skip(f"{model_type}: {WIDE_PASS_DIFFERS[model_type]}")
+    prompts = [LONG, PROMPTS[0]]
+    for row, prompt in enumerate(prompts):  # solo: wrapped, then not
+        solo = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=solo)
+        for fed, rejected in ROUNDS:
+            model(mx.array([fed[row]]), cache=solo)
+            roll_back(solo, [rejected[row]])
+        got = model(mx.array([[5]]), cache=solo)[0, -1]
+        want = _plain_after_rounds(model, prompt, row)
+        assert mx.argmax(got).item() == mx.argmax(want).item(), (model_type, row)
+        assert mx.allclose(got, want, atol=1e-3).item(), (model_type, row)
+
+    if not merged_decoding_agrees(model):
+        pytest.skip(f"{model_type}: merged decoding differs from solo (engine/merge_check.py)")
+    rows = [make_prompt_cache(model) for _ in prompts]
+    for c, prompt in zip(rows, prompts, strict=True):
+        model(mx.array(prompt)[None], cache=c)
+    merged = [type(layer[0]).merge(list(layer)) for layer in zip(*rows, strict=True)]
+    for fed, rejected in ROUNDS:
+        model(mx.array(fed), cache=merged)
+        roll_back(merged, rejected)
+    got = model(mx.array([[5], [5]]), cache=merged)[:, -1]
+    for i, prompt in enumerate(prompts):
+        want = _plain_after_rounds(model, prompt, i)
         assert mx.argmax(got[i]).item() == mx.argmax(want).item(), (model_type, i)
         assert mx.allclose(got[i], want, atol=1e-3).item(), (model_type, i)

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
-from mlx_kvserve.engine.speculation.step import roll_back
+from mlx_kvserve.engine.speculation.rewind import roll_back
 from tests.unit.test_engine_units import tiny_model
 
 

@@ -13,7 +13,8 @@ from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.requests import TextChunk
 from mlx_kvserve.engine.speculation.depth import DepthController, SourcePriors, VerifyCost
 from mlx_kvserve.engine.speculation.drafts import LONG
-from mlx_kvserve.engine.speculation.step import Speculator, roll_back
+from mlx_kvserve.engine.speculation.rewind import roll_back
+from mlx_kvserve.engine.speculation.step import Speculator
 from tests.unit.test_batching import PROMPTS, Driver, check_caches
 from tests.unit.test_engine_units import StubTokenizer, request, tiny_model, tokens_of
 
@@ -208,8 +209,9 @@ RECURRENT = LOOPY + [91, 91, 3, 91, 91, 4, 7, 91, 91, 91, 6]
 @pytest.mark.parametrize("kind", KINDS + FAMILIES)
 def test_the_engine_speculates_where_it_can_and_answers_the_same(kind, monkeypatch):
     """Through the engine with `speculation="auto"`: every model drafts, merged rows too; a
-    sliding-window or a recurrent model (caches trimming cannot roll back) by snapshot and
-    replay (engine/speculation/snapshot.py), its merged rows each replaying its own length."""
+    sliding-window model's rejected keys cut off or rolled into each row's padding
+    (engine/speculation/rewind.py), a recurrent model's states by snapshot and replay
+    (engine/speculation/snapshot.py), its merged rows each replaying its own length."""
     from tests.unit.test_batching import serve_together
     from tests.unit.test_engine_units import reference
 
@@ -255,7 +257,7 @@ def test_a_lone_row_rolls_back_windows_and_recurrent_states_exactly(kind):
     assert tokens_of(req.text) == reference(m, prompt, 40)
     speculator = driver.batch.speculator
     assert speculator.accepted > 0
-    if kind != "kv":  # drafts rejected too: the snapshot restored and the kept prefix replayed
+    if kind != "kv":  # drafts rejected too: the window rewound, the recurrent state replayed
         assert speculator.drafted > speculator.accepted
     (seq,) = driver.ended
     fresh = make_prompt_cache(m)

@@ -19,8 +19,8 @@ in the very step that reads the token, so each decode pass's shape is compared f
 
 What a job does not speculate with: a draft model or MTP heads (each rank would run its own
 unsharded passes and time them), the stored entries' continuations at start (each rank's own
-disk cache, which may hold other entries), and merged rows on a window or recurrent model
-(whether they replay exactly is a check each rank would run alone).
+disk cache, which may hold other entries), and merged rows on a recurrent model (whether they
+replay exactly is a check each rank would run alone).
 """
 
 from __future__ import annotations

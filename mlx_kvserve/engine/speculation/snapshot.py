@@ -1,14 +1,15 @@
-"""Rollback of the caches trimming cannot undo: a snapshot before the verify pass, then a
-replay of each row's accepted prefix (docs/speculation.md, "Rolling back each cache kind").
+"""Rollback of the caches that cannot give positions back: a snapshot before the verify pass,
+then a replay of each row's accepted prefix (docs/speculation.md, "Rolling back each cache
+kind").
 
-A sliding window (`RotatingKVCache`, `BatchRotatingKVCache`) that has wrapped keeps rejected
-keys visible after a `trim`, and a recurrent state (`ArraysCache`: GatedDeltaNet, Mamba) has no
-positions to trim. Both are free to snapshot before a pass of more than one token: such a pass
-goes through the window's `_update_concat`, which builds new arrays, and the recurrent layers
-rebind their state to new arrays every pass, so keeping the references keeps the state (the
-small index arrays that mlx-lm updates in place, `left_padding -= n`, are copied). When a row
-rejects part of its draft, every layer goes back to its snapshot (plain KV layers by trimming
-the whole pass) and each row's kept prefix is fed again: one more pass, counted in the step's
+A recurrent state (`ArraysCache`: GatedDeltaNet, Mamba) has no positions to trim (plain KV and
+windows do: engine/speculation/rewind.py). It is free to snapshot before a pass of more than
+one token: the recurrent layers rebind their state to new arrays every pass, and a window's
+wide pass goes through its `_update_concat`, which builds new arrays, so keeping the references
+keeps the state (the small index arrays that mlx-lm updates in place, `left_padding -= n`, are
+copied). When a row rejects part of its draft, every layer goes back to its snapshot (plain KV
+layers by trimming the whole pass) and each row's kept prefix is fed again: one more pass
+(its logits are dropped, so MLX computes the caches' arrays only), counted in the step's
 time, so the depth controller weighs it.
 
 Merged rows keep different numbers of tokens, so the replay is right-padded to the longest and
@@ -36,11 +37,11 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
+from mlx_kvserve.engine.speculation.rewind import PLAIN, rewinds
 
 log = logging.getLogger("mlx_kvserve.engine")
 
 Part = int | tuple | list
-PLAIN = (KVCache, BatchKVCache, HoleKVCache)  # trimming rolls these back
 
 
 def restorable(cache: object) -> bool:
@@ -53,8 +54,8 @@ def restorable(cache: object) -> bool:
 
 
 def needs_snapshot(caches: list) -> bool:
-    """Some layer that trimming does not roll back (all plain KV: `trim` serves)."""
-    return any(type(c) not in PLAIN for c in caches)
+    """Some layer that `rewind.roll_back` cannot give positions back to (a recurrent state)."""
+    return not all(rewinds(c) for c in caches)
 
 
 class Snapshot:
@@ -70,7 +71,8 @@ class Snapshot:
 
 
 def replay(model: nn.Module, caches: list, rows: list[list[int]]) -> mx.array:
-    """Feed each row its own tokens (after `Snapshot.restore`); the pass's logits."""
+    """Feed each row its own tokens (after `Snapshot.restore`); the pass's logits (lazy: a
+    caller that drops them never computes the output head, only the caches' arrays)."""
     lengths = [len(row) for row in rows]
     width = max(lengths)
     if min(lengths) == width:

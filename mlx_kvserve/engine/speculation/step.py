@@ -6,9 +6,10 @@ engine/speculation/verify.py; logprobs are the target's at each emitted position
 `ignore_eos` row's end ids are masked at every position as its plain step masks them; a grammar
 row's draft is walked through a copy of its matcher, engine/decode.py `Decoder.walk`, and fed
 with the tokens the grammar forces, engine/speculation/plan.py) and every layer's cache rolls back
-exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) or a window or
-recurrent state (engine/speculation/snapshot.py: snapshot, then replay of each row's kept
-prefix; merged only on a model whose layers honour the rows' lengths, asked once).
+exactly: plain KV (`KVCache` solo, `BatchKVCache` merged, trimmed or holed) and windows (cut
+or rolled: engine/speculation/rewind.py), or a recurrent state (engine/speculation/snapshot.py:
+snapshot, then replay of each row's kept prefix; merged only on a model whose layers honour
+the rows' lengths, asked once).
 Else, or when no row's controller wants a draft, or no row has one, the plain step runs. A
 request that opted out (`SamplingParams.speculative` False) drafts nothing: it takes part in a
 verify pass with its one token, so its company still speculates.
@@ -27,8 +28,9 @@ One speculative step (docs/speculation.md, "Where drafting, verify and rollback 
    sample slots;
 4. `verify`, one readback; each row takes its emitted tokens (`Sequence.take_run`);
 5. each row's rejected positions rolled back: `trim` solo; merged, a uniform `trim` of what
-   all rows reject and holes for the rest (engine/speculation/holes.py); windows and recurrent
-   states by snapshot and replay, the replay in the step's time.
+   all rows reject and holes for the rest (engine/speculation/holes.py); windows cut (solo) or
+   each row's rejected keys rolled into its padding (merged); recurrent states by snapshot and
+   replay, the replay in the step's time.
 Steps are timed whole (plain ones too, and plain ones after a read-first that drafted nothing,
 as `READ_FIRST`), so `VerifyCost` compares what each kind of round really costs.
 """
@@ -40,7 +42,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache
 
 from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.sequence import Sequence
@@ -55,9 +56,9 @@ from mlx_kvserve.engine.speculation.depth import (
 from mlx_kvserve.engine.speculation.draft_model import NAME as DRAFT_MODEL
 from mlx_kvserve.engine.speculation.draft_model import DraftModel, DraftModelRow
 from mlx_kvserve.engine.speculation.drafts import Drafter, DraftSource, PromptLookup
-from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.mtp import MTPDraft, Tap
 from mlx_kvserve.engine.speculation.plan import Plan, row_masks, slot_logits
+from mlx_kvserve.engine.speculation.rewind import roll_back
 from mlx_kvserve.engine.speculation.snapshot import (
     Snapshot,
     needs_snapshot,
@@ -401,15 +402,3 @@ def sync(seq: Sequence, drafter: Drafter) -> None:
         drafter.extend(tokens[len(drafter) :])
     if seq.feed and len(drafter) < len(tokens) + len(seq.feed):
         drafter.extend(seq.feed[len(drafter) - len(tokens) :])
-
-
-def roll_back(caches: list, rejected: list[int]) -> None:
-    """Give back each row's `rejected[i]` newest positions: `trim` for a `KVCache` (one row);
-    a merged batch's caches become `HoleKVCache`s, whose rows give back their own slots
-    without moving KV (engine/speculation/holes.py)."""
-    for c in caches:
-        if isinstance(c, BatchKVCache):
-            HoleKVCache.adopt(c).rollback(rejected)
-        else:
-            (r,) = rejected
-            c.trim(r)
