@@ -550,14 +550,16 @@ def test_the_next_turn_on_a_resident_session_drafts_from_the_whole_conversation(
 
 def test_a_resident_cut_back_keeps_only_the_pairs_of_the_common_prefix(qwen):
     """An edited last message: the resident's MTP source cut to the common prefix keeps the
-    pairs whose next token is in it (the pair across the edit goes), as a source fed them."""
+    pairs whose next token is in it, as a source fed them; the pair across the edit goes, its
+    hidden state waiting again for the edited token."""
     _, heads, _ = qwen["random"]
     source = MTPDraft(heads)
     mx.eval(source.chunk(0, LONG[:40], heads.inner(mx.array([LONG[:40]]), None)[0]))
     edited = LONG[:30] + [1, 2, 3]
     source.cut(edited[:31])  # the next prompt's first 31 tokens: 30 shared
     fresh = fed_pair_by_pair(heads, LONG[:30])
-    assert source.fed == fresh.fed == 28 and not source.hidden
+    assert source.fed == fresh.fed == 28 and sorted(source.hidden) == [29]
+    assert mx.allclose(source.hidden[29], fresh.hidden[29], atol=1e-4).item()
     assert source.cache[0].offset == 29 and source.tokens == edited[:31]
     a, b = source.cache[0].keys[..., :29, :], fresh.cache[0].keys[..., :29, :]
     assert mx.allclose(a, b, atol=1e-4).item()

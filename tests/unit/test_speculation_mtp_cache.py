@@ -1,0 +1,204 @@
+"""The prompt cache keeps the MTP layers' state (cache/mtp_part.py): a prefix restored from RAM
+or from disk after a restart is in the row's MTP attention as after a cold prefill (its KV equal
+to a source fed the whole prefix pair by pair), greedy tokens stay plain decoding's, a mid-prompt
+checkpoint restores exactly its tokens' pairs, the ledgers count the MTP bytes, and entries
+without an MTP part (`--mtp off`, older servers) or with one that does not fit the heads still
+restore and serve, the heads starting where the restored part ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model
+
+from mlx_kvserve.cache import MTPState, PromptCache
+from mlx_kvserve.cache import restore as restore_module
+from mlx_kvserve.cache.mtp_part import HIDDEN, names
+from mlx_kvserve.engine.batch import DecodeBatch
+from mlx_kvserve.engine.prompt_state import PromptStates
+from mlx_kvserve.engine.speculation.depth import VerifyCost
+from mlx_kvserve.engine.speculation.mtp import Tap
+from mlx_kvserve.models.mtp_heads import load_heads
+from tests.support.mtp_models import mtp_model_dir
+from tests.unit.test_batching import Driver
+from tests.unit.test_engine_units import reference, request, tokens_of
+from tests.unit.test_speculation_mtp import HEADS, LONG, assert_prompt_fed, fed_pair_by_pair
+
+MiB = 1 << 20
+TAIL = [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]  # the next turn's new message
+
+
+@pytest.fixture(autouse=True)
+def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft on the cost prior alone, as test_speculation_mtp.py does: rows draft and verify."""
+    monkeypatch.setattr(VerifyCost, "observe", lambda self, batch, width, seconds: None)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer."""
+    out = {}
+    for name in ("random", "leaky"):
+        path = mtp_model_dir(tmp_path_factory.mktemp(name), **HEADS[name])
+        model, _ = load_model(path)
+        out[name] = (model, load_heads(path, model), path)
+    return out
+
+
+def open_cache(directory: Path | None) -> PromptCache:
+    return PromptCache(directory, "tiny-qwen35-mtp", disk_budget=64 * MiB, ram_budget=64 * MiB)
+
+
+def driver_for(model, heads, cache: PromptCache, *, mtp: bool = True) -> Driver:
+    """The engine's prefill and decode batch over `cache`, checkpoints every 40 tokens; with
+    `mtp` False the server of `--mtp off`: no tap, no heads."""
+    driver = Driver(model)
+    driver.states = driver.gen.states = PromptStates(model, cache)
+    driver.gen.checkpoint_interval = 40
+    if mtp:
+        driver.batch = DecodeBatch(model, driver._end, speculation="auto", mtp=heads)
+        driver.gen.model = driver.batch.model
+    return driver
+
+
+def first_turn(driver: Driver) -> list[int]:
+    """LONG answered; the next turn's prompt (the resident session dropped: the cache serves)."""
+    req = request(LONG, max_tokens=12)
+    driver.join(req)
+    driver.drain()
+    driver.states.reset()
+    return LONG + tokens_of(req.text) + TAIL
+
+
+def next_turn(driver: Driver, model, turn: list[int]):
+    req = request(turn, max_tokens=12)
+    timings, seq = driver.gen.start(req)
+    return req, timings, seq
+
+
+def mtp_docs(cache: PromptCache) -> list[dict]:
+    entries = cache._catalog.entries.values()
+    return [e.meta.get("mtp") for e in sorted(entries, key=lambda e: e.n_tokens)]
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk", "disk_into"])
+def test_a_restored_prefix_is_in_the_mtp_attention_as_after_a_cold_prefill(
+    qwen, tmp_path, monkeypatch, tier
+):
+    """Turn one stores its checkpoints with their MTP parts; turn two, restored from RAM or
+    (a restarted engine) from disk, whole files or read straight into the buffers, has an MTP
+    cache equal to a source fed the whole turn pair by pair, and answers as plain decoding."""
+    model, heads, _ = qwen["leaky"]
+    directory = None if tier == "ram" else tmp_path
+    cache = open_cache(directory)
+    turn = first_turn(driver_for(model, heads, cache))
+    assert all(doc is not None for doc in mtp_docs(cache))
+    if tier != "ram":
+        cache.close()
+        cache = open_cache(directory)  # a restart: only the files
+        if tier == "disk_into":
+            monkeypatch.setattr(restore_module, "SMALL_LINK_BYTES", 0)
+    driver = driver_for(model, heads, cache)
+    req, timings, seq = next_turn(driver, model, turn)
+    assert timings.cache_source == tier.split("_")[0]
+    assert timings.cached_tokens > len(LONG)
+    assert_prompt_fed(heads, seq.live.mtp, turn)
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, turn, 12)
+    cache.close()
+
+
+def test_an_entry_without_an_mtp_part_restores_and_serves_with_heads_on(qwen, tmp_path):
+    """Entries written by `--mtp off` (or an older server) carry no MTP part: restored with
+    heads on they serve, the MTP cache holding the pairs from the restored position on, and
+    the next checkpoints carry their part from there (a chain of links with and without)."""
+    model, heads, _ = qwen["leaky"]
+    cache = open_cache(tmp_path)
+    turn = first_turn(driver_for(model, heads, cache, mtp=False))
+    assert mtp_docs(cache) and not any(mtp_docs(cache))
+    cache.close()
+    cache = open_cache(tmp_path)
+    driver = driver_for(model, heads, cache)
+    req, timings, seq = next_turn(driver, model, turn)
+    usable = timings.cached_tokens
+    assert timings.cache_source == "disk" and usable > len(LONG)
+    assert seq.live.mtp.tail == usable and seq.live.mtp.fed == len(turn) - 2
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, turn, 12)
+    newest = mtp_docs(cache)[-1]
+    assert newest is not None and newest["fed_from"] == usable
+    cache.close()
+
+
+def test_a_mid_prompt_checkpoint_restores_an_mtp_state_of_exactly_its_tokens(qwen):
+    """The interval checkpoint at 120 tokens (a chunk end, before the prompt's end) keeps the
+    pairs of its 120 tokens and h_119: a prompt that departs there restores exactly them."""
+    model, heads, _ = qwen["random"]
+    cache = open_cache(None)
+    first_turn(driver_for(model, heads, cache))
+    states = PromptStates(model, cache)
+    start = states.acquire(LONG[:120] + [1, 2, 3])
+    assert start.source == "ram" and start.usable == 120
+    state = start.restored_mtp
+    assert state is not None and state.fed_from == 0 and state.n_tokens == 120
+    fresh = fed_pair_by_pair(heads, LONG[:120])
+    for mine, theirs in zip(state.keys, [c.keys for c in fresh.cache], strict=True):
+        assert mine.shape[2] == 119 and mx.allclose(mine, theirs[..., :119, :], atol=1e-4).item()
+    assert mx.allclose(state.hidden, fresh.hidden[119], atol=1e-4).item()
+
+
+def test_the_ram_and_disk_ledgers_count_the_mtp_bytes(qwen, tmp_path):
+    """Every entry's payload (what the RAM tier and the disk budget count) is its arrays,
+    the MTP part's too, and its file holds exactly them."""
+    model, heads, _ = qwen["random"]
+    cache = open_cache(tmp_path)
+    first_turn(driver_for(model, heads, cache))
+    cache.flush()
+    catalog = cache._catalog
+    assert catalog.entries
+    for entry in catalog.entries.values():
+        doc = entry.meta["mtp"]
+        mtp = [n for n in entry.layout if n.startswith("mtp.")]
+        assert sorted(mtp) == sorted(names(doc["layers"]))
+        header, arrays = cache.disk.read_entry(entry.key)
+        assert {a.name for a in arrays} == set(entry.layout)
+        assert entry.payload_bytes == sum(a.nbytes for a in arrays) == header["payload_bytes"]
+        held = entry.n_tokens - 1 - doc["fed_from"]
+        assert entry.layout["mtp.0.keys"][1][2] == held
+        assert entry.layout[HIDDEN][1] == (doc["hidden_size"],)
+    in_ram = sum(e.payload_bytes for e in catalog.entries.values() if catalog.ram.get(e.key))
+    assert cache.memory()["ram_tier"] == in_ram
+    assert sum(e.file_bytes for e in catalog.entries.values()) == sum(
+        p.stat().st_size for p in cache.disk.entry_files()
+    )
+    cache.close()
+
+
+def test_an_mtp_part_that_does_not_fit_the_heads_is_dropped_and_the_entry_kept(qwen):
+    """An entry whose MTP part has another geometry (another model's heads): the target's
+    state restores and serves, the MTP starts where the restore ends, the entry stays."""
+    model, heads, _ = qwen["random"]
+    cache = open_cache(None)
+    tap = Tap(model, heads)
+    states = PromptStates(model, cache)
+    live = states.cold().caches
+    hidden, _ = heads.forward(mx.array([LONG[:40]]), live)
+    mx.eval(hidden)
+    fresh = fed_pair_by_pair(heads, LONG[:40])
+    wide = [mx.concatenate([c.keys[..., :39, :]] * 2, axis=1) for c in fresh.cache]
+    state = MTPState(0, wide, wide, hidden[0, -1])
+    key = cache.checkpoint(LONG[:40], live, "message", mtp=state)
+    assert key is not None and cache._catalog.entries[key].meta["mtp"]["fed_from"] == 0
+    assert not tap.fits(state)
+    driver = driver_for(model, heads, cache)
+    req, timings, seq = next_turn(driver, model, LONG[:40] + TAIL)
+    assert timings.cache_source == "ram" and timings.cached_tokens == 40
+    assert seq.live.mtp.tail == 40  # the restored part was dropped: pairs from 40 on
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, LONG[:40] + TAIL, 12)
+    assert key in cache._catalog.entries
