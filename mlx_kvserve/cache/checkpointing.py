@@ -7,6 +7,8 @@ growing conversation therefore writes each position once (O(N) bytes, not O(N^2)
 size per checkpoint for recurrent states, and a shared system prompt is stored once and reused
 by every conversation that branches from it. Entries whose layers all hold positions from 0 are
 deltas (they serve any prefix); the others are snapshots (they serve exactly their tokens).
+A model drafting with its own MTP heads adds the MTP layers' pairs the chain lacks beside the
+layers (cache/mtp_part.py), counted in the same payload.
 
 With a disk, a parent must itself be on disk (written or queued), so every file on disk has its
 whole chain on disk. Positions below `parent_len` come from the parent chain, not from the live

@@ -18,9 +18,11 @@ verify pass's kept prefix only, so the MTP never sees a rejected position.
 Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
 whose both halves are committed: pairs are fed when their next token is known, and the steps
 that draft (fed the MTP's own outputs) are trimmed off again as soon as the draft is read, so
-no rollback is ever owed after a verify pass. Positions it never saw (a prefix the prompt cache
-served, an image chunk, whose pass bypasses the tap) are a source of lost acceptance, not of
-wrong tokens (verify.py decides what is kept, and the MTP only guesses).
+no rollback is ever owed after a verify pass. A prompt-cache checkpoint stores its state of
+exactly its tokens (`state`), and a prefix the cache serves starts the row's source from it
+(`prefill_source`, `restored`: cache/mtp_part.py). Positions it never saw (an entry stored
+without that state, an image chunk, whose pass bypasses the tap) are a source of lost
+acceptance, not of wrong tokens (verify.py decides what is kept, and the MTP only guesses).
 """
 
 from __future__ import annotations
