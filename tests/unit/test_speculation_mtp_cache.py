@@ -1,9 +1,11 @@
 """The prompt cache keeps the MTP layers' state (cache/mtp_part.py): a prefix restored from RAM
 or from disk after a restart is in the row's MTP attention as after a cold prefill (its KV equal
 to a source fed the whole prefix pair by pair), greedy tokens stay plain decoding's, a mid-prompt
-checkpoint restores exactly its tokens' pairs, the ledgers count the MTP bytes, and entries
-without an MTP part (`--mtp off`, older servers) or with one that does not fit the heads still
-restore and serve, the heads starting where the restored part ends."""
+checkpoint restores exactly its tokens' pairs, a delta served to a shorter prefix all its
+pairs but the one at the cut, a suspect entry after a crash its part once the target's probe
+passed; the ledgers count the MTP bytes, and entries without an MTP part (`--mtp off`, older
+servers) or with one that does not fit the heads still restore and serve, the heads starting
+where the restored part ends."""
 
 from __future__ import annotations
 
@@ -21,10 +23,16 @@ from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.mtp import Tap
 from mlx_kvserve.models.mtp_heads import load_heads
-from tests.support.mtp_models import mtp_model_dir
+from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
 from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import reference, request, tokens_of
-from tests.unit.test_speculation_mtp import HEADS, LONG, assert_prompt_fed, fed_pair_by_pair
+from tests.unit.test_speculation_mtp import (
+    HEADS,
+    LONG,
+    assert_prompt_fed,
+    fed_pair_by_pair,
+    untied_llama,
+)
 
 MiB = 1 << 20
 TAIL = [9, 8, 7, 6, 5, 4, 3, 2, 1, 33, 44]  # the next turn's new message
@@ -202,3 +210,62 @@ def test_an_mtp_part_that_does_not_fit_the_heads_is_dropped_and_the_entry_kept(q
     driver.drain()
     assert tokens_of(req.text) == reference(model, LONG[:40] + TAIL, 12)
     assert key in cache._catalog.entries
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A plain-KV llama with predictable heads: its entries are deltas, served to any prefix."""
+    model = untied_llama()
+    return model, predictable_llama_heads(model, 0.05)
+
+
+def test_a_delta_served_to_a_shorter_prefix_restores_its_pairs_but_the_one_at_the_cut(llama):
+    """A prompt departing inside the newest link (an edited answer): the MTP state of the
+    prefix restores, but the pair at the cut, whose next token was the entry's, and its hidden
+    state, which was not stored: one pair short, tokens still plain decoding's."""
+    model, heads = llama
+    cache = open_cache(None)
+    turn = first_turn(driver_for(model, heads, cache))
+    assert {e.kind for e in cache._catalog.entries.values()} == {"delta"}
+    prompt = turn[:155] + [1, 2, 3]
+    driver = driver_for(model, heads, cache)
+    req, timings, seq = next_turn(driver, model, prompt)
+    assert timings.cache_source == "ram" and timings.cached_tokens == 155
+    source = seq.live.mtp
+    assert source.fed == len(prompt) - 2 and source.tail == 155
+    assert source.cache[0].offset == len(prompt) - 2  # pair 154 lost
+    fresh = fed_pair_by_pair(heads, prompt)
+    a, b = source.cache[0].keys[..., :154, :], fresh.cache[0].keys[..., :154, :]
+    assert mx.allclose(a, b, atol=1e-4).item()
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, prompt, 12)
+
+
+def test_a_suspect_entry_with_an_mtp_part_is_checked_and_served_after_a_crash(llama, tmp_path):
+    """After an unclean shutdown the entries are suspect: the restore stops before the probe,
+    re-prefills it and compares (the target's logits), keeps the entry, and the row's MTP
+    starts from the restored part (the probe's pairs lost); tokens plain decoding's."""
+    model, heads = llama
+    cache = open_cache(tmp_path)
+    turn = first_turn(driver_for(model, heads, cache))
+    cache.flush()
+    cache._writer.stop()  # a crash: no clean close
+    cache.disk.release_lock()
+    cache = open_cache(tmp_path)
+    assert cache.unclean_start and all(e.suspect for e in cache.entries())
+    driver = driver_for(model, heads, cache)
+    req, timings, seq = next_turn(driver, model, turn)
+    usable = timings.cached_tokens
+    assert timings.cache_source == "disk" and usable > len(LONG)
+    source = seq.live.mtp
+    assert source.tail == usable and source.fed == len(turn) - 2
+    assert source.cache[0].offset == len(turn) - 1 - 2  # the probe's pair and the one before it
+    fresh = fed_pair_by_pair(heads, turn)
+    a, b = source.cache[0].keys[..., : usable - 2, :], fresh.cache[0].keys[..., : usable - 2, :]
+    assert mx.allclose(a, b, atol=1e-4).item()
+    driver.batch.add(seq)
+    driver.drain()
+    assert tokens_of(req.text) == reference(model, turn, 12)
+    assert len(cache.entries()) >= 4
+    cache.close()
