@@ -13,15 +13,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from mlx_lm.utils import load_model
 
-from mlx_kvserve.cache import MTPState, PromptCache
+from mlx_kvserve.cache import MTPRestored, MTPState, PromptCache
 from mlx_kvserve.cache import restore as restore_module
 from mlx_kvserve.cache.mtp_part import HIDDEN, names
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.speculation.depth import VerifyCost
-from mlx_kvserve.engine.speculation.mtp import Tap
+from mlx_kvserve.engine.speculation.mtp import MTPDraft, Tap
 from mlx_kvserve.models.mtp_heads import load_heads
 from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
 from tests.unit.test_batching import Driver
@@ -269,3 +271,98 @@ def test_a_suspect_entry_with_an_mtp_part_is_checked_and_served_after_a_crash(ll
     assert tokens_of(req.text) == reference(model, turn, 12)
     assert len(cache.entries()) >= 4
     cache.close()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=8),
+    st.integers(0, 8),
+)
+def test_any_run_of_chunks_gives_checkpoints_exactly_their_pairs(qwen, chunks, fold):
+    """Chunks of any length, some without hidden states (image chunks: gaps), a checkpoint
+    at each chunk's end and one folded inside the last: a state is None or holds exactly the
+    pairs of its tokens from the first after the last gap (`tail`), equal to a source fed
+    them pair by pair where no gap came before, and h at its last position."""
+    _, heads, _ = qwen["random"]
+    tokens = LONG[: sum(n for n, _ in chunks)]
+    hidden = heads.inner(mx.array([tokens]), None)[0]
+    fresh = fed_pair_by_pair(heads, tokens)
+    source, start, gap = MTPDraft(heads), 0, -1
+    for i, (n, seen) in enumerate(chunks):
+        seen = seen or i == 0  # a prompt starts with text
+        mx.eval(
+            source.chunk(
+                start, tokens[start : start + n], hidden[start : start + n] if seen else None
+            )
+        )
+        if not seen:
+            gap = start + n  # its pairs, and the one before it, lost
+        start += n
+        last = i == len(chunks) - 1
+        ends = {start, start - fold} if last and start - fold > start - n else {start}
+        for length in sorted(ends):
+            state = source.state(length)
+            if state is None:  # a lone token, or nothing after the gap
+                assert length < 2 or gap >= length - 1
+                continue
+            assert state.n_tokens == length and state.fed_from == max(gap, 0)
+            assert state.fed_from == source.tail
+            assert mx.allclose(state.hidden, hidden[length - 1], atol=1e-4).item()
+            if gap < 0:
+                for mine, theirs in zip(state.keys, fresh.cache, strict=True):
+                    want = theirs.keys[..., : length - 1, :]
+                    assert mx.allclose(mine, want, atol=1e-4).item()
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 200) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+KEEP = "keep"  # the doc as written
+DOCS = st.fixed_dictionaries(
+    {},
+    optional={
+        "layers": st.integers(-1, 3) | JSONISH,
+        "fed_from": st.integers(-2, 70) | JSONISH,
+        "hidden_size": st.integers(-1, 20) | JSONISH,
+    },
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.just(KEEP) | DOCS | JSONISH, min_size=3, max_size=3), st.integers(41, 60))
+@example([KEEP] * 3, 50)
+@example([KEEP] * 3, 60)
+@example([KEEP, {"layers": 1, "fed_from": 19, "hidden_size": 9}, KEEP], 60)
+def test_any_mtp_doc_restores_the_target_and_a_fitting_part_or_none(docs, usable):
+    """Whatever an entry's MTP doc says (a damaged or foreign header that still parses), a
+    restore fills the target's caches and hands over a part whose arrays agree with it, or
+    none: it never raises and never blames the entry for it."""
+    from tests.support.cache_testing import make_kv
+
+    cache = open_cache(None)
+    keys = []
+    for n in (20, 40, 60):
+        caches = make_kv(n)
+        kv = [mx.ones((1, 2, n - 1, 4)) * n]
+        state = MTPState(0, kv, kv, mx.ones((8,)))
+        keys.append(cache.checkpoint(LONG[:n], caches, "message", anchor=True, mtp=state))
+    for key, doc in zip(keys, docs, strict=True):
+        if doc != KEEP:
+            cache._catalog.entries[key].meta["mtp"] = doc
+    got = MTPRestored()
+    match = cache.lookup(LONG[: usable + 1])
+    assert match.usable == usable
+    caches = cache.restore(match, make_kv(0), tokens=LONG[: usable + 1], mtp=got)
+    assert {c.offset for c in caches} == {usable}
+    if docs == [KEEP] * 3:  # each link's pairs, the hidden state where usable is its end
+        want = [20] * 19 + [40] * 20 + [60] * (usable - 40)
+        assert got.state.keys[0][0, 0, :, 0].tolist() == want[: usable - 1]
+        assert (got.state.hidden is not None) == (usable == 60)
+    if got.state is not None:
+        assert got.state.n_tokens == usable
+        assert got.state.keys[0].shape[1:2] == (2,)
+    assert len(cache._catalog.entries) == 3
