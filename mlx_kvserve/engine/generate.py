@@ -370,8 +370,11 @@ class Generator:
         cache = states.cache
         tokens = live.key(length)
         # the row's MTP source over exactly the caches' tokens (a finished row's may hold its
-        # last sampled token too): the entry keeps its state of the checkpoint's tokens
-        mtp = live.mtp.cut(live.tokens) if live.mtp is not None else None
+        # last sampled token too, or lag behind them): the entry keeps its state of the
+        # checkpoint's tokens; a prefill's is fed its tokens as they come
+        mtp = live.mtp
+        if mtp is not None and reason in {"generation", "partial"}:
+            mtp = mtp.cut(live.tokens)
         if cache is not None and tokens:
             anchor = reason == "anchor"
             state = mtp.state(len(tokens)) if mtp is not None else None
