@@ -27,15 +27,13 @@ from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap, prefill_source
 from mlx_kvserve.engine.worker import Engine
 from mlx_kvserve.models.mtp_heads import MTPHeads, heads_problem, load_heads
-from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
+from tests.support.mtp_models import HEADS, loaded_qwens, mtp_model_dir, predictable_llama_heads
 from tests.support.tiny_models import make_model_dir
 from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import StubTokenizer, reference, request, tokens_of
 from tests.unit.test_speculation_step import FlatPriors
 
 PROMPTS = [[5, 9, 2, 7, 11, 13, 17, 19], [3, 4, 8, 100, 200], [40, 41, 42, 43, 44, 45]]
-# heads: random (guesses), right (the target's own next token), leaky (right only sometimes)
-HEADS = {"random": {}, "right": {"predictable": True}, "leaky": {"predictable": True, "leak": 0.05}}
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +44,7 @@ def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer."""
-    out = {}
-    for name, kwargs in HEADS.items():
-        path = mtp_model_dir(tmp_path_factory.mktemp(name), **kwargs)
-        model, _ = load_model(path)
-        out[name] = (model, load_heads(path, model), path)
-    return out
+    return loaded_qwens(tmp_path_factory.mktemp)
 
 
 def decode(model, heads: MTPHeads | None, prompts, n, speculation: str = "auto", **params):

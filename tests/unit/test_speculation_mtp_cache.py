@@ -15,7 +15,6 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from mlx_lm.utils import load_model
 
 from mlx_kvserve.cache import MTPRestored, MTPState, PromptCache
 from mlx_kvserve.cache import restore as restore_module
@@ -24,12 +23,10 @@ from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.prompt_state import PromptStates
 from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.mtp import MTPDraft, Tap
-from mlx_kvserve.models.mtp_heads import load_heads
-from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
+from tests.support.mtp_models import loaded_qwens, predictable_llama_heads
 from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import reference, request, tokens_of
 from tests.unit.test_speculation_mtp import (
-    HEADS,
     LONG,
     assert_prompt_fed,
     fed_pair_by_pair,
@@ -48,13 +45,7 @@ def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer."""
-    out = {}
-    for name in ("random", "leaky"):
-        path = mtp_model_dir(tmp_path_factory.mktemp(name), **HEADS[name])
-        model, _ = load_model(path)
-        out[name] = (model, load_heads(path, model), path)
-    return out
+    return loaded_qwens(tmp_path_factory.mktemp, ("random", "leaky"))
 
 
 def open_cache(directory: Path | None) -> PromptCache:
