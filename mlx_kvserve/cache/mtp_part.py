@@ -16,7 +16,9 @@ at the newest, that all carry their part and follow each other; restored to a pr
 than the newest link, the pair at usable - 1 and its hidden state are not stored (a lost guess,
 never a wrong token: the target verifies every draft). An MTP part that does not fit (a
 malformed doc, arrays of another shape, a run that does not join) is dropped and the entry kept:
-the target's state is still right. No MLX here beyond the hand-over (`to_arrays`).
+the target's state is still right, and so is a part that fails to be written (the entry is
+stored without it). MLX only at the hand-overs: `stored_part` copies to host memory,
+`restored_state` builds the arrays (engine thread).
 """
 
 from __future__ import annotations
@@ -78,9 +80,21 @@ def stored_part(
 ) -> tuple[list[HostArray], dict[str, JSON]] | None:
     """The host arrays and doc a link of `n` tokens over a parent of `parent_len` stores:
     pairs [max(parent_len - 1, fed_from), n - 1) and h_{n-1}; None when `state` is not exactly
-    that prefix's or would add no pair."""
-    if state is None or state.hidden is None or state.n_tokens != n or not state.keys:
+    that prefix's, would add no pair, or fails to be copied (logged: the layers are stored)."""
+    if state is None or state.hidden is None or not state.keys or state.n_tokens != n:
         return None
+    try:
+        return _part(state, parent_len, n)
+    except Exception as exc:
+        if out_of_memory(exc):
+            raise
+        log.warning("prompt-cache checkpoint of %d tokens stored without its MTP state: %r", n, exc)
+        return None
+
+
+def _part(
+    state: MTPState, parent_len: int, n: int
+) -> tuple[list[HostArray], dict[str, JSON]] | None:
     lo = max(parent_len - 1, state.fed_from)
     if lo >= n - 1:
         return None
@@ -103,15 +117,15 @@ def run(links: Sequence[Entry], usable: int, read: set[str]) -> list[Entry]:
     run ending at the newest link that all carry one and follow each other, among those the
     restore reads (`read`: keys) and that hold a pair below usable - 1."""
     out: list[Entry] = []
+    follows = -1  # the first pair of the link after, which must be this link's pending one
     for link in reversed(links):
         doc = _doc(link)
-        if doc is None or link.key not in read:
+        if doc is None or link.key not in read or follows not in (-1, link.n_tokens - 1):
             break
-        if out and _doc(out[-1])["fed_from"] != link.n_tokens - 1:  # type: ignore[index]
-            break
-        out.append(link)
-    out.reverse()
-    return [link for link in out if _doc(link)["fed_from"] < usable - 1]  # type: ignore[index]
+        if doc["fed_from"] < usable - 1:
+            out.append(link)
+        follows = doc["fed_from"]
+    return out[::-1]
 
 
 def restored_state(

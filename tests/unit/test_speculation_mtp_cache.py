@@ -357,3 +357,16 @@ def test_any_mtp_doc_restores_the_target_and_a_fitting_part_or_none(docs, usable
         assert got.state.n_tokens == usable
         assert got.state.keys[0].shape[1:2] == (2,)
     assert len(cache._catalog.entries) == 3
+
+
+def test_an_mtp_state_that_cannot_be_stored_costs_only_itself():
+    """An MTP state the format cannot hold (a dtype it has no name for): the checkpoint is
+    stored without its MTP part, never refused."""
+    from tests.support.cache_testing import make_kv
+
+    cache = open_cache(None)
+    kv = [mx.ones((1, 2, 19, 4), dtype=mx.complex64)]
+    key = cache.checkpoint(
+        LONG[:20], make_kv(20), "message", mtp=MTPState(0, kv, kv, mx.ones((8,)))
+    )
+    assert key is not None and "mtp" not in cache._catalog.entries[key].meta
