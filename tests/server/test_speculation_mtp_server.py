@@ -11,12 +11,14 @@ drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here.""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.kill_loop import wait_for_writes
 from tests.support.mtp_models import mtp_model_dir
 from tests.support.servers import ServerProcess, client_for
 from tests.support.tiny_models import make_model_dir
@@ -134,13 +136,15 @@ def test_a_long_prompt_and_its_next_turn_answer_as_without_mtp(servers):
         assert got == turns(servers["mtp_off"], stream)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
 def test_a_turn_restored_from_disk_after_a_restart_answers_as_without_speculation(
-    servers, model, tmp_path
+    servers, model, tmp_path, sig
 ):
     """The prompt cache keeps the MTP layers' state beside the target's (cache/mtp_part.py):
-    a conversation's first turn, the server restarted on the same cache directory, and its
-    second turn, whose prefix (and MTP state) the disk serves: greedy answers equal the
-    `--speculation off` server's, streamed and not."""
+    a conversation's first turn, the server stopped (or killed once its writes landed: its
+    entries then suspect until their probe is checked) and started again on the same cache
+    directory, and its second turn, whose prefix (and MTP state) the disk serves: greedy
+    answers equal the `--speculation off` server's, streamed and not."""
     prompt = " ".join(f"box {i} holds {i * 5 % 11} marbles;" for i in range(30))
     env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
     args = ["--model", str(model), "--prefill-step", "16"]
@@ -157,8 +161,9 @@ def test_a_turn_restored_from_disk_after_a_restart_answers_as_without_speculatio
         first = ServerProcess(tmp_path, *args, "--speculation", "auto", env=env).wait_ready()
         try:
             one = turn(first, prompt, stream)
+            wait_for_writes(first)
         finally:
-            first.stop()
+            first.stop(sig)
         text = prompt + one + " and box 31 holds"
         second = ServerProcess(tmp_path, *args, "--speculation", "auto", env=env).wait_ready()
         try:
@@ -167,5 +172,6 @@ def test_a_turn_restored_from_disk_after_a_restart_answers_as_without_speculatio
         finally:
             second.stop()
         assert "cache=disk" in log
+        assert ("did not shut down cleanly" in log) == (sig == signal.SIGKILL)
         assert one and one == turn(servers["off"], prompt, stream)
         assert two and two == turn(servers["off"], text, stream)
