@@ -210,7 +210,7 @@ class MTPDraft:
         if hidden is None or self.fed < length - 2 or self.tail >= length - 1:
             return None
         if not self.cache or not all(type(c) is KVCache for c in self.cache):
-            return None  # MLA's, a CacheList: not stored (a lost guess after a restore)
+            return None  # a CacheList (V3.2, GLM-5): not stored (a lost guess after a restore)
         end = self.cache[0].offset - (self.fed - (length - 2))
         begin = end - (length - 1 - self.tail)
         if begin < 0:  # pragma: no cover - `tail` accounts for every pair in the cache
