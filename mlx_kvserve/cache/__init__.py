@@ -12,6 +12,7 @@ from mlx_kvserve.cache.exceptions import (
     EntryFormatError,
 )
 from mlx_kvserve.cache.fingerprint import hash_files, layout_versions, model_fingerprint
+from mlx_kvserve.cache.mtp_part import MTPRestored, MTPState
 from mlx_kvserve.cache.policy import default_disk_budget
 from mlx_kvserve.cache.scan import model_directories
 from mlx_kvserve.cache.state import make_probe, probe_matches
@@ -24,6 +25,8 @@ __all__ = [
     "EntryFormatError",
     "EntryInfo",
     "MISS",
+    "MTPRestored",
+    "MTPState",
     "Match",
     "PromptCache",
     "default_disk_budget",

@@ -24,6 +24,7 @@ from mlx_kvserve.cache import layers, plan
 from mlx_kvserve.cache.codec import DTYPES, FLOAT_DTYPES, HostArray
 from mlx_kvserve.cache.entry import Entry
 from mlx_kvserve.cache.kinds import LayerCache
+from mlx_kvserve.cache.mtp_part import is_mtp
 from mlx_kvserve.cache.state import StateError, to_mx
 from mlx_kvserve.json_value import JSON
 
@@ -83,6 +84,9 @@ class ChainBuilder:
                 lo, end, dtype, geometry, host, buf if view is not None else None, lo
             )
         self.links = [link for link in links if self._needs(link)]
+        # link key -> its MTP part's arrays, kept as they are read, for the links named here
+        # (the restore's MTP run: cache/mtp_part.py); any other link's are read and dropped
+        self.mtp: dict[str, dict[str, HostArray]] = {}
 
     def _span_buffers(self, doc: dict[str, JSON]) -> list[tuple[str, int, int, str, mx.array]]:
         """(name, lo, end, dtype, zeroed buffer, not yet evaluated) per array of a span layer."""
@@ -145,6 +149,10 @@ class ChainBuilder:
         if {a.name for a in arrays} != set(link.layout):
             raise StateError("stored arrays differ from the entry's layout")
         for a in arrays:
+            if is_mtp(a.name):
+                if link.key in self.mtp:
+                    self.mtp[link.key][a.name] = a
+                continue
             region = self._region(link, a.name, a.dtype, a.shape)
             data = np.asarray(a.data).reshape(a.shape)
             if region is not None:
@@ -161,6 +169,10 @@ class ChainBuilder:
         def target(spec: dict[str, JSON]) -> list[memoryview]:
             name, dtype = str(spec["name"]), str(spec["dtype"])
             shape = tuple(int(d) for d in spec["shape"])
+            if is_mtp(name) and link.key in self.mtp:
+                buf = np.empty(shape, DTYPES[dtype])
+                self.mtp[link.key][name] = HostArray(name, dtype, shape, buf)
+                return [memoryview(buf.reshape(-1).view(np.uint8))]
             region = self._region(link, name, dtype, shape)
             if region is None:
                 if link is self.leaf and name in self._whole:

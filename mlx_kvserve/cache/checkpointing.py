@@ -7,6 +7,8 @@ growing conversation therefore writes each position once (O(N) bytes, not O(N^2)
 size per checkpoint for recurrent states, and a shared system prompt is stored once and reused
 by every conversation that branches from it. Entries whose layers all hold positions from 0 are
 deltas (they serve any prefix); the others are snapshots (they serve exactly their tokens).
+A model drafting with its own MTP heads adds the MTP layers' pairs the chain lacks beside the
+layers (cache/mtp_part.py), counted in the same payload.
 
 With a disk, a parent must itself be on disk (written or queued), so every file on disk has its
 whole chain on disk. Positions below `parent_len` come from the parent chain, not from the live
@@ -36,6 +38,7 @@ from mlx_kvserve.cache.entry import (
 )
 from mlx_kvserve.cache.fingerprint import layout_versions
 from mlx_kvserve.cache.kinds import LayerCache
+from mlx_kvserve.cache.mtp_part import MTPState, stored_part
 from mlx_kvserve.cache.persistence import queue_write
 from mlx_kvserve.cache.policy import Policy
 from mlx_kvserve.json_value import JSON
@@ -62,6 +65,7 @@ def admit_checkpoint(
     anchor: bool,
     probe: mx.array | None,
     run_id: str,
+    mtp: MTPState | None = None,
 ) -> str | None:
     """Store the live caches' state for `tokens` (see `PromptCache.checkpoint`)."""
     counters = catalog.counters
@@ -103,7 +107,7 @@ def admit_checkpoint(
         counters["dominated"] += 1
         return None
     try:
-        return _store(catalog, policy, arr, key, caches, reason, anchor, probe, run_id)
+        return _store(catalog, policy, arr, key, caches, reason, anchor, probe, run_id, mtp)
     except Exception as exc:  # a checkpoint must never fail the request
         counters["refused"] += 1
         catalog.log.warning("prompt-cache checkpoint of %d tokens failed: %r", n, exc)
@@ -131,6 +135,7 @@ def _store(
     anchor: bool,
     probe: mx.array | None,
     run_id: str,
+    mtp: MTPState | None = None,
 ) -> str | None:
     """Build the entry (cut against the longest fitting stored prefix), queue its write, then
     prune what it dominates and enforce the budgets, protecting it."""
@@ -151,6 +156,10 @@ def _store(
     stored = kinds.kv_dtype(caches)  # the rule PromptStates.kv_dtype uses
     if stored is not None:
         meta["kv_dtype"] = state.dtype_name(stored)
+    part = stored_part(mtp, start, n)  # the MTP layers' pairs the chain lacks, if known
+    if part is not None:
+        arrays += part[0]
+        meta["mtp"] = part[1]
     payload_bytes = sum(a.nbytes for a in arrays)
     probe_doc = state.make_probe(probe, n - 1) if probe is not None else None
     now = catalog.clock()

@@ -37,6 +37,9 @@ from mlx_kvserve.json_value import JSON
 SPAN, WHOLE, LIST = "span", "whole", "list"
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]  # array name -> (dtype name, shape)
+# Arrays of an entry's optional MTP part (cache/mtp_part.py): beside the layers, never named by
+# them, and checked where they are restored (a part that does not fit is dropped, not the entry)
+MTP_PREFIX = "mtp."
 
 
 class PlanError(ValueError):
@@ -132,7 +135,7 @@ def check_meta(meta: JSON, layout: Layout, n_tokens: int, parent_len: int) -> No
                 ):
                     raise PlanError(f"layer {path}: bad array reference {name!r}")
                 named.add(name)
-    if named != set(layout):
+    if named != {name for name in layout if not name.startswith(MTP_PREFIX)}:
         raise PlanError("stored arrays differ from the ones the layers name")
 
 

@@ -27,6 +27,7 @@ from mlx_kvserve.cache.disk import fault_point
 from mlx_kvserve.cache.entry import DISK_WRITTEN, SNAPSHOT, Entry, Match, as_token_array
 from mlx_kvserve.cache.exceptions import CacheRestoreError, EntryFormatError, out_of_memory
 from mlx_kvserve.cache.kinds import LayerCache
+from mlx_kvserve.cache.mtp_part import MTPRestored, restored_state, run
 from mlx_kvserve.cache.persistence import request_readback
 from mlx_kvserve.json_value import JSON
 
@@ -43,6 +44,7 @@ def restore_match(
     *,
     tokens: Sequence[int] | None,
     dtype: mx.Dtype | str | None,
+    mtp: MTPRestored | None = None,
 ) -> list[LayerCache]:
     """Fill `fresh_caches` with `match.usable` tokens of state (see `PromptCache.restore`)."""
     if not match.hit:
@@ -70,7 +72,7 @@ def restore_match(
         if dtype_str is not None and stored is not None and stored != dtype_str:
             problem = f"stored KV is {stored}, the model uses {dtype_str}"
             _fail(catalog, key, state.StateError(problem), key)
-        from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key)
+        from_disk = _restore_chain(catalog, links, fresh_caches, usable, dtype_str, key, mtp)
     except CacheRestoreError:
         raise
     except Exception as exc:
@@ -122,12 +124,14 @@ def _restore_chain(
     usable: int,
     dtype: str | None,
     match_key: str,
+    mtp: MTPRestored | None = None,
 ) -> list[Entry]:
     """Links root..leaf into `caches`; returns the links that were read from disk.
 
     RAM copies are copied into place; disk links are read straight into the caches'
     buffers (see `chain.ChainBuilder`) and verified there, then promoted to RAM by the
-    writer thread, off the hot path.
+    writer thread, off the hot path. `mtp` receives the MTP state of the run of links that
+    carry it, read with them (cache/mtp_part.py); a part that does not fit is dropped there.
     """
     leaf = links[-1]
     try:
@@ -138,6 +142,8 @@ def _restore_chain(
         # The leaf's layout is every link's (a parent stores its layers the same way): the
         # whole chain does not fit, so its root is the link to blame.
         _fail(catalog, links[0].key, exc, match_key)
+    mtp_run = run(links, usable, {link.key for link in builder.links}) if mtp is not None else []
+    builder.mtp = {link.key: {} for link in mtp_run}
     from_disk = []
     fault_point("restore")  # test seam (engine.faults): an error nobody expected, or memory
     if catalog.disk is not None:
@@ -175,6 +181,8 @@ def _restore_chain(
         # Not attributable to one link: the newest is blamed first (DESIGN invariant 5).
         _fail(catalog, links[-1].key, exc, match_key)
     catalog.counters["restores_from_disk"] += len(from_disk)
+    if mtp is not None:
+        mtp.state = restored_state(mtp_run, usable, builder.mtp)
     return from_disk
 
 

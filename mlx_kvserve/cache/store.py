@@ -58,6 +58,7 @@ from mlx_kvserve.cache.exceptions import CacheError, EntryFormatError
 from mlx_kvserve.cache.features import FEATURE_SHARE, FeatureCache
 from mlx_kvserve.cache.kinds import LayerCache
 from mlx_kvserve.cache.lookup import find_match
+from mlx_kvserve.cache.mtp_part import MTPRestored, MTPState
 from mlx_kvserve.cache.persistence import apply_writer_results
 from mlx_kvserve.cache.policy import Policy, default_disk_budget
 from mlx_kvserve.cache.recovery import open_directory
@@ -199,16 +200,20 @@ class PromptCache(Reports):
         *,
         tokens: Sequence[int] | None = None,
         dtype: mx.Dtype | None = None,
+        mtp: MTPRestored | None = None,
     ) -> list[LayerCache]:
         """Fill the model's empty caches with `match.usable` tokens of state; return them.
 
         `tokens` (the prompt) re-checks the entry's ids; `dtype` (e.g. mx.float16) requires the
-        stored KV to have the model's activation dtype. Raises CacheRestoreError on any problem;
+        stored KV to have the model's activation dtype; `mtp` receives the MTP layers' state
+        the chain carries, if any (cache/mtp_part.py). Raises CacheRestoreError on any problem;
         the caller then evicts `err.key` and prefills cold.
         """
         with self._lock:
             self._drain()
-            return restore_match(self._catalog, match, fresh_caches, tokens=tokens, dtype=dtype)
+            return restore_match(
+                self._catalog, match, fresh_caches, tokens=tokens, dtype=dtype, mtp=mtp
+            )
 
     def checkpoint(
         self,
@@ -218,6 +223,7 @@ class PromptCache(Reports):
         *,
         anchor: bool = False,
         probe: mx.array | None = None,
+        mtp: MTPState | None = None,
     ) -> str | None:
         """Store the live caches' state for `tokens`; returns the new key or None.
 
@@ -228,7 +234,8 @@ class PromptCache(Reports):
         an `anchor` flag is still applied) or failed (logged). It never raises: a checkpoint
         that fails costs one checkpoint, never the request storing it (a prefill that raised
         here was blamed on the links it restored, and evicted them). `probe` is the logits row
-        at the last position, kept to re-check behaviour after an unclean shutdown.
+        at the last position, kept to re-check behaviour after an unclean shutdown. `mtp`: the
+        MTP layers' state over exactly `tokens` (cache/mtp_part.py), stored beside the layers.
         """
         with self._lock:
             if self.read_only or self._closed:
@@ -247,6 +254,7 @@ class PromptCache(Reports):
                     anchor=anchor,
                     probe=probe,
                     run_id=self.run_id,
+                    mtp=mtp,
                 )
             except Exception as exc:
                 self._catalog.counters["refused"] += 1

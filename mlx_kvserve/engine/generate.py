@@ -279,8 +279,9 @@ class Generator:
         live = Live(start.caches, list(start.tokens), req.image_spans)
         if start.mtp is not None and req.params.speculative:
             live.mtp = start.mtp  # a resident session's: the whole conversation's pairs
-        else:
-            live.mtp = prefill_source(self.model, live.tokens, req.params.speculative)
+        else:  # with the pairs the restored entry kept, if it kept them
+            speculative = req.params.speculative
+            live.mtp = prefill_source(self.model, live.tokens, speculative, start.restored_mtp)
         timings.cached_tokens, timings.cache_source = start.usable, start.source
         timings.restore_seconds = start.restore_seconds
 
@@ -368,9 +369,17 @@ class Generator:
         resident session."""
         cache = states.cache
         tokens = live.key(length)
+        # the row's MTP source over exactly the caches' tokens (a finished row's may hold its
+        # last sampled token too, or lag behind them): the entry keeps its state of the
+        # checkpoint's tokens; a prefill's is fed its tokens as they come
+        mtp = live.mtp
+        if mtp is not None and reason in {"generation", "partial"}:
+            mtp = mtp.cut(live.tokens)
         if cache is not None and tokens:
             anchor = reason == "anchor"
-            cache.checkpoint(tokens, live.caches, reason, anchor=anchor, probe=last_logits)
+            state = mtp.state(len(tokens)) if mtp is not None else None
+            cache.checkpoint(
+                tokens, live.caches, reason, anchor=anchor, probe=last_logits, mtp=state
+            )
         if reason in {"generation", "partial"} and (held := live.key()) is not None:
-            mtp = live.mtp.cut(live.tokens) if live.mtp is not None else None
             states.keep(held, live.caches, mtp)

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_kvserve.cache import MISS, CacheRestoreError, Match, probe_matches
+from mlx_kvserve.cache import MISS, CacheRestoreError, Match, MTPRestored, MTPState, probe_matches
 from mlx_kvserve.cache.kinds import LayerCache, can_cut_back, describe_model
 from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.positions import Shift, shifted_by
@@ -58,6 +58,9 @@ class Start:
     match: Match = MISS
     restore_seconds: float = 0.0
     mtp: MTPDraft | None = None  # a resident session's MTP source, over the same tokens
+    # the MTP layers' state a restored entry kept (cache/mtp_part.py): the row's source starts
+    # from it (engine/speculation/mtp.py `prefill_source`)
+    restored_mtp: MTPState | None = None
 
     @property
     def usable(self) -> int:
@@ -293,13 +296,15 @@ class PromptStates:
         target = match.for_probe() if suspect else match
         caches = self.fresh()
         started = time.perf_counter()
+        mtp = MTPRestored()
         try:
-            self.cache.restore(target, caches, tokens=prompt.key, dtype=self.kv_dtype)
+            self.cache.restore(target, caches, tokens=prompt.key, dtype=self.kv_dtype, mtp=mtp)
         except CacheRestoreError as err:
             self.cache.evict(err.key, err.problem)
             return self._after_eviction(prompt, at_most, again)
         source = match.source or "disk"
         start = Start(caches, prompt.tokens[: target.usable], source, match)
+        start.restored_mtp = mtp.state
         start.restore_seconds = time.perf_counter() - started
         if suspect:
             if not self._behaves(prompt, start, target):

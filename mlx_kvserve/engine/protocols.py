@@ -18,6 +18,7 @@ import numpy as np
 
 from mlx_kvserve.cache.entry import EntryInfo, Match
 from mlx_kvserve.cache.kinds import LayerCache
+from mlx_kvserve.cache.mtp_part import MTPRestored, MTPState
 from mlx_kvserve.json_value import JSON
 
 
@@ -44,6 +45,7 @@ class PromptCacheView(Protocol):
         *,
         tokens: Sequence[int] | None = None,
         dtype: mx.Dtype | None = None,
+        mtp: MTPRestored | None = None,
     ) -> list[LayerCache]: ...
 
     def checkpoint(
@@ -54,6 +56,7 @@ class PromptCacheView(Protocol):
         *,
         anchor: bool = False,
         probe: mx.array | None = None,
+        mtp: MTPState | None = None,
     ) -> str | None: ...
 
     def evict(

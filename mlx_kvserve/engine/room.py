@@ -282,7 +282,8 @@ def _resume(
 
     def attempt(start: Start) -> Generator_[int, None, Live]:
         live = Live(start.caches, list(start.tokens), spans)
-        live.mtp = prefill_source(model, live.tokens, seq.req.params.speculative)
+        speculative = seq.req.params.speculative
+        live.mtp = prefill_source(model, live.tokens, speculative, start.restored_mtp)
 
         def check() -> None:
             if seq.req.cancelled.is_set():

@@ -3,18 +3,22 @@
 `--speculation auto` loads its heads (the log says so) and answers as with `off` and with
 `--mtp off` (no heads loaded), over the OpenAI SDK's completions, chat and JSON-schema chat (a
 grammar), streamed and not, and for a long prompt prefilled in many chunks (each feeding the
-MTP source) and its next turn served from the prompt cache; `/metrics` has the `source="mtp"`
-series. `--mtp on` refuses at start a checkpoint without heads, naming why.
+MTP source) and its next turn served from the prompt cache, also after a restart (the entry's
+MTP part read from disk); `/metrics` has the `source="mtp"` series. `--mtp on` refuses at
+start a checkpoint without heads, naming why.
 How much it drafts depends on the verify cost the server measures on this shared machine, so
 drafting is counted in-process (tests/unit/test_speculation_mtp.py), not here."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.kill_loop import wait_for_writes
 from tests.support.mtp_models import mtp_model_dir
 from tests.support.servers import ServerProcess, client_for
 from tests.support.tiny_models import make_model_dir
@@ -28,10 +32,12 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
-    model = mtp_model_dir(
-        tmp_path_factory.mktemp("mtp") / "qwen35-mtp", predictable=True, leak=0.05
-    )
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mtp_model_dir(tmp_path_factory.mktemp("mtp") / "qwen35-mtp", predictable=True, leak=0.05)
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path) -> Iterator[dict[str, ServerProcess]]:
     flags = {"off": ["--speculation", "off"], "auto": ["--speculation", "auto"]}
     flags["mtp_off"] = ["--speculation", "auto", "--mtp", "off"]
     procs = {  # chunks of 16: a long prompt's prefill feeds the MTP chunk by chunk
@@ -128,3 +134,44 @@ def test_a_long_prompt_and_its_next_turn_answer_as_without_mtp(servers):
         got = turns(servers["auto"], stream)
         assert all(got) and got == turns(servers["off"], stream)
         assert got == turns(servers["mtp_off"], stream)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_turn_restored_from_disk_after_a_restart_answers_as_without_speculation(
+    servers, model, tmp_path, sig
+):
+    """The prompt cache keeps the MTP layers' state beside the target's (cache/mtp_part.py):
+    a conversation's first turn, the server stopped (or killed once its writes landed: its
+    entries then suspect until their probe is checked) and started again on the same cache
+    directory, and its second turn, whose prefix (and MTP state) the disk serves: greedy
+    answers equal the `--speculation off` server's, streamed and not."""
+    prompt = " ".join(f"box {i} holds {i * 5 % 11} marbles;" for i in range(30))
+    env = {"MLX_KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["--model", str(model), "--prefill-step", "16"]
+
+    def turn(server: ServerProcess, text: str, stream: bool) -> str:
+        client = client_for(server)
+        body = {"model": "default", "max_tokens": 24, "temperature": 0, "prompt": text}
+        if stream:
+            chunks = client.completions.create(**body, stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+        return client.completions.create(**body).choices[0].text
+
+    for stream in (False, True):
+        first = ServerProcess(tmp_path, *args, "--speculation", "auto", env=env).wait_ready()
+        try:
+            one = turn(first, prompt, stream)
+            wait_for_writes(first)
+        finally:
+            first.stop(sig)
+        text = prompt + one + " and box 31 holds"
+        second = ServerProcess(tmp_path, *args, "--speculation", "auto", env=env).wait_ready()
+        try:
+            two = turn(second, text, stream)
+            log = second.log()
+        finally:
+            second.stop()
+        assert "cache=disk" in log
+        assert ("did not shut down cleanly" in log) == (sig == signal.SIGKILL)
+        assert one and one == turn(servers["off"], prompt, stream)
+        assert two and two == turn(servers["off"], text, stream)

@@ -278,6 +278,26 @@ def _as_nextn(heads: dict, index: int, weights: dict, family: str) -> dict:
     return out
 
 
+# heads: random (guesses), right (the target's own next token), leaky (right only sometimes)
+HEADS = {"random": {}, "right": {"predictable": True}, "leaky": {"predictable": True, "leak": 0.05}}
+
+
+def loaded_qwens(make_dir: Any, kinds: Any = tuple(HEADS)) -> dict[str, tuple]:
+    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer, per
+    kind of heads: (model, its `MTPHeads`, its directory); `make_dir(name)` gives a fresh one
+    (pytest's `tmp_path_factory.mktemp`)."""
+    from mlx_lm.utils import load_model
+
+    from mlx_kvserve.models.mtp_heads import load_heads
+
+    out = {}
+    for name in kinds:
+        path = mtp_model_dir(make_dir(name), **HEADS[name])
+        model, _ = load_model(path)
+        out[name] = (model, load_heads(path, model), path)
+    return out
+
+
 def predictable_llama_heads(model: Any, leak: float = 0.0) -> Any:
     """`MTPHeads` for an in-memory mlx-lm llama (every layer plain KV, so rows verify merged):
     one llama block as the MTP layer, made predictable as above (`model` changed in place)."""

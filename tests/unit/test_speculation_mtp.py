@@ -27,15 +27,13 @@ from mlx_kvserve.engine.speculation.depth import VerifyCost
 from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap, prefill_source
 from mlx_kvserve.engine.worker import Engine
 from mlx_kvserve.models.mtp_heads import MTPHeads, heads_problem, load_heads
-from tests.support.mtp_models import mtp_model_dir, predictable_llama_heads
+from tests.support.mtp_models import HEADS, loaded_qwens, mtp_model_dir, predictable_llama_heads
 from tests.support.tiny_models import make_model_dir
 from tests.unit.test_batching import Driver
 from tests.unit.test_engine_units import StubTokenizer, reference, request, tokens_of
 from tests.unit.test_speculation_step import FlatPriors
 
 PROMPTS = [[5, 9, 2, 7, 11, 13, 17, 19], [3, 4, 8, 100, 200], [40, 41, 42, 43, 44, 45]]
-# heads: random (guesses), right (the target's own next token), leaky (right only sometimes)
-HEADS = {"random": {}, "right": {"predictable": True}, "leaky": {"predictable": True, "leak": 0.05}}
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +44,7 @@ def prior_cost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Tiny Qwen3.5 checkpoints (hybrid: GatedDeltaNet and attention) with one MTP layer."""
-    out = {}
-    for name, kwargs in HEADS.items():
-        path = mtp_model_dir(tmp_path_factory.mktemp(name), **kwargs)
-        model, _ = load_model(path)
-        out[name] = (model, load_heads(path, model), path)
-    return out
+    return loaded_qwens(tmp_path_factory.mktemp)
 
 
 def decode(model, heads: MTPHeads | None, prompts, n, speculation: str = "auto", **params):
@@ -550,14 +542,16 @@ def test_the_next_turn_on_a_resident_session_drafts_from_the_whole_conversation(
 
 def test_a_resident_cut_back_keeps_only_the_pairs_of_the_common_prefix(qwen):
     """An edited last message: the resident's MTP source cut to the common prefix keeps the
-    pairs whose next token is in it (the pair across the edit goes), as a source fed them."""
+    pairs whose next token is in it, as a source fed them; the pair across the edit goes, its
+    hidden state waiting again for the edited token."""
     _, heads, _ = qwen["random"]
     source = MTPDraft(heads)
     mx.eval(source.chunk(0, LONG[:40], heads.inner(mx.array([LONG[:40]]), None)[0]))
     edited = LONG[:30] + [1, 2, 3]
     source.cut(edited[:31])  # the next prompt's first 31 tokens: 30 shared
     fresh = fed_pair_by_pair(heads, LONG[:30])
-    assert source.fed == fresh.fed == 28 and not source.hidden
+    assert source.fed == fresh.fed == 28 and sorted(source.hidden) == [29]
+    assert mx.allclose(source.hidden[29], fresh.hidden[29], atol=1e-4).item()
     assert source.cache[0].offset == 29 and source.tokens == edited[:31]
     a, b = source.cache[0].keys[..., :29, :], fresh.cache[0].keys[..., :29, :]
     assert mx.allclose(a, b, atol=1e-4).item()

@@ -6,7 +6,8 @@ Mamba target) and MiMo (`model.mtp_layers.0`, its fc reading [hidden, embedding]
 a tiny checkpoint with its heads in its safetensors, named as its real checkpoints name them
 (tests/support/mtp_models.py): the heads load strictly; greedy tokens equal plain decoding's
 with random heads (drafts rejected) and with heads made to guess right (every draft kept);
-seeded sampled rows give the same tokens; the MTP cache equals one fed afresh."""
+seeded sampled rows give the same tokens; the MTP cache equals one fed afresh; the prompt
+cache keeps the heads' state where it is a `KVCache`."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from mlx_kvserve.cache import MTPRestored, PromptCache
 from mlx_kvserve.engine.batch import DecodeBatch
 from mlx_kvserve.engine.speculation.depth import VerifyCost
-from mlx_kvserve.engine.speculation.mtp import SOURCE, Tap
+from mlx_kvserve.engine.speculation.mtp import SOURCE, MTPDraft, Tap, prefill_source
 from mlx_kvserve.models.mtp_heads import heads_problem, load_heads
 from tests.support.mtp_models import mtp_model_dir
 from tests.unit.test_batching import Driver
@@ -140,3 +143,33 @@ def test_the_heads_compute_in_the_targets_dtype_but_the_router_bias_in_float32(t
     gate = heads.block.layers[0].mlp.gate
     assert gate.e_score_correction_bias.dtype == mx.float32
     assert gate.weight.dtype == mx.bfloat16
+
+
+def test_the_prompt_cache_keeps_the_heads_state_where_it_is_a_kv_cache(family):
+    """A checkpoint keeps the MTP layers' state of exactly its tokens beside the target's
+    (cache/mtp_part.py) where their cache is a `KVCache` (MLA's latent one too): restored, it
+    fits the heads and equals the source's; a `CacheList` (V3.2's and GLM-5's indexer keys
+    beside the KV) is not stored, a lost guess after a restore."""
+    name, built = family
+    model, heads, _ = built["random"]
+    tokens = PROMPTS[0] * 3
+    source = MTPDraft(heads)
+    mx.eval(source.chunk(0, tokens, heads.inner(mx.array([tokens]), None)[0]))
+    state = source.state(len(tokens))
+    if name in ("deepseek_v32", "glm_moe_dsa"):
+        assert state is None
+        return
+    cache = PromptCache(None, f"tiny-{name}", disk_budget=None, ram_budget=1 << 26)
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=caches))
+    assert cache.checkpoint(tokens, caches, "message", mtp=state) is not None
+    got, prompt = MTPRestored(), tokens + [1]
+    cache.restore(cache.lookup(prompt), make_prompt_cache(model), tokens=prompt, mtp=got)
+    tap = Tap(model, heads)
+    assert got.state is not None and tap.fits(got.state)
+    restored = prefill_source(tap, tokens, True, got.state)
+    assert restored.fed == source.fed == len(tokens) - 2 and restored.tail == 0
+    for mine, theirs in zip(restored.cache, source.cache, strict=True):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert mx.array_equal(a[..., : len(tokens) - 1, :], b[..., : len(tokens) - 1, :])
+    assert mx.array_equal(restored.hidden[len(tokens) - 1], source.hidden[len(tokens) - 1])

@@ -18,24 +18,31 @@ verify pass's kept prefix only, so the MTP never sees a rejected position.
 Its own KV cache (one per MTP layer and row) holds exactly one entry per pair (h_p, t_{p+1})
 whose both halves are committed: pairs are fed when their next token is known, and the steps
 that draft (fed the MTP's own outputs) are trimmed off again as soon as the draft is read, so
-no rollback is ever owed after a verify pass. Positions it never saw (a prefix the prompt cache
-served, an image chunk, whose pass bypasses the tap) are a source of lost acceptance, not of
-wrong tokens (verify.py decides what is kept, and the MTP only guesses).
+no rollback is ever owed after a verify pass. A prompt-cache checkpoint stores its state of
+exactly its tokens (`state`), and a prefix the cache serves starts the row's source from it
+(`prefill_source`, `restored`: cache/mtp_part.py). Positions it never saw (an entry stored
+without that state, an image chunk, whose pass bypasses the tap) are a source of lost
+acceptance, not of wrong tokens (verify.py decides what is kept, and the MTP only guesses).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
+from mlx_kvserve.cache.exceptions import out_of_memory
 from mlx_kvserve.cache.kinds import LayerCache, leaves
+from mlx_kvserve.cache.mtp_part import MTPState
 from mlx_kvserve.engine.speculation.drafts import Draft
 from mlx_kvserve.models.mtp_heads import MTPHeads
 
 SOURCE = "mtp"
+log = logging.getLogger("mlx_kvserve.engine")
 _PENDING = 64  # hidden states kept unfed at most: then fed in one step (a row lookup serves)
 MAX_DRAFT = 8  # steps a proposal runs at most (a grammar row asks for more, forced tokens too)
 
@@ -48,6 +55,7 @@ class Tap:
         self.model, self.heads = model, heads
         self.hidden: mx.array | None = None  # (B, L, H) of the last pass
         self.cache: list | None = None  # the caches that pass ran on
+        self._form: list[tuple[mx.Dtype, tuple[int, ...]]] | None = None
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         self.hidden, logits = self.heads.forward(inputs, cache)
@@ -56,6 +64,30 @@ class Tap:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.model, name)  # make_cache, layers, args...
+
+    def fits(self, state: MTPState) -> bool:
+        """Whether a stored MTP state has the shapes and dtypes the heads' caches hold (asked
+        of one step over a dummy pair, once): a prompt-cache entry's may be another model's."""
+        if self._form is None:
+            caches = self.heads.make_cache()
+            size = self.heads.block.norm.weight.shape[0]
+            dummy = mx.zeros((1, 1, size), self.heads.block.norm.weight.dtype)
+            self.heads.step(mx.zeros((1, 1), mx.uint32), dummy, caches)
+            plain = all(type(c) is KVCache for c in caches)
+            self._form = [_form(a) for c in caches for a in (c.keys, c.values)] if plain else []
+            self._form.append((dummy.dtype, (size,)))
+        mine = [_form(a) for k, v in zip(state.keys, state.values, strict=True) for a in (k, v)]
+        hidden = [] if state.hidden is None else [state.hidden]
+        return (
+            len(self._form) == 2 * len(state.keys) + 1
+            and mine == self._form[:-1]
+            and all(h.shape == self._form[-1][1] for h in hidden)
+        )
+
+
+def _form(a: mx.array) -> tuple[mx.Dtype, tuple[int, ...]]:
+    """An array's dtype and its shape without the positions axis (2), or a hidden state's."""
+    return a.dtype, (*a.shape[:2], *a.shape[3:]) if a.ndim == 4 else tuple(a.shape)
 
 
 def held(caches: Sequence[LayerCache]) -> list[mx.array]:
@@ -79,8 +111,15 @@ class MTPDraft:
         self.tokens: list[int] = []
         self.hidden: dict[int, mx.array] = {}  # position -> the target's (H,) there, unfed
         self.fed = -1  # the last position whose pair is in `cache`
+        # the first pair of the run that ends at `fed` with no position missing (the cache's
+        # last fed - tail + 1 entries): a prompt-cache checkpoint stores pairs from there on
+        self.tail = 0
         self.out: mx.array | None = None  # the block's (1, 1, H) at `fed`: predicts fed + 2
         self._memo: tuple[int, list[int]] = (-1, [])
+        # hidden states already fed that a checkpoint may still ask for (its last position's
+        # pairs with the token after it): the last prefill chunk's rows, the last one fed
+        self._rows: tuple[int, mx.array] | None = None
+        self._last: tuple[int, mx.array] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -145,8 +184,11 @@ class MTPDraft:
         if pairs.shape[0]:
             ids = mx.array([self.tokens[first + 1 : start + len(tokens)]], dtype=mx.uint32)
             self.out = self.heads.step(ids, pairs[None], self.cache)[:, -1:]
+            if first != self.fed + 1:  # a gap before it: the run restarts here
+                self.tail = first
             self.fed = start + len(tokens) - 2
         self.hidden[start + len(tokens) - 1] = last = hidden[-1]
+        self._rows = (start, hidden)
         fed = [self.out] if self.out is not None else []
         return fed + [last] + held(self.cache)
 
@@ -157,6 +199,49 @@ class MTPDraft:
         other.tokens, other.hidden = list(self.tokens), dict(self.hidden)
         return other
 
+    def state(self, length: int) -> MTPState | None:
+        """Its state over the first `length` tokens, for a prompt-cache checkpoint there: the
+        KV of pairs [tail, length - 1) and h_{length-1}; None where it lacks them (a gap, a
+        hidden state already let go, a cache kind other than plain KV)."""
+        if not 1 < length <= len(self.tokens):
+            return None
+        self._catch_up(until=length - 2)
+        hidden = self._hidden_at(length - 1)
+        if hidden is None or self.fed < length - 2 or self.tail >= length - 1:
+            return None
+        if not self.cache or not all(type(c) is KVCache for c in self.cache):
+            return None  # a CacheList (V3.2, GLM-5): not stored (a lost guess after a restore)
+        end = self.cache[0].offset - (self.fed - (length - 2))
+        begin = end - (length - 1 - self.tail)
+        if begin < 0:  # pragma: no cover - `tail` accounts for every pair in the cache
+            return None
+        keys = [c.keys[..., begin:end, :] for c in self.cache]
+        values = [c.values[..., begin:end, :] for c in self.cache]
+        return MTPState(self.tail, keys, values, hidden)
+
+    def restored(self, state: MTPState) -> MTPDraft:
+        """Its cache set from a prompt-cache entry's MTP state over its first tokens: pairs
+        [fed_from, n - 1) fed, h_{n-1} pending where the entry had it for exactly its tokens."""
+        n = state.n_tokens
+        if state.fed_from < 0 or n > len(self.tokens) or self.fed >= 0:
+            return self
+        for c, k, v in zip(self.cache, state.keys, state.values, strict=True):
+            c.state = (k, v, int(k.shape[2]))
+        self.fed, self.tail, self.out = n - 2, state.fed_from, None
+        if state.hidden is not None and n == len(self.tokens):
+            self.hidden[n - 1] = state.hidden
+        return self
+
+    def _hidden_at(self, position: int) -> mx.array | None:
+        """The target's hidden state at `position`, pending or still kept after its feed."""
+        if position in self.hidden:
+            return self.hidden[position]
+        if self._rows is not None and 0 <= position - self._rows[0] < self._rows[1].shape[0]:
+            return self._rows[1][position - self._rows[0]]
+        if self._last is not None and self._last[0] == position:
+            return self._last[1]
+        return None
+
     def cut(self, tokens: Sequence[int]) -> MTPDraft:
         """This source over `tokens` instead (a resident session's, cut back to the common
         prefix of the next prompt; or the tokens its row's caches hold when it ends): the
@@ -166,11 +251,22 @@ class MTPDraft:
             if mine != theirs:
                 break
             same += 1
+        if same == len(self.tokens):  # theirs extend mine (a row's drafter not yet synced):
+            same = len(tokens)  # the hidden states its passes recorded are theirs
         keep = min(self.fed, same - 2)  # pair p holds t_{p+1}
         if keep < self.fed:
             for c in self.cache:  # after a gap (an image chunk) this gives back more: a loss
                 c.trim(self.fed - keep)
+            for p in range(keep + 1, self.fed + 1):  # their hidden states, pending again
+                h = self._hidden_at(p)
+                if h is not None:
+                    self.hidden.setdefault(p, h)
             self.fed, self.out = keep, None
+            self.tail = min(self.tail, keep + 1)
+        if self._rows is not None and self._rows[0] + self._rows[1].shape[0] > same:
+            self._rows = None
+        if self._last is not None and self._last[0] >= same:
+            self._last = None
         self.hidden = {p: h for p, h in self.hidden.items() if keep < p < same}
         self.tokens, self._memo = list(tokens), (-1, [])
         return self
@@ -179,6 +275,7 @@ class MTPDraft:
         """Its tokens forgotten (the pairs fed and pending kept at their positions): a row's
         drafter gives every source the row's tokens from the first."""
         self.tokens, self._memo = [], (-1, [])
+        self._rows = None  # the prefill's last chunk: its checkpoints are taken
         return self
 
     def _catch_up(self, until: int | None = None) -> None:
@@ -189,19 +286,38 @@ class MTPDraft:
         if not ready:
             return
         tokens = mx.array([[self.tokens[p + 1] for p in ready]], dtype=mx.uint32)
+        self._last = (ready[-1], self.hidden[ready[-1]])
         hidden = mx.stack([self.hidden.pop(p) for p in ready])[None]
         self.out = self.heads.step(tokens, hidden, self.cache)[:, -1:]
+        for before, p in zip([self.fed, *ready], ready, strict=False):
+            if p != before + 1:  # a position never recorded: the run restarts after it
+                self.tail = p
         self.fed = ready[-1]
         for p in [p for p in self.hidden if p <= self.fed]:
             del self.hidden[p]
 
 
-def prefill_source(model: object, tokens: Sequence[int], speculative: bool) -> MTPDraft | None:
+def prefill_source(
+    model: object, tokens: Sequence[int], speculative: bool, restored: MTPState | None = None
+) -> MTPDraft | None:
     """The MTP source a prefill through `model` feeds, over the `tokens` its caches already
-    hold (a prefix the prompt cache served: their pairs unknown); None without heads or for a
-    row that drafts nothing."""
+    hold (a prefix the prompt cache served: its pairs from the entry's MTP state `restored`
+    where it had one that fits the heads, else unknown); None without heads or for a row that
+    drafts nothing."""
     if not speculative or not isinstance(model, Tap):
         return None
+    source = MTPDraft(model.heads)
+    source.extend(tokens)
+    if restored is None:
+        return source
+    try:
+        if model.fits(restored):
+            return source.restored(restored)
+        log.info("a prompt-cache entry's MTP state does not fit the heads: dropped")
+    except Exception as exc:  # never the request's, nor the entry's: its target state is right
+        if out_of_memory(exc):
+            raise
+        log.warning("a prompt-cache entry's MTP state failed to restore: %r", exc)
     source = MTPDraft(model.heads)
     source.extend(tokens)
     return source
