@@ -3,7 +3,10 @@
 Agents re-emit what they have seen (files, diffs, paths, JSON arguments, tool output), so the
 cheapest useful guess is a copy: prompt lookup finds the latest earlier place where the row's
 last n tokens occurred (n from `n_max` down to `n_min`, the longest match first) and proposes
-the tokens that followed it there.
+the tokens that followed it there. It goes down to one token, as Hugging Face's prompt lookup
+does: after a copy parts from its source (a renamed function, a changed word) the next match is
+often a single token long, and a lone row's one-token guess costs a few percent of a pass; the
+depth controller learns per match length what such guesses are worth (depth.py `SourcePriors`).
 
 Drafting runs every decode step for every row, and a row's context can be a 30k-token prompt,
 so nothing here scans it. `PromptLookup` keeps, for each n, a dict from a hash of every n-gram
@@ -61,7 +64,7 @@ class PromptLookup:
 
     name = "prompt_lookup"
 
-    def __init__(self, n_max: int = 4, n_min: int = 2, tokens: Iterable[int] = ()) -> None:
+    def __init__(self, n_max: int = 4, n_min: int = 1, tokens: Iterable[int] = ()) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         self.n_max, self.n_min = n_max, n_min
