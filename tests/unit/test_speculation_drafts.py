@@ -48,6 +48,13 @@ def test_shorter_match_when_the_longest_is_unseen() -> None:
     assert lookup.propose(3) == Draft((9, 3, 4), "prompt_lookup", 2)
 
 
+def test_a_row_drafts_after_a_one_token_match_by_default() -> None:
+    """After a copy parts from its source (here 9 where the prompt had 3), the next match is
+    one token long: the row's prompt lookup goes down to it, evidence 1."""
+    lookup = PromptLookup(tokens=[1, 2, 3, 4, 5, 6, 1, 2, 9, 4])
+    assert lookup.propose(2) == Draft((5, 6), "prompt_lookup", 1)
+
+
 def test_no_draft_without_a_match_or_room() -> None:
     lookup = PromptLookup(n_max=4, n_min=2, tokens=[1, 2, 3, 4, 5])
     assert lookup.propose(4) is None
