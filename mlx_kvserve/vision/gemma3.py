@@ -67,7 +67,7 @@ class Gemma3Vision(Family):
         before the text model's scaling."""
         x = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
         hidden, _, _ = self.tower(x, output_hidden_states=True)
-        return (self.projector(hidden) / self.scale)[0]
+        return (self.projector(hidden) / self.scale)[0].astype(dtype)
 
 
 def tokens_per_image(config: dict) -> int:

@@ -399,3 +399,29 @@ def test_an_images_features_are_kept_by_the_prompt_cache_alone(
         chat(c, RED, "Something else entirely?")  # another text before it: its KV is not reused
         assert c.get("/v1/cache").json()["features_disk_hits"] == 1
         assert engine.vision.encoded == 1
+
+
+@pytest.mark.parametrize(
+    "family", ["gemma3_vision_dir", "qwen2_5_vl_dir", "qwen3_vl_dir", "gemma4_vision_dir"]
+)
+def test_image_features_come_in_the_dtype_asked_for(tmp_path: Path, family: str) -> None:
+    """A tower whose weights are float32 beside a bfloat16 text model (or the other way
+    round) gives its features in the text embeddings' dtype: the prompt cache's features tier
+    stores them so, and a prefill adds them to embeddings of that dtype."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_kvserve.images.pixels import ImageLimits, decode_image
+    from mlx_kvserve.vision.encoder import load_vision
+    from tests.support import vision_models
+    from tests.support.images import encoded
+
+    model_dir = getattr(vision_models, family)(tmp_path / family)
+    model, tokenizer = load(str(model_dir))
+    vision = load_vision(model_dir, tokenizer.convert_ids_to_tokens, model)
+    assert vision is not None
+    image = decode_image(
+        encoded("PNG", 64, 64, (230, 200, 20)), ImageLimits(1 << 24, 1 << 24), "image"
+    )
+    for dtype in (mx.bfloat16, mx.float32, mx.float16):
+        assert vision.family.features(image, dtype).dtype == dtype, (family, dtype)
