@@ -33,7 +33,7 @@ says which take `<point>_oom`: `maybe_fail(point)` checks both rules):
 * `pause`: a row is about to pause for memory (engine/room.py);
 * `resume`: the oldest paused request is about to resume (engine/worker.py);
 * `decode`, `decode_oom`: inside a decode step's forward pass (`decode_stall`: the pass never
-  ends; engine/batch.py, for a job's tests).
+  ends; engine/batch.py and a verify pass's, engine/speculation/step.py, for a job's tests).
 
 A failure of the cache's (`lookup`, `restore`, `checkpoint`, the disk) or after a restore
 (`prefill_after_restore`; a prefill from reused state) costs the request only speed: a failed
@@ -47,11 +47,12 @@ entry's temporary file) and the `disk_<op>_<errno>` points (see "Disk-tier point
 Elsewhere (`OTHER_POINTS`): `read_body` (api/body.py, on the event loop: reading a request's
 body). Across the ranks of a job: `request_decode` (distributed.request_wire: a request from
 rank 0 that this rank cannot rebuild), and three points that `fires` instead of failing, where
-the fault is another value: `draw_otherwise` (engine.sampling: the step's tokens become other
-ones), `join_other_versions` (distributed.join: this rank reports other versions),
-`verify_cost_otherwise` (engine.speculation.job: this rank times its verify passes a thousand
-times dearer than they were); a job's
-tests give the variable to one rank only, to make that rank differ from the others.
+the fault is another value: `draw_otherwise` (engine.sampling, and a verify pass's draws in
+engine.speculation.verify: the step's tokens become other ones), `join_other_versions`
+(distributed.join: this rank reports other versions), `verify_cost_otherwise`
+(engine.speculation.job: this rank times its verify passes a thousand times dearer than they
+were); a job's tests give the variable to one rank only, to make that rank differ from the
+others.
 
 Production code only ever calls `maybe_fail` (or `maybe_fail_disk`, or `fires`), which does
 nothing when the variable is unset; `reset()` makes it read the variable again (tests).

@@ -102,7 +102,7 @@ def test_a_lone_rows_snapshot_and_replay_continue_like_plain_decoding(model_type
     except Exception as exc:  # the generic dimensions break the model's own forward pass
         pytest.skip(f"generic tiny {model_type} does not run: {exc!r}"[:200])
     if not cache or not needs_snapshot(cache):
-        pytest.skip(f"{model_type}: every layer is a KVCache (the test above)")
+        pytest.skip(f"{model_type}: every layer rewinds (plain KV, windows: the tests around)")
     if not all(restorable(c) for c in cache):
         pytest.skip(f"{model_type}: a cache kind speculation leaves alone")
     snapshot = Snapshot(cache)

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.sampling import draw_seed
 
 
@@ -79,6 +80,8 @@ def draw(rows: Sequence[Drawer], candidates: mx.array, lengths: Sequence[int]) -
     tokens = mx.concatenate([p.astype(mx.uint32) for p in parts])
     if order != list(range(n)):
         tokens = tokens[mx.array(sorted(range(n), key=order.__getitem__))]
+    if faults.fires("draw_otherwise"):  # a rank that draws otherwise (tests), verifying too
+        tokens = (tokens + 1) % vocab
     return tokens
 
 
