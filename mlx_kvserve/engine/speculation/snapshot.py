@@ -36,6 +36,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from mlx_kvserve.cache.kinds import leaves
 from mlx_kvserve.engine.speculation.holes import HoleKVCache
 from mlx_kvserve.engine.speculation.rewind import PLAIN, rewinds
 
@@ -169,7 +170,7 @@ def replay_agrees(model: nn.Module) -> bool:
 
 def _prompts(model: nn.Module) -> list[list[int]]:
     """The first row fills its window to 2 short of full, so the wide pass wraps it."""
-    windows = [c.max_size for c in _flat(make_prompt_cache(model)) if hasattr(c, "max_size")]
+    windows = [c.max_size for c in leaves(make_prompt_cache(model)) if hasattr(c, "max_size")]
     window = max([w for w in windows if w and w <= LONGEST], default=0)
     if window <= len(PROMPTS[0]) + 2:
         return [list(p) for p in PROMPTS]
@@ -234,17 +235,10 @@ def _agrees(model: nn.Module) -> bool:
     return True
 
 
-def _flat(caches: list) -> list:
-    out = []
-    for c in caches:
-        out += _flat(c.caches) if isinstance(c, CacheList) else [c]
-    return out
-
-
 def _states(caches: list) -> list[mx.array | None]:
     """Every recurrent state array of the layers, in order."""
     out: list[mx.array | None] = []
-    for c in _flat(caches):
+    for c in leaves(caches):
         if isinstance(c, ArraysCache):
             out += [None if s is None else s.astype(mx.float32) for s in c.cache]
     return out
