@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_kvserve.cache.kinds import KVLayout, LayerCache
-from mlx_kvserve.engine import faults, sampling
+from mlx_kvserve.engine import sampling
 from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.requests import GenerationRequest
 from mlx_kvserve.engine.sampling import Step
@@ -207,7 +207,6 @@ class DecodeBatch:
     # ------------------------------------------------------------------------------------
     def _forward(self) -> None:
         """One pass for every row, then one sampling call for the rows that sample."""
-        faults.maybe_fail("decode_stall")  # a rank stuck inside a pass (tests)
         with shifted(self.model, self.seqs):  # rows past an image under M-RoPE
             if self._merged is None:
                 (seq,) = self.seqs

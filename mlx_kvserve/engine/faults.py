@@ -32,8 +32,8 @@ says which take `<point>_oom`: `maybe_fail(point)` checks both rules):
 * `before_step`: the memory plan before a decode step, for every row of the batch;
 * `pause`: a row is about to pause for memory (engine/room.py);
 * `resume`: the oldest paused request is about to resume (engine/worker.py);
-* `decode`, `decode_oom`: inside a decode step's forward pass (`decode_stall`: the pass never
-  ends; engine/batch.py and a verify pass's, engine/speculation/step.py, for a job's tests).
+* `decode`, `decode_oom`: inside a decode step, a plain or a verify pass (`decode_stall`: the
+  step never ends; for a job's tests).
 
 A failure of the cache's (`lookup`, `restore`, `checkpoint`, the disk) or after a restore
 (`prefill_after_restore`; a prefill from reused state) costs the request only speed: a failed

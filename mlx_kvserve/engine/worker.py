@@ -361,6 +361,7 @@ class Engine(Intake, Stopping, Failures, Loading):
             with turn.working("a decode step", len(self.batch)):
                 started = time.perf_counter()
                 faults.maybe_fail("decode")
+                faults.maybe_fail("decode_stall")  # a rank stuck inside a step (tests)
                 self.batch.step()
             self.schedule.decoded(time.perf_counter() - started)
         except Exception:

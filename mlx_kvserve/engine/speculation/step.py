@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_kvserve.engine import faults
 from mlx_kvserve.engine.positions import shifted
 from mlx_kvserve.engine.sequence import Sequence
 from mlx_kvserve.engine.speculation.continuations import CacheLookup, Continuations
@@ -367,7 +366,6 @@ class Speculator:
             seq.feed = []
         caches = merged if merged is not None else seqs[0].live.caches
         snapshot = Snapshot(caches) if needs_snapshot(caches) else None
-        faults.maybe_fail("decode_stall")  # a rank stuck inside a pass (tests), verifying too
         with shifted(model, seqs):  # rows past an image under M-RoPE (engine/positions.py)
             logits = model(mx.array(rows, dtype=mx.uint32), cache=caches)
         hidden = model.hidden if isinstance(model, Tap) else None
